@@ -1,0 +1,168 @@
+"""The Python API: `inspect` (analysis only) and `rewrite` (analysis, fx rewrite, verification)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .config import AttnResConfig
+from .errors import ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError, TraceError, first_line
+from .passes import verify
+from .passes.chain_analysis import analyze
+from .passes.fx_rewrite import apply_plan
+from .passes.fx_view import tensor_meta, view_from_fx
+from .report import Report, build
+
+
+@dataclass
+class RewriteResult:
+    """`graph_module`: the rewritten, trainable GraphModule; `report`; `modified`: False if nothing was done."""
+
+    graph_module: fx.GraphModule
+    report: Report
+    modified: bool
+
+
+@dataclass
+class Traced:
+    graph_module: fx.GraphModule
+    source: str
+    args: tuple | None
+    kwargs: dict
+    notes: list[str]
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple | None, dict]:
+    if example_inputs is None:
+        return None, {}
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InputError(f"example_inputs must be a tensor, a tuple of args or a dict of kwargs, got {type(example_inputs).__name__}")
+
+
+def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) -> Traced:
+    """A private GraphModule copy of `model` with shape metadata, and how it was obtained.
+
+    nn.Module: torch.export (eval-mode ops recorded as they are), falling back to
+    torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`. GraphModule: a copy,
+    shape-propagated from `example_inputs` if its nodes carry no shapes.
+    """
+    args, kwargs = _split_inputs(example_inputs)
+    if isinstance(model, torch.export.ExportedProgram):
+        return Traced(copy.deepcopy(model.module()), "ExportedProgram", args, kwargs, [])
+    if isinstance(model, fx.GraphModule):
+        gm = copy.deepcopy(model)
+        _ensure_shapes(gm, args, kwargs)
+        return Traced(gm, "GraphModule", args, kwargs, [])
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be an nn.Module, fx.GraphModule or ExportedProgram, got {type(model).__name__}")
+    if args is None:
+        raise InputError("example_inputs are required to trace an nn.Module: pass a tuple of args or a dict of kwargs")
+    notes = [] if not model.training else ["model traced in training mode: dropout is recorded as active; call model.eval() first for an exact rewrite"]
+    model = copy.deepcopy(model)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        return Traced(ep.module(), "torch.export", args, kwargs, notes)
+    except Exception as export_exc:  # noqa: BLE001 - any tracer failure falls back, then is reported
+        try:
+            gm = fx.symbolic_trace(model)
+            _ensure_shapes(gm, args, kwargs)
+        except Exception as fx_exc:  # noqa: BLE001
+            raise TraceError(
+                f"could not trace {type(model).__name__}: torch.export failed ({first_line(export_exc)}); "
+                f"torch.fx.symbolic_trace failed ({first_line(fx_exc)}); make the model exportable "
+                f"(use_cache=False, explicit attention_mask) or pass an fx.GraphModule"
+            ) from None
+        notes.append(f"torch.export failed ({first_line(export_exc, 160)}); used torch.fx.symbolic_trace")
+        return Traced(gm, "symbolic_trace", args, kwargs, notes)
+
+
+def _ensure_shapes(gm: fx.GraphModule, args: tuple | None, kwargs: dict) -> None:
+    if all(tensor_meta(n)[0] is not None for n in gm.graph.nodes if n.op == "placeholder"):
+        return
+    if args is None or kwargs:
+        raise InputError("the GraphModule carries no shape metadata: pass example_inputs as a tuple of positional args")
+    try:
+        ShapeProp(gm).propagate(*args)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"shape propagation failed on the example inputs ({first_line(exc)})") from None
+
+
+def _analyze(traced: Traced, config: AttnResConfig):
+    view = view_from_fx(traced.graph_module)
+    return view, analyze(view, config)
+
+
+def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, dynamic_shapes: Any = None) -> Report:
+    """Analyse `model` and report its residual chains, sites and skipped adds, without rewriting."""
+    config = _config(config)
+    traced = trace(model, example_inputs, dynamic_shapes)
+    view, plan = _analyze(traced, config)
+    return build(plan, view, config, traced.source, notes=traced.notes + _existing_note(plan))
+
+
+def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
+            dynamic_shapes: Any = None) -> RewriteResult:
+    """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
+
+    With example inputs and `verify_outputs`, the original and rewritten models are run on
+    them and compared per output (the report's "verification"): preserve mode must match
+    to 1e-5 (fp32), paper mode to 1e-3 on PreNorm models; function-changing rewrites are
+    reported without a verdict.
+    """
+    config = _config(config)
+    traced = trace(model, example_inputs, dynamic_shapes)
+    gm = traced.graph_module
+    view, plan = _analyze(traced, config)
+    dynamic = [c for c in plan.chains if isinstance(c.feature_size, str) and len(c.links) >= config.min_chain]
+    if dynamic:
+        raise DynamicFeatureAxisError(
+            f"chain {dynamic[0].index} (root {dynamic[0].root}) has a dynamic feature axis ({dynamic[0].feature_size}): "
+            "export with a static feature size or set feature_axis"
+        )
+    if not plan.to_rewrite:
+        if plan.existing_sites:
+            report = build(plan, view, config, traced.source, notes=traced.notes + _existing_note(plan))
+            return RewriteResult(gm, report, modified=False)
+        raise NoResidualChainError(_no_chain_message(plan, config))
+    sites = apply_plan(gm, plan, config)
+    verification = None
+    if verify_outputs and traced.args is not None:
+        original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+        expected, actual = verify.run_both(original, gm, traced.args, traced.kwargs)
+        changes = any(c.changes_function for c in plan.to_rewrite)
+        atol = None if changes else (verify.ATOL if config.scale == "preserve" else verify.PAPER_ATOL)
+        verification = verify.compare(expected, actual, atol)
+    report = build(plan, view, config, traced.source, sites, verification, traced.notes)
+    return RewriteResult(gm, report, modified=True)
+
+
+def _config(config: AttnResConfig | None) -> AttnResConfig:
+    if config is None:
+        return AttnResConfig()
+    if not isinstance(config, AttnResConfig):
+        raise ConfigError(f"config must be an AttnResConfig, got {type(config).__name__}")
+    return config
+
+
+def _existing_note(plan) -> list[str]:
+    if plan.existing_sites and not plan.to_rewrite:
+        return [f"already rewritten: {len(plan.existing_sites)} depth_attention sites found and no residual chain left; nothing to do"]
+    return []
+
+
+def _no_chain_message(plan, config: AttnResConfig) -> str:
+    links = sum(len(c.links) for c in plan.chains)
+    reasons = sorted({c.reason for c in plan.chains if c.reason})
+    why = f"; chains skipped: {reasons[0]}" if reasons else ""
+    return (f"no residual chain to rewrite: {plan.adds_total} adds, {links} residual links, "
+            f"{len(plan.chains)} chains (min_chain={config.min_chain}){why}; run inspect for the full report")

@@ -1,0 +1,70 @@
+"""`AttnResConfig`: the options of the rewrite, validated once, shared by every format."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+VARIANTS = ("full", "block")
+SCALES = ("preserve", "paper")
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    """How residual chains are rewritten (DESIGN.md §2).
+
+    variant: "full" (every site attends over all earlier sources) or "block".
+    num_blocks / block_size: for "block", give exactly one; B = ceil(m / N) per chain.
+    scale: "preserve" (c_k = |S_k|, the rewrite is exact at init) or "paper" (c_k = 1).
+    eps: RMSNorm epsilon of the keys.
+    min_chain: chains with fewer links are reported and left alone.
+    feature_axis: override the feature axis (default: 1 for rank-4 NCHW streams, else -1).
+    allow_nonlinear: also rewrite streams joined through non-linear ops (post-norm,
+        post-activation); the report marks those chains as changing the function.
+    """
+
+    variant: str = "full"
+    num_blocks: int | None = None
+    block_size: int | None = None
+    scale: str = "preserve"
+    eps: float = 1e-6
+    min_chain: int = 2
+    feature_axis: int | None = None
+    allow_nonlinear: bool = False
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.scale not in SCALES:
+            raise ConfigError(f"scale must be one of {SCALES}, got {self.scale!r}")
+        for name in ("num_blocks", "block_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.variant == "block":
+            if (self.num_blocks is None) == (self.block_size is None):
+                raise ConfigError("variant 'block' needs exactly one of num_blocks or block_size")
+        elif self.num_blocks is not None or self.block_size is not None:
+            raise ConfigError("num_blocks / block_size apply only to variant 'block'; set variant='block'")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ConfigError(f"eps must be a positive finite number, got {self.eps!r}")
+        if isinstance(self.min_chain, bool) or not isinstance(self.min_chain, int) or self.min_chain < 1:
+            raise ConfigError(f"min_chain must be an integer >= 1, got {self.min_chain!r}")
+        if self.feature_axis is not None and (isinstance(self.feature_axis, bool) or not isinstance(self.feature_axis, int)):
+            raise ConfigError(f"feature_axis must be an integer or None, got {self.feature_axis!r}")
+        if not isinstance(self.allow_nonlinear, bool):
+            raise ConfigError(f"allow_nonlinear must be True or False, got {self.allow_nonlinear!r}")
+
+    def block_size_for(self, num_sources: int) -> int:
+        """Sources per block for a chain of `num_sources` branch outputs (1 means Full)."""
+        if self.variant == "full":
+            return 1
+        if self.block_size is not None:
+            return self.block_size
+        return max(1, math.ceil(num_sources / self.num_blocks))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

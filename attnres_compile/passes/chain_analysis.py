@@ -1,0 +1,236 @@
+"""Chain analysis on the neutral view: residual links, chains, sources and sites (DESIGN.md §2).
+
+Runs once per model; every rewriter (fx, ONNX) applies the resulting `Plan`. Every add of
+the graph ends up either in a link (rewritten or not, with the chain's reason) or in
+`Plan.skipped_adds` with the reason it is not a residual link.
+Cost is about linear in graph size: dependence checks only walk the nodes that lie, in
+topological order, between a link's skip and its branches.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from ..config import AttnResConfig
+from .graph_view import Kind, dynamic_inputs
+from .plan import Chain, Link, Plan, SkippedAdd
+
+MAX_HOPS = 16           # ops walked back from a skip to the previous link's result
+MAX_NONLINEAR_HOPS = 4  # of which non-linear (post-norm LayerNorm, ReLU, ...)
+
+NOT_A_SKIP = "no operand that every other operand depends on (e.g. tok + pos, a mask, a projection shortcut)"
+
+
+def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
+    """Find residual links and chains in the view `g`; decide which chains `config` rewrites."""
+    nodes = g.nodes
+    adds = sorted((n for n in g if nodes[n]["kind"] == Kind.ADD), key=lambda n: nodes[n]["order"])
+    inner = {n for n in adds if _is_inner(g, n)}
+    skipped: list[SkippedAdd] = []
+    links: dict[str, Link] = {}
+    for root in adds:
+        if root in inner:
+            continue
+        tree, terms = _flatten(g, root, inner)
+        found = _match_link(g, root, tree, terms)
+        if isinstance(found, Link):
+            links[root] = found
+        else:
+            skipped += [SkippedAdd(a, nodes[a]["target"], found) for a in tree]
+    chains = _chains(g, links, config)
+    existing = [n for n in g if nodes[n]["kind"] == Kind.DEPTH_ATTENTION]
+    return Plan(chains, skipped, existing, len(adds))
+
+
+def _is_plain_tensor_add(g: nx.DiGraph, n: str) -> bool:
+    d = g.nodes[n]
+    return d["kind"] == Kind.ADD and d["blocker"] is None and not d["scalar"]
+
+
+def _is_inner(g: nx.DiGraph, n: str) -> bool:
+    """An add whose only use is another plain add of the same shape: part of an n-ary sum."""
+    users = g.nodes[n]["users"]
+    return (
+        _is_plain_tensor_add(g, n)
+        and len(users) == 1
+        and _is_plain_tensor_add(g, users[0])
+        and g.nodes[users[0]]["shape"] == g.nodes[n]["shape"]
+    )
+
+
+def _flatten(g: nx.DiGraph, root: str, inner: set[str]) -> tuple[list[str], list[str]]:
+    """The add nodes of the sum tree under `root` and its terms, in operand order."""
+    tree, terms, stack = [], [], [root]
+    while stack:
+        n = stack.pop()
+        tree.append(n)
+        for i in reversed(g.nodes[n]["inputs"]):
+            if i in inner:
+                stack.append(i)
+            else:
+                terms.append(i)
+    return tree, list(reversed(terms))
+
+
+def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> Link | str:
+    """The link formed by the sum `terms`, or the reason it is not a residual link."""
+    nodes = g.nodes
+    if nodes[root]["blocker"]:
+        return nodes[root]["blocker"]
+    if nodes[root]["scalar"]:
+        return "adds a scalar constant (eps, offset)"
+    if len(terms) < 2:
+        return "adds a single tensor operand"
+    if len(set(terms)) < len(terms):
+        return "an operand appears twice (x + x is a scaling, not a residual)"
+    const = [t for t in terms if nodes[t]["const"]]
+    if const:
+        return f"operand {const[0]} is a constant (bias, parameter or positional table)"
+    skip = min(terms, key=lambda t: nodes[t]["order"])
+    branches = [t for t in terms if t != skip]
+    if not all(_depends_on(g, b, skip) for b in branches):
+        return NOT_A_SKIP
+    shape = nodes[skip]["shape"]
+    if shape is None or any(nodes[t]["shape"] is None for t in terms):
+        return "shapes unknown (the graph carries no shape metadata)"
+    for b in branches:
+        if nodes[b]["shape"] != shape:
+            return f"skip shape {list(shape)} and branch shape {list(nodes[b]['shape'])} differ"
+    branches.sort(key=lambda t: nodes[t]["order"])
+    return Link(result=root, skip=skip, branches=branches, adds=sorted(tree, key=lambda a: nodes[a]["order"]), shape=shape)
+
+
+def _depends_on(g: nx.DiGraph, node: str, skip: str) -> bool:
+    """Whether `skip` is an ancestor of `node`, not counting paths through depth-attention sites.
+
+    Depth-attention nodes are barriers: in a rewritten graph the branches read the site
+    outputs, never the sums, so block sums and sources never form links again.
+    """
+    nodes = g.nodes
+    low = nodes[skip]["order"]
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        if nodes[n]["kind"] == Kind.DEPTH_ATTENTION:
+            continue
+        for i in nodes[n]["inputs"]:
+            if i == skip:
+                return True
+            if i not in seen and nodes[i]["order"] > low:
+                seen.add(i)
+                stack.append(i)
+    return False
+
+
+def _predecessor(g: nx.DiGraph, link: Link, by_result: dict[str, Link]) -> tuple[str, list[str], list[str]] | None:
+    """Walk back from `link.skip` to the result of an earlier link.
+
+    Returns (that link's result, ops walked, the non-linear ones among them), or None.
+    """
+    nodes = g.nodes
+    cur, path, nonlinear = link.skip, [], []
+    for _ in range(MAX_HOPS):
+        if cur in by_result:
+            return cur, path, nonlinear
+        inputs = dynamic_inputs(g, cur)
+        if len(inputs) != 1:
+            return None
+        kind = nodes[cur]["kind"]
+        if kind == Kind.OP:
+            same_shape = nodes[cur]["shape"] is not None and nodes[cur]["shape"] == nodes[inputs[0]]["shape"]
+            if not same_shape or len(nonlinear) == MAX_NONLINEAR_HOPS:
+                return None
+            nonlinear.append(cur)
+        elif kind not in (Kind.PASSTHROUGH, Kind.LAYOUT):
+            return None
+        path.append(cur)
+        cur = inputs[0]
+    return None
+
+
+def _feature_axis(shape: tuple, config: AttnResConfig) -> int | None:
+    rank = len(shape)
+    axis = config.feature_axis if config.feature_axis is not None else (1 if rank == 4 else -1)
+    if not -rank <= axis < rank:
+        return None
+    axis %= rank
+    return -1 if axis == rank - 1 else axis
+
+
+def _chains(g: nx.DiGraph, links: dict[str, Link], config: AttnResConfig) -> list[Chain]:
+    nodes = g.nodes
+    ordered = sorted(links.values(), key=lambda l: nodes[l.result]["order"])
+    preds: dict[str, tuple[str, list[str], list[str]]] = {}
+    successors: dict[str, list[str]] = {}
+    for link in ordered:
+        found = _predecessor(g, link, links)
+        if found is None:
+            continue
+        prev, path, _ = found
+        axes = {_feature_axis(links[prev].shape, config), _feature_axis(link.shape, config)}
+        if any(nodes[p]["kind"] == Kind.LAYOUT for p in path) and axes != {-1}:
+            continue  # a reshape is only layout-only for last-axis streams
+        preds[link.result] = found
+        successors.setdefault(prev, []).append(link.result)
+    forks = {prev for prev, succ in successors.items() if len(succ) > 1}
+    chains: list[Chain] = []
+    for link in ordered:
+        found = preds.get(link.result)
+        if found is not None and found[0] not in forks:
+            continue  # not the start of a stream
+        stream, joins = [link], []
+        while stream[-1].result in successors and stream[-1].result not in forks:
+            nxt = links[successors[stream[-1].result][0]]
+            joins.append([nodes[n]["target"] for n in preds[nxt.result][2]])
+            stream.append(nxt)
+        chains += _segments(g, stream, joins, config, len(chains))
+    return chains
+
+
+def _segments(g: nx.DiGraph, stream: list[Link], joins: list[list[str]], config: AttnResConfig, start: int) -> list[Chain]:
+    """Cut a stream into chains: at non-linear joins unless `config.allow_nonlinear`."""
+    through = sorted({t for j in joins for t in j})
+    if config.allow_nonlinear or not through:
+        parts = [stream]
+    else:
+        parts, cur = [], [stream[0]]
+        for link, join in zip(stream[1:], joins):
+            if join:
+                parts.append(cur)
+                cur = []
+            cur.append(link)
+        parts.append(cur)
+    chains = []
+    for links in parts:
+        chain = _decide(g, Chain(start + len(chains), links, -1, None), config, through)
+        chains.append(chain)
+    return chains
+
+
+def _decide(g: nx.DiGraph, chain: Chain, config: AttnResConfig, through: list[str]) -> Chain:
+    """Fill in the feature axis and whether (and why not) the chain is rewritten."""
+    shape = chain.links[0].shape
+    axis = _feature_axis(shape, config)
+    if axis is None:
+        chain.reason = f"feature_axis {config.feature_axis} is out of range for a rank-{len(shape)} stream"
+        return chain
+    chain.feature_axis = axis
+    sizes = {link.shape[axis] for link in chain.links}
+    chain.feature_size = next(iter(sizes)) if len(sizes) == 1 else None
+    nonlinear = config.allow_nonlinear and bool(through)
+    if len(chain.links) < config.min_chain:
+        chain.reason = f"chain of {len(chain.links)} link(s) is shorter than min_chain={config.min_chain}"
+        if through and not config.allow_nonlinear:
+            chain.reason += (
+                f"; the stream continues through non-linear {', '.join(through)} (post-norm or"
+                " post-activation): pass allow_nonlinear=True to rewrite it (changes the function)"
+            )
+    elif chain.feature_size is None:
+        chain.reason = f"feature axis {axis} differs between links ({sorted(map(str, sizes))})"
+    elif not isinstance(chain.feature_size, int):
+        chain.reason = f"feature axis {axis} is dynamic ({chain.feature_size}); export with a static feature size"
+    else:
+        chain.rewrite = True
+        chain.changes_function = nonlinear
+        chain.through = through if nonlinear else []
+    return chain

@@ -1,0 +1,143 @@
+"""Apply a `Plan` to a torch.fx GraphModule: one depth_attention node per site.
+
+For each rewritten chain, every site k gets `depth_attention(S_k, w_k, eps, c_k, axis)`,
+inserted right after the site's original sum; all uses of the sum read it instead, and the
+residual adds (now unused) are erased. Block sums are plain adds shared between sites.
+Pseudo-queries are zero-initialised parameters at `attnres.chain<i>.site<k>` (k from 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from ..config import AttnResConfig
+from ..op import depth_attention as _op  # noqa: F401  (registers torch.ops.attnres)
+from .plan import Chain, Plan
+
+HOLDER = "attnres"
+
+
+@dataclass
+class RewrittenSite:
+    chain: int
+    site: int
+    node: str
+    param: str
+    num_terms: int
+    scale: float
+
+
+def apply_plan(gm: fx.GraphModule, plan: Plan, config: AttnResConfig) -> list[RewrittenSite]:
+    """Rewrite `gm` in place for every chain of `plan` marked for rewriting; returns the sites."""
+    holder = gm.get_submodule(HOLDER) if hasattr(gm, HOLDER) else None
+    if holder is None:
+        holder = nn.Module()
+        gm.add_submodule(HOLDER, holder)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    replaced: dict[fx.Node, fx.Node] = {}
+    sites: list[RewrittenSite] = []
+    for chain in plan.to_rewrite:
+        name = _free_name(holder)
+        params = nn.ParameterDict()
+        holder.register_module(name, params)
+        sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, config)
+    for old, new in replaced.items():
+        old.replace_all_uses_with(new)
+    _erase_dead(gm.graph, [by_name[a] for c in plan.to_rewrite for link in c.links for a in link.adds])
+    gm.graph.lint()
+    gm.recompile()
+    return sites
+
+
+def _free_name(holder: nn.Module) -> str:
+    i = 0
+    while hasattr(holder, f"chain{i}"):
+        i += 1
+    return f"chain{i}"
+
+
+def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) -> list[RewrittenSite]:
+    graph = gm.graph
+    sources = [by_name[s] for s in chain.sources]
+    terms = chain.site_terms(config.block_size_for(len(sources) - 1))
+    cache: dict[tuple, fx.Node] = {}
+    out = []
+    for k, (link, groups) in enumerate(zip(chain.links, terms), start=1):
+        site = by_name[link.result]
+        ref = by_name[link.branches[0]]  # has the site's shape and layout
+        val = site.meta.get("val")
+        device = val.device if isinstance(val, torch.Tensor) else None
+        params[f"site{k}"] = nn.Parameter(torch.zeros(chain.feature_size, dtype=torch.float32, device=device))
+        with graph.inserting_before(site.next):
+            inputs = [_term(graph, group, sources, site, ref, cache) for group in groups]
+            scale = float(len(inputs)) if config.scale == "preserve" else 1.0
+            query = graph.get_attr(f"{HOLDER}.{name}.site{k}")
+            node = graph.call_function(
+                torch.ops.attnres.depth_attention.default,
+                (inputs, query, float(config.eps), scale, chain.feature_axis),
+            )
+        _copy_meta(site, node)
+        node.meta["attnres"] = {"chain": name, "site": k}
+        replaced[site] = node
+        out.append(RewrittenSite(chain.index, k, node.name, f"{HOLDER}.{name}.site{k}", len(inputs), scale))
+    return out
+
+
+def _term(graph: fx.Graph, group: tuple[int, ...], sources, site, ref, cache) -> fx.Node:
+    """The node for one entry of S_k: a source, or the (partial) block sum over `group`."""
+    key = (group, _shape(site))
+    if key in cache:
+        return cache[key]
+    last = _in_layout(graph, sources[group[-1]], site, ref, cache)
+    if len(group) == 1:
+        node = last
+    else:
+        node = graph.call_function(torch.ops.aten.add.Tensor, (_term(graph, group[:-1], sources, site, ref, cache), last))
+        _copy_meta(site, node)
+        node.meta["attnres"] = {"role": "block_sum"}
+    cache[key] = node
+    return node
+
+
+def _in_layout(graph: fx.Graph, src: fx.Node, site: fx.Node, ref: fx.Node, cache) -> fx.Node:
+    """`src` brought to the site's layout ([B*T, D] vs [B, T, D]) when the two differ."""
+    if _shape(src) == _shape(site):
+        return src
+    key = (src, _shape(site))
+    if key not in cache:
+        node = graph.call_method("reshape_as", (src, ref))
+        _copy_meta(site, node)
+        cache[key] = node
+    return cache[key]
+
+
+def _shape(node: fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(str(d) for d in val.shape)
+    tm = node.meta.get("tensor_meta")
+    return tuple(str(d) for d in tm.shape) if tm is not None else None
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    for key in ("val", "tensor_meta"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _erase_dead(graph: fx.Graph, adds: list[fx.Node]) -> None:
+    """Erase the now-unused residual adds, then pure ops they leave without users (skip-path casts).
+
+    One pass in reverse graph order suffices: a node's inputs always come before it.
+    """
+    doomed, candidates = set(adds), set(adds)
+    for node in reversed(list(graph.nodes)):
+        if node not in candidates or node.users:
+            continue
+        if node not in doomed and (node.op not in ("call_function", "call_method") or node.is_impure()):
+            continue
+        candidates.update(node.all_input_nodes)
+        graph.erase_node(node)

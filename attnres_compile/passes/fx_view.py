@@ -1,0 +1,148 @@
+"""fx frontend: the neutral view (graph_view.py) of a torch.fx GraphModule.
+
+Handles both export graphs (aten ops, e.g. `aten.add.Tensor`, `aten.add_.Tensor`) and
+symbolic_trace graphs (`operator.add`, `torch.add`, `Tensor.add_`, nn.Dropout modules).
+Shapes and dtypes come from `node.meta["val"]` (torch.export) or `node.meta["tensor_meta"]`
+(ShapeProp).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import networkx as nx
+import torch
+from torch import fx
+
+from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
+from .graph_view import Kind, ViewNode, build_view
+
+aten = torch.ops.aten
+
+ADD_TARGETS = {aten.add.Tensor, aten.add_.Tensor, operator.add, operator.iadd, torch.add}
+ADD_METHODS = {"add", "add_", "__add__", "__iadd__", "__radd__"}
+CAST_TARGETS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default}
+CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "type_as"}
+COPY_TARGETS = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh_copy.default}
+COPY_METHODS = {"clone", "contiguous"}
+VIEW_TARGETS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints, torch.reshape, torch.flatten}
+VIEW_METHODS = {"view", "reshape", "flatten"}
+
+
+def _op_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.__name__.split('.')[0]}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def tensor_meta(node: fx.Node):
+    """(shape, dtype) of a node's tensor value from its metadata, or (None, None)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(d if isinstance(d, int) else str(d) for d in val.shape), str(val.dtype).replace("torch.", "")
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(int(d) for d in tm.shape), str(tm.dtype).replace("torch.", "")
+    return None, None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in ADD_TARGETS) or (
+        node.op == "call_method" and node.target in ADD_METHODS
+    )
+
+
+def _is_passthrough(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Value-preserving on its first operand: identity, copies, eval dropout, same-dtype casts."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        return isinstance(mod, torch.nn.Identity) or (isinstance(mod, torch.nn.modules.dropout._DropoutNd) and not mod.training)
+    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if target in COPY_TARGETS or (node.op == "call_method" and target in COPY_METHODS):
+        return True
+    if target in (aten.dropout.default, torch.nn.functional.dropout):
+        train = _arg(node, 2, "train" if target is aten.dropout.default else "training", True)
+        return train is False or _arg(node, 1, "p", 0.5) == 0
+    if target in CAST_TARGETS or (node.op == "call_method" and target in CAST_METHODS):
+        _, dtype_in = tensor_meta(node.args[0])
+        _, dtype_out = tensor_meta(node)
+        return dtype_in is not None and dtype_in == dtype_out
+    return False
+
+
+def _is_layout(node: fx.Node) -> bool:
+    """A view/reshape that keeps the last axis whole ([B, T, D] <-> [B*T, D])."""
+    is_view = (node.op == "call_function" and node.target in VIEW_TARGETS) or (
+        node.op == "call_method" and node.target in VIEW_METHODS
+    )
+    if not is_view or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    shape_in, _ = tensor_meta(node.args[0])
+    shape_out, _ = tensor_meta(node)
+    return bool(shape_in) and bool(shape_out) and isinstance(shape_in[-1], int) and shape_in[-1] == shape_out[-1]
+
+
+INPLACE_ADDS = {aten.add_.Tensor, operator.iadd, "add_", "__iadd__"}
+
+
+def _add_blocker(node: fx.Node, pos: dict[fx.Node, int]) -> str | None:
+    """Why an add can never be a residual link in this fx graph, or None."""
+    if _arg(node, 2, "alpha", 1) != 1:
+        return "not a plain sum (alpha != 1)"
+    first = node.args[0]
+    if node.target in INPLACE_ADDS and isinstance(first, fx.Node):
+        later = [u for u in first.users if pos[u] > pos[node]]
+        if later:
+            return f"in-place add whose first operand is read again afterwards (by {later[0].name})"
+    return None
+
+
+def _is_depth_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.attnres.depth_attention.default
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> Kind:
+    if node.op == "placeholder":
+        return Kind.INPUT
+    if node.op == "get_attr":
+        return Kind.CONST
+    if node.op == "output":
+        return Kind.OUTPUT
+    if _is_depth_attention(node):
+        return Kind.DEPTH_ATTENTION
+    if _is_add(node):
+        return Kind.ADD
+    if _is_passthrough(gm, node):
+        return Kind.PASSTHROUGH
+    if _is_layout(node):
+        return Kind.LAYOUT
+    return Kind.OP
+
+
+def view_from_fx(gm: fx.GraphModule) -> nx.DiGraph:
+    """The neutral view of `gm.graph` (node names are the fx node names)."""
+    out = []
+    pos = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        kind = _kind(gm, node)
+        inputs = list(dict.fromkeys(node.all_input_nodes)) if kind != Kind.ADD else [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        shape, dtype = tensor_meta(node)
+        is_add = kind == Kind.ADD
+        out.append(ViewNode(
+            node.name, kind, _op_name(gm, node), [i.name for i in inputs], shape, dtype,
+            scalar=is_add and len(inputs) < 2, blocker=_add_blocker(node, pos) if is_add else None,
+        ))
+    return build_view(out)

@@ -1,0 +1,82 @@
+"""The plan that chain analysis returns and every rewriter applies (DESIGN.md §2).
+
+Names refer to nodes of the neutral view, which are the node/value names of the source
+format, so a rewriter maps a plan back onto its own graph by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Link:
+    """An n-ary residual sum: `result = skip + sum(branches)`, built from the add nodes `adds`."""
+
+    result: str
+    skip: str
+    branches: list[str]
+    adds: list[str]
+    shape: tuple
+
+
+@dataclass
+class Chain:
+    """Links L_1..L_n where the skip of L_(k+1) is (a passthrough of) the result of L_k."""
+
+    index: int
+    links: list[Link]
+    feature_axis: int
+    feature_size: int | str | None
+    rewrite: bool = False
+    reason: str | None = None
+    changes_function: bool = False
+    through: list[str] = field(default_factory=list)  # non-linear ops between links (opt-in only)
+
+    @property
+    def root(self) -> str:
+        """v_0: the skip operand of the first link."""
+        return self.links[0].skip
+
+    @property
+    def sources(self) -> list[str]:
+        """[v_0, v_1, ..., v_m]: the root, then every branch output in graph order."""
+        return [self.root] + [b for link in self.links for b in link.branches]
+
+    @property
+    def sites(self) -> list[str]:
+        return [link.result for link in self.links]
+
+    def site_terms(self, block_size: int) -> list[list[tuple[int, ...]]]:
+        """For each site k, S_k as source-index groups: (0,) is v_0, a longer tuple is a block sum.
+
+        Sources v_1..v_m are grouped into consecutive blocks of `block_size`; a block is
+        summed over its sources up to site k (block_size 1 gives Full AttnRes).
+        """
+        terms, seen = [], 0
+        for link in self.links:
+            seen += len(link.branches)
+            groups = [(0,)]
+            for start in range(1, seen + 1, block_size):
+                groups.append(tuple(range(start, min(start + block_size, seen + 1))))
+            terms.append(groups)
+        return terms
+
+
+@dataclass
+class SkippedAdd:
+    node: str
+    target: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    chains: list[Chain]
+    skipped_adds: list[SkippedAdd]
+    existing_sites: list[str]  # depth_attention nodes already in the graph
+    adds_total: int
+
+    @property
+    def to_rewrite(self) -> list[Chain]:
+        return [c for c in self.chains if c.rewrite]

@@ -1,0 +1,124 @@
+"""The report: a JSON-able dict first (`Report.data`), a printed table second (`str(report)`)."""
+
+from __future__ import annotations
+
+import json
+
+import networkx as nx
+
+from . import __version__
+from .config import AttnResConfig
+from .passes.plan import Plan
+
+
+class Report:
+    """What analysis found, what was rewritten and why not, and the verification, as data."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.data, indent=indent, default=str)
+
+    def __str__(self) -> str:
+        return format_table(self.data)
+
+    __repr__ = __str__
+
+
+def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, sites=None,
+          verification: list[dict] | None = None, notes: list[str] | None = None) -> Report:
+    """The report for one analysis (and rewrite, when `sites` is given)."""
+    sites = sites or []
+    by_chain: dict[int, list] = {}
+    for s in sites:
+        by_chain.setdefault(s.chain, []).append(s)
+    chains = []
+    for c in plan.chains:
+        block = config.block_size_for(len(c.sources) - 1) if c.rewrite else None
+        chains.append({
+            "index": c.index,
+            "status": "rewritten" if by_chain.get(c.index) else ("planned" if c.rewrite else "skipped"),
+            "reason": c.reason,
+            "changes_function": c.changes_function,
+            "through": c.through,
+            "links": len(c.links),
+            "sources": len(c.sources),
+            "root": c.root,
+            "feature_axis": c.feature_axis,
+            "feature_size": c.feature_size,
+            "shape": [str(d) for d in c.links[0].shape],
+            "block_size": block,
+            "detail": [{"site": k, "result": link.result, "skip": link.skip, "branches": link.branches, "adds": link.adds}
+                       for k, link in enumerate(c.links, start=1)],
+            "sites": [{"site": s.site, "node": s.node, "param": s.param, "terms": s.num_terms, "scale": s.scale}
+                      for s in by_chain.get(c.index, [])],
+        })
+    in_links = sum(len(link.adds) for c in plan.chains for link in c.links)
+    data = {
+        "tool": "attnres-compile",
+        "version": __version__,
+        "source": source,
+        "config": config.to_dict(),
+        "summary": {
+            "nodes": view.number_of_nodes(),
+            "adds": plan.adds_total,
+            "adds_in_links": in_links,
+            "adds_skipped": len(plan.skipped_adds),
+            "links": sum(len(c.links) for c in plan.chains),
+            "chains": len(plan.chains),
+            "chains_rewritten": len(by_chain),
+            "sites_rewritten": len(sites),
+            "existing_sites": len(plan.existing_sites),
+            "changes_function": any(c.changes_function for c in plan.chains if by_chain.get(c.index)),
+        },
+        "chains": chains,
+        "skipped_adds": [{"node": s.node, "target": s.target, "reason": s.reason} for s in plan.skipped_adds],
+        "verification": verification,
+        "notes": notes or [],
+    }
+    return Report(data)
+
+
+def format_table(data: dict) -> str:
+    s = data["summary"]
+    cfg = data["config"]
+    variant = cfg["variant"] + (f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else "")
+    lines = [
+        f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  scale={cfg['scale']}",
+        f"{s['nodes']} nodes, {s['adds']} adds: {s['adds_in_links']} in {s['links']} residual links, {s['adds_skipped']} not residual; "
+        f"{s['chains']} chains, {s['chains_rewritten']} rewritten, {s['sites_rewritten']} sites",
+        "",
+        f"{'chain':>5}  {'status':<9} {'links':>5} {'srcs':>4} {'axis':>4} {'D':>6} {'block':>5}  root -> last site / reason",
+    ]
+    for c in data["chains"]:
+        block = "" if c["block_size"] is None else str(c["block_size"])
+        tail = f"{c['root']} -> {c['detail'][-1]['result']}"
+        if c["changes_function"]:
+            tail += f"  [CHANGES FUNCTION: through {', '.join(c['through'])}]"
+        if c["reason"]:
+            tail += f"  ({c['reason']})"
+        lines.append(f"{c['index']:>5}  {c['status']:<9} {c['links']:>5} {c['sources']:>4} {c['feature_axis']:>4} "
+                     f"{str(c['feature_size']):>6} {block:>5}  {tail}")
+    if data["skipped_adds"]:
+        lines += ["", "adds that are not residual links:"]
+        reasons: dict[str, list[str]] = {}
+        for a in data["skipped_adds"]:
+            reasons.setdefault(a["reason"], []).append(a["node"])
+        for reason, nodes in reasons.items():
+            shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
+            lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
+    if data["verification"]:
+        lines += ["", "verification (original vs rewritten, same inputs):"]
+        for row in data["verification"]:
+            if "error" in row:
+                lines.append(f"  ✗ {row['output']}: {row['error']}")
+                continue
+            mark = "·" if "ok" not in row else ("✓" if row["ok"] else "✗")
+            tol = f" tol {row['tol']:.1e}" if "tol" in row else " (function changed: no tolerance)"
+            lines.append(f"  {mark} {row['output']:<28} max abs {row['max_abs']:.2e}  max rel {row['max_rel']:.2e}{tol}")
+    lines += [f"note: {n}" for n in data["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Runnable examples and sample models for attnres-compile."""

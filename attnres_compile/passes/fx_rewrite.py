@@ -8,26 +8,14 @@ Pseudo-queries are zero-initialised parameters at `attnres.chain<i>.site<k>` (k 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import fx, nn
 
 from ..config import AttnResConfig
 from ..op import depth_attention as _op  # noqa: F401  (registers torch.ops.attnres)
-from .plan import Chain, Plan
+from .plan import Chain, Plan, RewrittenSite
 
 HOLDER = "attnres"
-
-
-@dataclass
-class RewrittenSite:
-    chain: int
-    site: int
-    node: str
-    param: str
-    num_terms: int
-    scale: float
 
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, config: AttnResConfig) -> list[RewrittenSite]:

@@ -64,6 +64,18 @@ class Chain:
 
 
 @dataclass
+class RewrittenSite:
+    """What a rewriter made of site `site` (from 1) of chain `chain`: its node and query name."""
+
+    chain: int
+    site: int
+    node: str
+    param: str
+    num_terms: int
+    scale: float
+
+
+@dataclass
 class SkippedAdd:
     node: str
     target: str

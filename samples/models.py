@@ -71,7 +71,7 @@ class ParallelBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """A PreNorm GPT: token + position embeddings, `layers` blocks, final LayerNorm, tied head."""
+    """A PreNorm GPT: token + position embeddings, `layers` blocks, final LayerNorm, linear head."""
 
     def __init__(self, vocab: int = 96, dim: int = 64, layers: int = 4, heads: int = 4, max_len: int = 64,
                  style: str = "plus", parallel: bool = False):
@@ -81,16 +81,14 @@ class GPT(nn.Module):
         make = (lambda: ParallelBlock(dim, heads)) if parallel else (lambda: Block(dim, heads, style))
         self.blocks = nn.ModuleList(make() for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
-        for name, p in self.named_parameters():
-            if name.endswith("weight") and p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
+        self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
             x = block(x)
-        return self.ln_f(x) @ self.tok.weight.T
+        return self.head(self.ln_f(x))
 
 
 def _tokens(batch: int = 2, length: int = 16, vocab: int = 96) -> tuple[torch.Tensor]:

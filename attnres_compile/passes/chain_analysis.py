@@ -81,14 +81,15 @@ def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> 
         return "adds a scalar constant (eps, offset)"
     if len(terms) < 2:
         return "adds a single tensor operand"
-    if len(set(terms)) < len(terms):
-        return "an operand appears twice (x + x is a scaling, not a residual)"
     const = [t for t in terms if nodes[t]["const"]]
     if const:
         return f"operand {const[0]} is a constant (bias, parameter or positional table)"
-    skip = min(terms, key=lambda t: nodes[t]["order"])
+    paths = {t: _value_path(g, t) for t in terms}
+    if len({p[-1] for p in paths.values()}) < len(terms):
+        return "two operands are the same value (x + x is a scaling, not a residual)"
+    skip = min(terms, key=lambda t: nodes[paths[t][-1]]["order"])
     branches = [t for t in terms if t != skip]
-    if not all(_depends_on(g, b, skip) for b in branches):
+    if not all(_depends_on(g, b, paths[skip]) for b in branches):
         return NOT_A_SKIP
     shape = nodes[skip]["shape"]
     if shape is None or any(nodes[t]["shape"] is None for t in terms):
@@ -100,21 +101,33 @@ def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> 
     return Link(result=root, skip=skip, branches=branches, adds=sorted(tree, key=lambda a: nodes[a]["order"]), shape=shape)
 
 
-def _depends_on(g: nx.DiGraph, node: str, skip: str) -> bool:
-    """Whether `skip` is an ancestor of `node`, not counting paths through depth-attention sites.
+def _value_path(g: nx.DiGraph, node: str) -> list[str]:
+    """`node`, then back through value-preserving ops (casts, dropout, views) to the value's origin."""
+    path = [node]
+    while g.nodes[path[-1]]["kind"] in (Kind.PASSTHROUGH, Kind.LAYOUT):
+        inputs = dynamic_inputs(g, path[-1])
+        if len(inputs) != 1:
+            break
+        path.append(inputs[0])
+    return path
+
+
+def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
+    """Whether the skip value (any node of `skip_path`) is an ancestor of `node`.
 
     Depth-attention nodes are barriers: in a rewritten graph the branches read the site
     outputs, never the sums, so block sums and sources never form links again.
     """
     nodes = g.nodes
-    low = nodes[skip]["order"]
+    targets = set(skip_path)
+    low = nodes[skip_path[-1]]["order"]
     seen, stack = {node}, [node]
     while stack:
         n = stack.pop()
         if nodes[n]["kind"] == Kind.DEPTH_ATTENTION:
             continue
         for i in nodes[n]["inputs"]:
-            if i == skip:
+            if i in targets:
                 return True
             if i not in seen and nodes[i]["order"] > low:
                 seen.add(i)

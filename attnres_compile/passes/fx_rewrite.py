@@ -59,8 +59,9 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) ->
         val = site.meta.get("val")
         device = val.device if isinstance(val, torch.Tensor) else None
         params[f"site{k}"] = nn.Parameter(torch.zeros(chain.feature_size, dtype=torch.float32, device=device))
+        layout = (site, ref, _shape(site))
         with graph.inserting_before(site.next):
-            inputs = [_term(graph, group, sources, site, ref, cache) for group in groups]
+            inputs = [_term(graph, group, sources, layout, cache) for group in groups]
             scale = float(len(inputs)) if config.scale == "preserve" else 1.0
             query = graph.get_attr(f"{HOLDER}.{name}.site{k}")
             node = graph.call_function(
@@ -74,31 +75,36 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) ->
     return out
 
 
-def _term(graph: fx.Graph, group: tuple[int, ...], sources, site, ref, cache) -> fx.Node:
-    """The node for one entry of S_k: a source, or the (partial) block sum over `group`."""
-    key = (group, _shape(site))
+def _term(graph: fx.Graph, group: tuple[int, ...], sources, layout, cache) -> fx.Node:
+    """The node for one entry of S_k: a source, or the (partial) block sum over `group`.
+
+    `layout` is (site, a node with the site's shape, the site's shape).
+    """
+    key = (group, layout[2])
     if key in cache:
         return cache[key]
-    last = _in_layout(graph, sources[group[-1]], site, ref, cache)
+    last = _in_layout(graph, sources[group[-1]], layout, cache)
     if len(group) == 1:
         node = last
     else:
-        node = graph.call_function(torch.ops.aten.add.Tensor, (_term(graph, group[:-1], sources, site, ref, cache), last))
-        _copy_meta(site, node)
+        node = graph.call_function(torch.ops.aten.add.Tensor, (_term(graph, group[:-1], sources, layout, cache), last))
+        _copy_meta(layout[0], node)
         node.meta["attnres"] = {"role": "block_sum"}
     cache[key] = node
     return node
 
 
-def _in_layout(graph: fx.Graph, src: fx.Node, site: fx.Node, ref: fx.Node, cache) -> fx.Node:
+def _in_layout(graph: fx.Graph, src: fx.Node, layout, cache) -> fx.Node:
     """`src` brought to the site's layout ([B*T, D] vs [B, T, D]) when the two differ."""
-    if _shape(src) == _shape(site):
-        return src
-    key = (src, _shape(site))
-    if key not in cache:
-        node = graph.call_method("reshape_as", (src, ref))
-        _copy_meta(site, node)
-        cache[key] = node
+    site, ref, shape = layout
+    key = (src, shape)
+    if key in cache:
+        return cache[key]
+    if _shape(src) == shape:
+        cache[key] = src
+    else:
+        cache[key] = graph.call_method("reshape_as", (src, ref))
+        _copy_meta(site, cache[key])
     return cache[key]
 
 

@@ -9,7 +9,7 @@ from torch.utils import _pytree as pytree
 
 ATOL = 1e-5   # preserve mode, fp32: the rewrite only reassociates a sum
 RTOL = 1e-5
-PAPER_ATOL = 1e-3  # paper mode on PreNorm models differs through the norms' eps only
+PAPER_TOL = 1e-3  # paper mode on PreNorm models differs through the norms' eps only (abs and rel)
 
 
 def compare(expected: Any, actual: Any, atol: float | None, rtol: float = RTOL) -> list[dict]:

@@ -1,0 +1,54 @@
+"""Tiny HF transformers models from random configs (no downloads), as `(model, example_inputs)` factories.
+
+GPT-2 and Llama take `use_cache=False` and an explicit `attention_mask`, so that torch.export
+yields plain tensors (no DynamicCache) and no bool cumsum ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+
+def _text_inputs(vocab: int, batch: int = 2, length: int = 8) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, vocab, (batch, length), generator=g),
+            "attention_mask": torch.ones(batch, length, dtype=torch.long)}
+
+
+def _pixels(size: int, batch: int = 2) -> dict:
+    return {"pixel_values": torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))}
+
+
+def gpt2_factory(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                        bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg).eval(), {**_text_inputs(100), "use_cache": False}
+
+
+def llama_factory(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=16)
+    return tf.LlamaForCausalLM(cfg).eval(), {**_text_inputs(100), "use_cache": False}
+
+
+def vit_factory(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       image_size=16, patch_size=8)
+    return tf.ViTModel(cfg).eval(), _pixels(16)
+
+
+def bert_factory(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                        vocab_size=100, max_position_embeddings=16)
+    return tf.BertModel(cfg).eval(), _text_inputs(100)
+
+
+def resnet_factory():
+    torch.manual_seed(0)
+    cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[3, 2], layer_type="basic")
+    return tf.ResNetModel(cfg).eval(), _pixels(32)

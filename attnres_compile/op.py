@@ -68,6 +68,8 @@ def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, eps: float
     dtype = sources[0].dtype
     ctype = _compute_dtype(dtype)
     srcs = _last(sources, dim)
+    if dtype != ctype:  # one widening copy per source, shared by the logits and the sum
+        srcs = [s.to(ctype) for s in srcs]
     z, _ = _logits(srcs, query.to(ctype), eps, ctype)
     p = torch.softmax(z, dim=0).mul_(scale).unsqueeze(-1)
     acc = srcs[0].to(ctype) * p[0]

@@ -43,8 +43,10 @@ def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
 
 
 def _is_plain_tensor_add(g: nx.DiGraph, n: str) -> bool:
+    """A plain add of two data-dependent tensors (a bias or eps add is never part of a sum tree)."""
     d = g.nodes[n]
-    return d["kind"] == Kind.ADD and d["blocker"] is None and not d["scalar"]
+    return (d["kind"] == Kind.ADD and d["blocker"] is None and not d["scalar"]
+            and not any(g.nodes[i]["const"] for i in d["inputs"]))
 
 
 def _is_inner(g: nx.DiGraph, n: str) -> bool:
@@ -113,10 +115,12 @@ def _value_path(g: nx.DiGraph, node: str) -> list[str]:
 
 
 def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
-    """Whether the skip value (any node of `skip_path`) is an ancestor of `node`.
+    """Whether `node` reads the skip value (any node of `skip_path`) through an op that is not an add.
 
-    Depth-attention nodes are barriers: in a rewritten graph the branches read the site
-    outputs, never the sums, so block sums and sources never form links again.
+    A branch transforms the skip (norm, matmul, ...); a value reached only as an addend
+    (an attention mask added to every layer's scores) is not a skip. Depth-attention nodes
+    are barriers: in a rewritten graph the branches read the site outputs, never the sums,
+    so block sums and sources never form links again.
     """
     nodes = g.nodes
     targets = set(skip_path)
@@ -127,7 +131,7 @@ def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
         if nodes[n]["kind"] == Kind.DEPTH_ATTENTION:
             continue
         for i in nodes[n]["inputs"]:
-            if i in targets:
+            if i in targets and nodes[n]["kind"] != Kind.ADD:
                 return True
             if i not in seen and nodes[i]["order"] > low:
                 seen.add(i)
@@ -149,7 +153,7 @@ def _predecessor(g: nx.DiGraph, link: Link, by_result: dict[str, Link]) -> tuple
         if len(inputs) != 1:
             return None
         kind = nodes[cur]["kind"]
-        if kind == Kind.OP:
+        if kind in (Kind.OP, Kind.ADD):  # an op, or a bias add: shape-preserving ones join non-linearly
             same_shape = nodes[cur]["shape"] is not None and nodes[cur]["shape"] == nodes[inputs[0]]["shape"]
             if not same_shape or len(nonlinear) == MAX_NONLINEAR_HOPS:
                 return None

@@ -20,10 +20,9 @@ HOLDER = "attnres"
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, config: AttnResConfig) -> list[RewrittenSite]:
     """Rewrite `gm` in place for every chain of `plan` marked for rewriting; returns the sites."""
-    holder = gm.get_submodule(HOLDER) if hasattr(gm, HOLDER) else None
-    if holder is None:
-        holder = nn.Module()
-        gm.add_submodule(HOLDER, holder)
+    if not hasattr(gm, HOLDER):
+        gm.add_submodule(HOLDER, nn.Module())
+    holder = gm.get_submodule(HOLDER)
     by_name = {n.name: n for n in gm.graph.nodes}
     replaced: dict[fx.Node, fx.Node] = {}
     sites: list[RewrittenSite] = []

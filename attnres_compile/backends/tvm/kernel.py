@@ -1,27 +1,26 @@
 """TensorIR for the fused depth-attention kernel and the Block AttnRes two-phase pair.
 
 The functions are generated per source count: every source is its own [rows, D] buffer (never
-stacked) and `rows` is symbolic. They hold the schedule-free algorithm with the row loop
-outermost, so the per-row online-softmax state (m, l, acc[D]) stays in registers or cache once
-scheduled (schedule.py):
+stacked) and `rows` is symbolic. Per source k they compute, row by row:
 
-    for each row:
-        for each source k:                s_k[row] is read from memory once
-            stats_k:   sum(s_k^2) and w.s_k, one reduction block with both sums from one load
-            softmax_k: z_k, the running max m and denominator l, the rescales
-                       a_k = exp(m_old - m) and b_k = exp(z_k - m)
-            fold_k:    acc = acc * a_k + b_k * s_k   (s_k[row] re-read while it is in cache)
-        out = scale * acc / l
+    stats_k:   sum(s_k^2) and w.s_k, both reduced from the same load of s_k
+    softmax_k: z_k = w.s_k / rms(s_k), running max m and denominator l, and the rescales
+               a_k = exp(m_old - m), b_k = exp(z_k - m)
+    fold_k:    acc = acc * a_k + b_k * s_k
+    out:       scale * acc / l   (after the last source)
 
-Each step writes fresh intermediates (SSA style) so the block scope stays a stage pipeline, which
-the schedule primitives (rfactor, compute_at) require; scheduling shrinks them to one row and
-buffer reuse folds them together. Arithmetic is float32 whatever the storage dtype. Block names
-(stats*, softmax*, and the elementwise fold*/out/store*) are what the schedules key on.
+Each stage is its own loop nest writing fresh [rows]/[rows, D] intermediates (SSA style), so the
+block scope is a stage pipeline, which rfactor, compute_at and compute_inline require. The
+schedules (schedule.py) merge all row loops into one, so per row a source is loaded from memory
+once and the intermediates shrink to one row held in registers or L1. Arithmetic is float32
+whatever the storage dtype. The schedules key on the block names: stats* (reductions), softmax*
+and store_ml* (per-row scalars), fold* and the rest elementwise over the feature axis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -33,6 +32,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def _f32(buf, *idx):
     x = buf[idx]
+    if buf.dtype == "bfloat16":
+        # exact widening spelled out: TVM's BF16ComputeLegalize skips casts inside T.Bind values
+        # (the stats reduction), which then read the raw bits as an integer
+        return T.reinterpret(F32, T.shift_left(T.cast(T.reinterpret("uint16", x), "uint32"), T.uint32(16)))
     return x if buf.dtype == F32 else T.cast(x, F32)
 
 
@@ -44,94 +47,86 @@ def _param(name: str, shape, dtype: str):
     return IRBuilder.name(name, T.match_buffer(T.arg(name, T.handle()), shape, dtype, layout=None))
 
 
-class _Row:
-    """The row loop variable and the symbolic row count; makes row-bound blocks."""
+@contextmanager
+def _row_block(rows, name: str):
+    """A per-row scalar stage; yields the row axis."""
+    with T.serial(rows) as r, T.sblock(name):
+        yield T.axis.spatial(rows, r)
 
-    def __init__(self, rows, loop_var):
-        self.rows, self.var = rows, loop_var
 
-    def axis(self):
-        return T.axis.spatial(self.rows, self.var)
+def _elementwise(rows, size: int, name: str, body: Callable):
+    """A [row, d] stage storing body(vr, vd) -> (buffer, indices, float32 value)."""
+    with T.grid(rows, size) as (r, d), T.sblock(name):
+        vr, vd = T.axis.spatial(rows, r), T.axis.spatial(size, d)
+        buf, idx, val = body(vr, vd)
+        T.buffer_store(buf, val if buf.dtype == F32 else T.cast(val, buf.dtype), idx)
 
-    def elementwise(self, name: str, size: int, body: Callable):
-        """A [row, d] block storing body(vr, vd) -> (buffer, indices, float32 value)."""
-        with T.serial(size) as d:
-            with T.sblock(name):
-                vr, vd = self.axis(), T.axis.spatial(size, d)
-                buf, idx, val = body(vr, vd)
-                T.buffer_store(buf, val if buf.dtype == F32 else T.cast(val, buf.dtype), idx)
+
+def _stats(name: str, rows, src, queries: Sequence[Callable]):
+    """stats_* stages: sum(src^2) and w_q . src for every query. Returns the [rows] buffers
+    (ss, [dot_q]). The sums go two per reduction block (TVM registers a sum reducer for one or
+    two buffers, not more); the schedules load src[row, d] once for all of them."""
+    size = src.shape[1]
+    outs = [(_alloc(f"ss_{name}", rows), lambda x, vd: x * x)]
+    outs += [(_alloc(f"dot{q}_{name}", rows), lambda x, vd, w=w: x * w(vd)) for q, w in enumerate(queries)]
+    for g in range(0, len(outs), 2):
+        group = outs[g : g + 2]
+        with T.grid(rows, size) as (r, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
+            vr, vd = T.axis.spatial(rows, r), T.axis.reduce(size, d)
+            with T.init():
+                for buf, _ in group:
+                    T.buffer_store(buf, T.float32(0), [vr])
+            x = _f32(src, vr, vd)
+            new = [T.Bind(buf[vr] + term(x, vd)) for buf, term in group]
+            for (buf, _), v in zip(group, new):
+                T.buffer_store(buf, v, [vr])
+    return outs[0][0], [buf for buf, _ in outs[1:]]
 
 
 class _State:
-    """Online-softmax state (m, l, acc) of one query, as readers of the latest step's buffers.
+    """Online-softmax state (m, l, acc) of one query: readers of the latest step's buffers.
 
     `start` None begins the softmax at the first folded source; otherwise it is the initial
-    (m(vr), l(vr), acc(vr, vd)) readers, e.g. a phase-1 result."""
+    readers (m(vr), l(vr), acc(vr, vd)), e.g. a phase-1 result."""
 
-    def __init__(self, tag: str, row: _Row, size: int, start=None):
-        self.tag, self.row, self.size = tag, row, size
-        self.m = self.l = self.acc = None
-        if start is not None:
-            self.m, self.l, self.acc = start
+    def __init__(self, tag: str, rows, size: int, start=None):
+        self.tag, self.rows, self.size = tag, rows, size
+        self.m, self.l, self.acc = start if start is not None else (None, None, None)
 
     def fold(self, name: str, src, ss, dot, eps: float):
-        """softmax_* and fold_* blocks: merge source `src` with statistics (ss, dot) [rows]."""
-        row, size, n = self.row, self.size, f"{self.tag}_{name}"
-        m, l = _alloc(f"m{n}", row.rows), _alloc(f"l{n}", row.rows)
-        if self.m is not None:
-            a, b = _alloc(f"a{n}", row.rows), _alloc(f"b{n}", row.rows)
-        with T.sblock(f"softmax{n}"):
-            vr = row.axis()
+        """softmax_* and fold_* stages: merge `src` given its stats (ss, dot)."""
+        rows, size, n = self.rows, self.size, f"{self.tag}_{name}"
+        m, l = _alloc(f"m{n}", rows), _alloc(f"l{n}", rows)
+        acc, m_old, l_old, acc_old = _alloc(f"acc{n}", rows, size), self.m, self.l, self.acc
+        if m_old is not None:
+            a, b = _alloc(f"a{n}", rows), _alloc(f"b{n}", rows)
+        with _row_block(rows, f"softmax{n}") as vr:
             z = T.Bind(dot[vr] * T.rsqrt(ss[vr] * T.float32(1.0 / size) + T.float32(eps)))
-            if self.m is None:
+            if m_old is None:
                 T.buffer_store(m, z, [vr])
                 T.buffer_store(l, T.float32(1), [vr])
             else:
-                m_old = self.m(vr)
-                m_new = T.Bind(T.max(m_old, z))
-                ea = T.Bind(T.exp(m_old - m_new))
-                eb = T.Bind(T.exp(z - m_new))
+                m_new = T.Bind(T.max(m_old(vr), z))
+                ea, eb = T.Bind(T.exp(m_old(vr) - m_new)), T.Bind(T.exp(z - m_new))
                 T.buffer_store(m, m_new, [vr])
-                T.buffer_store(l, self.l(vr) * ea + eb, [vr])
+                T.buffer_store(l, l_old(vr) * ea + eb, [vr])
                 T.buffer_store(a, ea, [vr])
                 T.buffer_store(b, eb, [vr])
-        acc, acc_old = _alloc(f"acc{n}", row.rows, size), self.acc
         if acc_old is None:
-            row.elementwise(f"fold{n}", size, lambda vr, vd: (acc, [vr, vd], _f32(src, vr, vd)))
+            _elementwise(rows, size, f"fold{n}", lambda vr, vd: (acc, [vr, vd], _f32(src, vr, vd)))
         else:
-            row.elementwise(
-                f"fold{n}", size,
+            _elementwise(
+                rows, size, f"fold{n}",
                 lambda vr, vd: (acc, [vr, vd], acc_old(vr, vd) * a[vr] + b[vr] * _f32(src, vr, vd)),
             )
-        self.m, self.l = (lambda vr: m[vr]), (lambda vr: l[vr])
-        self.acc = lambda vr, vd: acc[vr, vd]
+        self.m, self.l, self.acc = (lambda vr: m[vr]), (lambda vr: l[vr]), (lambda vr, vd: acc[vr, vd])
 
-
-def _stats(name: str, row: _Row, src, queries: Sequence[Callable]):
-    """stats_* block: sum(src^2) and w_q . src for every query from one load of src[row, :].
-    Returns the [rows] buffers (ss, [dot_q])."""
-    size = src.shape[1]
-    outs = [_alloc(f"ss_{name}", row.rows)]
-    outs += [_alloc(f"dot{q}_{name}", row.rows) for q in range(len(queries))]
-    with T.serial(size) as d:
-        with T.sblock(f"stats_{name}"):
-            vr, vd = row.axis(), T.axis.reduce(size, d)
-            with T.init():
-                for buf in outs:
-                    T.buffer_store(buf, T.float32(0), [vr])
-            x = _f32(src, vr, vd)
-            terms = [x * x] + [x * w(vd) for w in queries]
-            new = [T.Bind(buf[vr] + t) for buf, t in zip(outs, terms)]
-            for buf, v in zip(outs, new):
-                T.buffer_store(buf, v, [vr])
-    return outs[0], outs[1:]
-
-
-def _normalise(row: _Row, st: _State, out, scale: float):
-    """out block: out = scale * acc / l in the storage dtype."""
-    row.elementwise(
-        "out", out.shape[1], lambda vr, vd: (out, [vr, vd], st.acc(vr, vd) * (T.float32(scale) / st.l(vr)))
-    )
+    def normalise(self, out, scale: float):
+        """out stage: out = scale * acc / l in the storage dtype."""
+        _elementwise(
+            self.rows, self.size, "out",
+            lambda vr, vd: (out, [vr, vd], self.acc(vr, vd) * (T.float32(scale) / self.l(vr))),
+        )
 
 
 def _check(count: int, what: str, size: int, dtype: str):
@@ -152,9 +147,8 @@ def depth_attention_func(
 ) -> tirx.PrimFunc:
     """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows, D] sources.
 
-    One read of each source per row, online softmax, float32 accumulation. `scale` None means
-    `num_sources` (out = S * softmax-weighted mean, Block AttnRes' convention); pass 1.0 for the
-    plain softmax-weighted sum."""
+    Online softmax over the sources with float32 accumulation. `scale` None means `num_sources`
+    (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum."""
     _check(num_sources, "source", feature_size, dtype)
     S, D = num_sources, feature_size
     scale = float(S) if scale is None else float(scale)
@@ -166,13 +160,11 @@ def depth_attention_func(
             w = _param("w", (D,), F32)
             out = _param("out", (rows, D), dtype)
             with T.sblock("root"):
-                with T.serial(rows) as r:
-                    row = _Row(rows, r)
-                    st = _State("", row, D)
-                    for k, src in enumerate(srcs):
-                        ss, (dot,) = _stats(f"{k}", row, src, [lambda vd: w[vd]])
-                        st.fold(f"{k}", src, ss, dot, eps)
-                    _normalise(row, st, out, scale)
+                st = _State("", rows, D)
+                for k, src in enumerate(srcs):
+                    ss, (dot,) = _stats(f"{k}", rows, src, [lambda vd: w[vd]])
+                    st.fold(f"{k}", src, ss, dot, eps)
+                st.normalise(out, scale)
     return ib.get()
 
 
@@ -185,7 +177,7 @@ def depth_attention_partial_func(
 ) -> tirx.PrimFunc:
     """Phase 1 of Block AttnRes: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows], l[B, rows],
     acc[B, rows, D])` stores the unnormalised online-softmax state of each of B queries over the
-    J completed blocks (float32), reading each block once per row for all queries."""
+    J completed blocks (float32); the schedules load each block once per row for all queries."""
     _check(num_blocks, "block", feature_size, dtype)
     _check(num_queries, "query", feature_size, dtype)
     J, B, D = num_blocks, num_queries, feature_size
@@ -198,22 +190,20 @@ def depth_attention_partial_func(
             m_out, l_out = _param("m", (B, rows), F32), _param("l", (B, rows), F32)
             acc_out = _param("acc", (B, rows, D), F32)
             with T.sblock("root"):
-                with T.serial(rows) as r:
-                    row = _Row(rows, r)
-                    states = [_State(f"_q{q}", row, D) for q in range(B)]
-                    queries = [lambda vd, q=q: w[q, vd] for q in range(B)]
-                    for j, blk in enumerate(blocks):
-                        ss, dots = _stats(f"{j}", row, blk, queries)
-                        for st, dot in zip(states, dots):
-                            st.fold(f"{j}", blk, ss, dot, eps)
-                    for q, st in enumerate(states):
-                        with T.sblock(f"store_ml_q{q}"):
-                            vr = row.axis()
-                            T.buffer_store(m_out, st.m(vr), [q, vr])
-                            T.buffer_store(l_out, st.l(vr), [q, vr])
-                        row.elementwise(
-                            f"store_acc_q{q}", D, lambda vr, vd, q=q, st=st: (acc_out, [q, vr, vd], st.acc(vr, vd))
-                        )
+                states = [_State(f"_q{q}", rows, D) for q in range(B)]
+                queries = [lambda vd, q=q: w[q, vd] for q in range(B)]
+                for j, blk in enumerate(blocks):
+                    ss, dots = _stats(f"{j}", rows, blk, queries)
+                    for st, dot in zip(states, dots):
+                        st.fold(f"{j}", blk, ss, dot, eps)
+                for q, st in enumerate(states):
+                    with _row_block(rows, f"store_ml_q{q}") as vr:
+                        T.buffer_store(m_out, st.m(vr), [q, vr])
+                        T.buffer_store(l_out, st.l(vr), [q, vr])
+                    _elementwise(
+                        rows, D, f"store_acc_q{q}",
+                        lambda vr, vd, q=q, st=st: (acc_out, [q, vr, vd], st.acc(vr, vd)),
+                    )
     return ib.get()
 
 
@@ -239,12 +229,10 @@ def depth_attention_merge_func(
             w = _param("w", (D,), F32)
             out = _param("out", (rows, D), dtype)
             with T.sblock("root"):
-                with T.serial(rows) as r:
-                    row = _Row(rows, r)
-                    start = (lambda vr: m_in[vr], lambda vr: l_in[vr], lambda vr, vd: acc_in[vr, vd])
-                    st = _State("", row, D, start)
-                    for k, src in enumerate(extra):
-                        ss, (dot,) = _stats(f"{k}", row, src, [lambda vd: w[vd]])
-                        st.fold(f"{k}", src, ss, dot, eps)
-                    _normalise(row, st, out, float(scale))
+                start = (lambda vr: m_in[vr], lambda vr: l_in[vr], lambda vr, vd: acc_in[vr, vd])
+                st = _State("", rows, D, start)
+                for k, src in enumerate(extra):
+                    ss, (dot,) = _stats(f"{k}", rows, src, [lambda vd: w[vd]])
+                    st.fold(f"{k}", src, ss, dot, eps)
+                st.normalise(out, float(scale))
     return ib.get()

@@ -1,0 +1,1 @@
+"""Compiler backends for the depth-attention op."""

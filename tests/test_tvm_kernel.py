@@ -1,0 +1,188 @@
+"""The TVM depth-attention kernels against a float64 numpy reference of the formula:
+
+    r_i = sqrt(mean_d s_i^2 + eps),  z_i = w.s_i / r_i,  p = softmax_i(z),  out = scale * sum_i p_i s_i
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from attnres_compile.backends.tvm import (
+    build,
+    depth_attention_func,
+    depth_attention_merge_func,
+    depth_attention_partial_func,
+    host_target,
+    schedule_cpu,
+)
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# Relative to the output's magnitude. float32: accumulation order only. Reduced precision: the
+# reference sees the same rounded inputs, so the error is the final rounding of the output to
+# the storage dtype (half an ulp: 2^-11 for float16, 2^-8 for bfloat16) plus float32 noise.
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+def reference(sources, w, eps, scale):
+    v = np.stack([s.astype(np.float64) for s in sources])
+    r = np.sqrt((v**2).mean(-1) + eps)
+    z = np.einsum("d,srd->sr", w.astype(np.float64), v) / r
+    p = np.exp(z - z.max(0))
+    p /= p.sum(0)
+    return scale * np.einsum("sr,srd->rd", p, v)
+
+
+@functools.cache
+def _compiled(kind: str, *args):
+    make = {
+        "main": depth_attention_func,
+        "partial": depth_attention_partial_func,
+        "merge": depth_attention_merge_func,
+    }[kind]
+    return build(make(*args), host_target(2))
+
+
+def _sources(rng, count, rows, size, dtype):
+    return [rng.standard_normal((rows, size)).astype(NP_DTYPES[dtype]) for _ in range(count)]
+
+
+def _query(rng, size):
+    return (rng.standard_normal(size) / np.sqrt(size)).astype(np.float32)  # logits of order 1
+
+
+def _run(module, *arrays):
+    tensors = [tvm.runtime.tensor(a) for a in arrays]
+    module(*tensors)
+    return tensors
+
+
+def _assert_close(out, ref, dtype):
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=0, atol=TOLERANCE[dtype] * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "num_sources, size, rows, dtype",
+    [
+        (1, 77, 3, "float32"),
+        (9, 64, 130, "float32"),
+        (4, 77, 130, "float32"),
+        (65, 77, 3, "float32"),
+        (9, 1024, 3, "float32"),
+        (9, 77, 130, "float16"),
+        (65, 64, 3, "float16"),
+        (3, 96, 5, "bfloat16"),
+    ],
+)
+def test_depth_attention_matches_reference(num_sources, size, rows, dtype):
+    rng = np.random.default_rng(num_sources * 1000 + size)
+    srcs, w = _sources(rng, num_sources, rows, size, dtype), _query(rng, size)
+    out = np.zeros((rows, size), NP_DTYPES[dtype])
+    result = _run(_compiled("main", num_sources, size, dtype), *srcs, w, out)[-1].numpy()
+    assert result.dtype == NP_DTYPES[dtype]
+    _assert_close(result, reference(srcs, w, 1e-6, num_sources), dtype)
+
+
+def test_eps_scale_and_large_logits():
+    rng = np.random.default_rng(1)
+    srcs = _sources(rng, 5, 130, 77, "float32")
+    w = (4 * rng.standard_normal(77)).astype(np.float32)  # logits up to ~80: exp needs the max subtracted
+    out = np.zeros((130, 77), np.float32)
+    result = _run(_compiled("main", 5, 77, "float32", 0.5, 1.0), *srcs, w, out)[-1].numpy()
+    _assert_close(result, reference(srcs, w, 0.5, 1.0), "float32")
+
+
+def test_all_zero_sources():
+    rng = np.random.default_rng(2)
+    srcs, w = _sources(rng, 4, 130, 77, "float32"), _query(rng, 77)
+    srcs[1][:] = 0
+    srcs[3][:] = 0
+    out = np.zeros((130, 77), np.float32)
+    module = _compiled("main", 4, 77, "float32")
+    result = _run(module, *srcs, w, out)[-1].numpy()
+    _assert_close(result, reference(srcs, w, 1e-6, 4), "float32")
+    zeros = [np.zeros_like(s) for s in srcs]
+    assert not np.any(_run(module, *zeros, w, out)[-1].numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_two_phase_matches_reference(dtype):
+    """Phase 1 over J completed blocks for B queries, then phase 2 per site with its own extra
+    sources, equals the single-pass op over all J + E sources."""
+    num_blocks, num_queries, num_extra, rows, size = 3, 2, 2, 130, 77
+    rng = np.random.default_rng(3)
+    blocks = _sources(rng, num_blocks, rows, size, dtype)
+    queries = np.stack([_query(rng, size) for _ in range(num_queries)])
+    m = np.zeros((num_queries, rows), np.float32)
+    l = np.zeros_like(m)
+    acc = np.zeros((num_queries, rows, size), np.float32)
+    partial = _compiled("partial", num_blocks, num_queries, size, dtype)
+    *_, m_t, l_t, acc_t = _run(partial, *blocks, queries, m, l, acc)
+    m, l, acc = m_t.numpy(), l_t.numpy(), acc_t.numpy()
+    scale = float(num_blocks + num_extra)
+    merge = _compiled("merge", num_extra, size, dtype, 1e-6, scale)
+    for q in range(num_queries):
+        extra = _sources(rng, num_extra, rows, size, dtype)
+        out = np.zeros((rows, size), NP_DTYPES[dtype])
+        result = _run(merge, m[q], l[q], acc[q], *extra, queries[q], out)[-1].numpy()
+        _assert_close(result, reference(blocks + extra, queries[q], 1e-6, scale), dtype)
+
+
+def test_cpu_schedule_keeps_per_row_state_only():
+    """After buffer compaction every intermediate is a constant, at most one-row allocation:
+    the online-softmax state and partial sums are per row, never a stacked [S, rows, D] copy."""
+    func = schedule_cpu(depth_attention_func(9, 77), host_target(2))
+    passes = tvm.s_tir.transform
+    lower = tvm.ir.transform.Sequential(
+        [
+            passes.LowerInitBlock(),
+            passes.PlanAndUpdateBufferAllocationLocation(),
+            passes.ConvertBlocksToOpaque(),
+            passes.CompactBufferAllocation(),
+            passes.LowerOpaqueBlock(),
+            tvm.tirx.transform.FlattenBuffer(),
+        ]
+    )
+    script = lower(tvm.IRModule({"main": func}))["main"].script()
+    shapes = re.findall(r"T\.alloc_buffer\(\(([^)]*)\)", script)
+    assert len(shapes) >= 9 * 4
+    for shape in shapes:
+        dims = [d.strip() for d in shape.split(",") if d.strip()]
+        assert all(d.isdigit() for d in dims), shape
+        assert np.prod([int(d) for d in dims]) <= 77, shape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_builds_and_compiles_with_nvcc(dtype):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: cannot compile the generated CUDA source")
+    from tvm.support import nvcc
+
+    target = tvm.target.Target(CUDA)
+    funcs = [depth_attention_func(9, 1024, dtype), depth_attention_func(3, 77, dtype)]
+    if dtype == "float32":
+        funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype)]
+    for func in funcs:
+        module = build(func, target)
+        (device,) = [m for m in module.mod.imports if m.kind == "cuda"]
+        source = device.inspect_source()
+        assert "__global__" in source and "__shfl_down_sync" in source
+        with target:
+            fatbin = nvcc.compile_cuda(source, target_format="fatbin", compiler="nvcc")
+        assert len(fatbin) > 0
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        depth_attention_func(0, 64)
+    with pytest.raises(ValueError):
+        depth_attention_func(2, 64, "int8")
+    with pytest.raises(ValueError):
+        depth_attention_partial_func(2, 0, 64)

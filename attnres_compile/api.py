@@ -11,11 +11,12 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .config import AttnResConfig
-from .errors import ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError, TraceError, first_line
+from .errors import InputError, TraceError, first_line
 from .passes import verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
 from .passes.fx_view import tensor_meta, view_from_fx
+from .plan_checks import as_config, has_work, plan_notes, split_inputs
 from .report import Report, build
 
 
@@ -37,18 +38,6 @@ class Traced:
     notes: list[str]
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple | None, dict]:
-    if example_inputs is None:
-        return None, {}
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise InputError(f"example_inputs must be a tensor, a tuple of args or a dict of kwargs, got {type(example_inputs).__name__}")
-
-
 def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) -> Traced:
     """A private GraphModule copy of `model` with shape metadata, and how it was obtained.
 
@@ -56,7 +45,7 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
     torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`. GraphModule: a copy,
     shape-propagated from `example_inputs` if its nodes carry no shapes.
     """
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     if isinstance(model, torch.export.ExportedProgram):
         return Traced(copy.deepcopy(model.module()), "ExportedProgram", args, kwargs, [])
     if isinstance(model, fx.GraphModule):
@@ -104,10 +93,10 @@ def _analyze(traced: Traced, config: AttnResConfig):
 
 def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, dynamic_shapes: Any = None) -> Report:
     """Analyse `model` and report its residual chains, sites and skipped adds, without rewriting."""
-    config = _config(config)
+    config = as_config(config)
     traced = trace(model, example_inputs, dynamic_shapes)
     view, plan = _analyze(traced, config)
-    return build(plan, view, config, traced.source, notes=traced.notes + _existing_note(plan))
+    return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan))
 
 
 def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
@@ -119,54 +108,18 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     with tol 1e-5 in preserve mode (fp32), 1e-3 in paper mode (PreNorm models differ through
     the norms' eps only); function-changing rewrites are reported without a verdict.
     """
-    config = _config(config)
+    config = as_config(config)
     traced = trace(model, example_inputs, dynamic_shapes)
     gm = traced.graph_module
     view, plan = _analyze(traced, config)
-    dynamic = [c for c in plan.chains if isinstance(c.feature_size, str) and len(c.links) >= config.min_chain]
-    if dynamic:
-        raise DynamicFeatureAxisError(
-            f"chain {dynamic[0].index} (root {dynamic[0].root}) has a dynamic feature axis ({dynamic[0].feature_size}): "
-            "export with a static feature size or set feature_axis"
-        )
-    if not plan.to_rewrite:
-        if plan.existing_sites:
-            report = build(plan, view, config, traced.source, notes=traced.notes + _existing_note(plan))
-            return RewriteResult(gm, report, modified=False)
-        raise NoResidualChainError(_no_chain_message(plan, config))
+    if not has_work(plan, config):
+        return RewriteResult(gm, build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan)), modified=False)
     sites = apply_plan(gm, plan, config)
     verification = None
     if verify_outputs and traced.args is not None:
         original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
         expected, actual = verify.run_both(original, gm, traced.args, traced.kwargs)
         changes = any(c.changes_function for c in plan.to_rewrite)
-        if changes:
-            verification = verify.compare(expected, actual, None)
-        elif config.scale == "preserve":
-            verification = verify.compare(expected, actual, verify.ATOL, verify.RTOL)
-        else:
-            verification = verify.compare(expected, actual, verify.PAPER_TOL, verify.PAPER_TOL)
+        verification = verify.compare(expected, actual, *verify.tolerance(config.scale, changes))
     report = build(plan, view, config, traced.source, sites, verification, traced.notes)
     return RewriteResult(gm, report, modified=True)
-
-
-def _config(config: AttnResConfig | None) -> AttnResConfig:
-    if config is None:
-        return AttnResConfig()
-    if not isinstance(config, AttnResConfig):
-        raise ConfigError(f"config must be an AttnResConfig, got {type(config).__name__}")
-    return config
-
-
-def _existing_note(plan) -> list[str]:
-    if plan.existing_sites and not plan.to_rewrite:
-        return [f"already rewritten: {len(plan.existing_sites)} depth_attention sites found and no residual chain left; nothing to do"]
-    return []
-
-
-def _no_chain_message(plan, config: AttnResConfig) -> str:
-    links = sum(len(c.links) for c in plan.chains)
-    reasons = sorted({c.reason for c in plan.chains if c.reason})
-    why = f"; chains skipped: {reasons[0]}" if reasons else ""
-    return (f"no residual chain to rewrite: {plan.adds_total} adds, {links} residual links, "
-            f"{len(plan.chains)} chains (min_chain={config.min_chain}){why}; run inspect for the full report")

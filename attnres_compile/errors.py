@@ -53,3 +53,33 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
     line = f"{type(exc).__name__}: {line}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class NotOnnxError(InputError):
+    """The input file is not an ONNX model (it does not parse as one)."""
+
+    exit_code = 8
+
+
+class CorruptModelError(InputError):
+    """The ONNX model is truncated or damaged (it parses partly, or fails the checker)."""
+
+    exit_code = 9
+
+
+class ExternalDataError(InputError):
+    """A tensor's external data file (`<name>.onnx.data`) is missing or unreadable."""
+
+    exit_code = 10
+
+
+class OutputPathError(AttnResError):
+    """The output path is the input itself, or exists, and --force was not given."""
+
+    exit_code = 11
+
+
+class UnsupportedOpsetError(InputError):
+    """The model's ONNX opset is outside the range the rewrite supports."""
+
+    exit_code = 12

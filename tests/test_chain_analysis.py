@@ -90,7 +90,7 @@ def test_non_residual_adds_and_their_reasons():
     reasons = [s.reason for s in plan.skipped_adds]
     assert reasons == [
         "no operand that every other operand depends on (e.g. tok + pos, a mask, a projection shortcut)",
-        "operand n3 is a constant (bias, parameter or positional table)",
+        "an operand is a constant (bias, parameter or positional table)",
         "adds a scalar constant (eps, offset)",
         "skip shape [2, 8, 16] and branch shape [2, 8, 1] differ",
         "not a plain sum (alpha != 1)",

@@ -83,9 +83,8 @@ def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> 
         return "adds a scalar constant (eps, offset)"
     if len(terms) < 2:
         return "adds a single tensor operand"
-    const = [t for t in terms if nodes[t]["const"]]
-    if const:
-        return f"operand {const[0]} is a constant (bias, parameter or positional table)"
+    if any(nodes[t]["const"] for t in terms):
+        return "an operand is a constant (bias, parameter or positional table)"
     paths = {t: _value_path(g, t) for t in terms}
     if len({p[-1] for p in paths.values()}) < len(terms):
         return "two operands are the same value (x + x is a scaling, not a residual)"

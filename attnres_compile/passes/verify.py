@@ -12,6 +12,15 @@ RTOL = 1e-5
 PAPER_TOL = 1e-3  # paper mode on PreNorm models differs through the norms' eps only (abs and rel)
 
 
+def tolerance(scale: str, changes_function: bool) -> tuple[float | None, float]:
+    """(atol, rtol) of the verdict for a rewrite: none (None) when it changes the function."""
+    if changes_function:
+        return None, RTOL
+    if scale == "preserve":
+        return ATOL, RTOL
+    return PAPER_TOL, PAPER_TOL
+
+
 def compare(expected: Any, actual: Any, atol: float | None, rtol: float = RTOL) -> list[dict]:
     """Per floating output leaf: max abs error, max rel error (max abs / max |ref|), and whether max_abs <= atol + rtol*max|ref|.
 

@@ -1,0 +1,146 @@
+"""onnxruntime backend: sessions, inputs built from a model's input signature, original vs rewritten.
+
+Inputs: symbolic dims get sizes (`--input-shape name:1x128` first, binding its symbols for
+every input that shares them; then 2 for a leading dim, 16 for the others); float inputs are
+standard normal, integer inputs named like a mask are ones, integer inputs that index an
+embedding table (Gather on an initializer) are uniform below the table size, others zero.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from ..errors import ConfigError
+from ..passes import verify
+
+DEFAULT_BATCH = 2
+DEFAULT_DIM = 16
+SHAPE_SPEC = re.compile(r"^(?P<name>.+):(?P<dims>\d+(?:x\d+)*|)$")
+
+
+def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """{"name": (1, 128)} from ["name:1x128", ...] (a scalar input is "name:")."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs or []:
+        m = SHAPE_SPEC.match(spec)
+        if m is None:
+            raise ConfigError(f"--input-shape {spec!r} is not of the form name:1x128")
+        shapes[m["name"]] = tuple(int(d) for d in m["dims"].split("x")) if m["dims"] else ()
+    return shapes
+
+
+def session(path: str | os.PathLike) -> ort.InferenceSession:
+    """A CPU session for the model at `path` (external data is read from beside it)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    """Graph inputs used as Gather indices into an initializer: input -> the table's size on that axis."""
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input}
+    bounds: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in inputs and node.input[0] in dims:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            size = dims[node.input[0]][axis]
+            bounds[node.input[1]] = min(size, bounds.get(node.input[1], size))
+    return bounds
+
+
+def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    """Concrete shapes for every input of `sess`: overrides first, then sizes for the remaining symbols."""
+    overrides = dict(overrides or {})
+    inputs = {i.name: i.shape for i in sess.get_inputs()}
+    unknown = sorted(set(overrides) - set(inputs))
+    if unknown:
+        raise ConfigError(f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are {sorted(inputs)}")
+    symbols: dict[str, int] = {}
+    for name, given in overrides.items():
+        declared = inputs[name]
+        if len(given) != len(declared):
+            raise ConfigError(f"--input-shape {name}: {len(given)} dims given, the input has rank {len(declared)} {declared}")
+        for d, size in zip(declared, given):
+            if isinstance(d, int) and d != size:
+                raise ConfigError(f"--input-shape {name}: dim {d} is static, got {size}")
+            if isinstance(d, str):
+                if symbols.setdefault(d, size) != size:
+                    raise ConfigError(f"--input-shape gives {d} two sizes: {symbols[d]} and {size}")
+    shapes = {}
+    for name, declared in inputs.items():
+        if name in overrides:
+            shapes[name] = overrides[name]
+            continue
+        shape = []
+        for axis, d in enumerate(declared):
+            default = DEFAULT_BATCH if axis == 0 else DEFAULT_DIM
+            shape.append(d if isinstance(d, int) else symbols.setdefault(d, default) if isinstance(d, str) else default)
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: dict | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for every input of `sess` (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    bounds = index_bounds(model)
+    shapes = input_shapes(sess, overrides)
+    feeds = {}
+    for inp in sess.get_inputs():
+        dtype = _np_type(inp.type)
+        shape = shapes[inp.name]
+        if np.issubdtype(dtype, np.floating):
+            feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_ or "mask" in inp.name.lower():
+            feeds[inp.name] = np.ones(shape, dtype)
+        elif inp.name in bounds:
+            feeds[inp.name] = rng.integers(0, bounds[inp.name], shape).astype(dtype)
+        else:
+            feeds[inp.name] = np.zeros(shape, dtype)
+    return feeds
+
+
+def _np_type(ort_type: str) -> np.dtype:
+    name = ort_type.removeprefix("tensor(").removesuffix(")")
+    table = {"float": np.float32, "double": np.float64, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+             "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "int16": np.int16}
+    if name not in table:
+        raise ConfigError(f"cannot build a test input of type {ort_type}")
+    return np.dtype(table[name])
+
+
+def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{output name: array} of one run."""
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance: tuple) -> list[dict]:
+    """verify.compare per floating output with `tolerance` = (atol or None for no verdict, rtol); rows named by output."""
+    atol, rtol = tolerance
+    rows = []
+    for name, ref in expected.items():
+        if name not in actual:
+            rows.append({"output": name, "ok": False, "error": "missing from the rewritten model's outputs"})
+            continue
+        for row in verify.compare(torch.from_numpy(np.asarray(ref)), torch.from_numpy(np.asarray(actual[name])), atol, rtol):
+            rows.append({**row, "output": name})
+    return rows
+
+
+def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tolerance: tuple,
+                  overrides: dict | None = None, seed: int = 0) -> tuple[list[dict], dict[str, tuple]]:
+    """Run both models on the same generated inputs; per-output rows and the input shapes used."""
+    ref_sess = session(original)
+    model = onnx.load(str(original), load_external_data=False)
+    feeds = make_inputs(ref_sess, model, overrides, seed)
+    expected = run(ref_sess, feeds)
+    del ref_sess
+    actual = run(session(rewritten), feeds)
+    return compare_outputs(expected, actual, tolerance), {k: tuple(v.shape) for k, v in feeds.items()}

@@ -1,0 +1,145 @@
+"""The ONNX side of the API: inspect and rewrite ONNX files, export PyTorch models to AttnRes ONNX.
+
+Same analysis (chain_analysis.py), same report (report.py) and same verdicts as `api.py`;
+verification runs original and rewritten in onnxruntime on the same generated inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .api import rewrite
+from .config import AttnResConfig
+from .errors import AttnResError, InputError, OutputPathError, first_line
+from .passes import onnx_io, verify
+from .passes.chain_analysis import analyze
+from .passes.onnx_function import default_opset
+from .passes.onnx_rewrite import apply_plan
+from .passes.onnx_view import view_from_onnx
+from .plan_checks import as_config, has_work, plan_notes, split_inputs
+from .report import Report, build
+
+
+@dataclass
+class OnnxRewriteResult:
+    """`report`; `written`: the files written (the model, and its .data when weights are external)."""
+
+    report: Report
+    written: list[Path] = field(default_factory=list)
+
+
+def _notes(model, path: Path) -> list[str]:
+    producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "unknown producer"
+    return [f"{path.name}: {producer}, opset {default_opset(model)}, IR version {model.ir_version}"]
+
+
+def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None) -> Report:
+    """Analyse the ONNX file at `path`: chains, links, sources, sites and skipped adds (no rewrite)."""
+    config = as_config(config)
+    path = Path(path)
+    model = onnx_io.load(path, with_data=False)
+    view = view_from_onnx(model)
+    plan = analyze(view, config)
+    return build(plan, view, config, "onnx", notes=_notes(model, path) + plan_notes(plan))
+
+
+def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
+                 verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                 force: bool = False) -> OnnxRewriteResult:
+    """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
+
+    Weights stay external (`<output>.data`) when the input kept them external, or when large.
+    With `verify_outputs`, the staged output and the input run in onnxruntime before the
+    output is put in place: preserve mode must match to 1e-5. An existing output, or one that
+    would replace a file of the input, is refused unless `force`.
+    """
+    config = as_config(config)
+    path, output = Path(path), Path(output)
+    model = onnx_io.load(path, with_data=False)
+    _check_output(onnx_io.input_files(model, path), output, force)
+    notes = _notes(model, path)
+    view = view_from_onnx(model)
+    plan = analyze(view, config)
+    if not has_work(plan, config):
+        return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + plan_notes(plan) + ["no file written"]))
+    external = bool(onnx_io.external_tensors(model))
+    onnx_io.load_data(model, path)
+    sites = apply_plan(model, plan, config, view)
+    verification = None
+    with onnx_io.staged(output) as stage:
+        onnx_io.write(model, stage.path, external)
+        if verify_outputs:
+            from .backends import onnxruntime as ort_backend
+
+            tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+            try:
+                verification, shapes = ort_backend.compare_files(path, stage.path, tolerance, input_shapes)
+            except AttnResError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an onnxruntime failure, reported in one line
+                raise AttnResError(f"onnxruntime could not run the original and rewritten models ({first_line(exc)}); "
+                                   "nothing written; verify_outputs=False (--no-verify) skips the check") from None
+            notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
+    return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
+
+
+def _check_output(inputs: list[Path], output: Path, force: bool) -> None:
+    """Refuse, unless `force`, an output that replaces a file of the input (11) or any existing file (6)."""
+    if force:
+        return
+    targets = [output, output.parent / onnx_io.data_file_name(output)]
+    clash = next(((t, i) for t in targets for i in inputs if _same_file(t, i)), None)
+    if clash:
+        raise OutputPathError(f"output {output} would replace the input's {clash[1]}: choose another path, "
+                              "or pass --force to replace it")
+    if output.exists():
+        raise InputError(f"output {output} exists: pass --force to overwrite it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
+                verify_outputs: bool = True) -> OnnxRewriteResult:
+    """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
+
+    Inputs are traced with every dim dynamic where torch.export allows (Dim.AUTO). With
+    `verify_outputs`, the torch comparison of api.rewrite is followed by rows "onnxruntime:<output>":
+    the exported file in onnxruntime against the original PyTorch model on the example inputs.
+    """
+    from .passes.onnx_export import auto_dynamic_shapes, export
+
+    config = as_config(config)
+    args, kwargs = split_inputs(example_inputs)
+    dynamic = auto_dynamic_shapes(args, kwargs) if args is not None else None
+    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=dynamic)
+    with onnx_io.staged(output) as stage:
+        onnx_io.write(export(result.graph_module, args or (), kwargs, dynamic), stage.path)
+        if verify_outputs and args is not None:
+            tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
+            rows = _verify_export(model, args, kwargs, stage.path, tolerance)
+            result.report.data["verification"] = (result.report.data["verification"] or []) + rows
+    return OnnxRewriteResult(result.report, stage.written)
+
+
+def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple) -> list[dict]:
+    """The exported file in onnxruntime against the original PyTorch model, output by output."""
+    from .backends import onnxruntime as ort_backend
+
+    original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+    with torch.no_grad():
+        expected = [t for t in pytree.tree_leaves(original(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    sess = ort_backend.session(output)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    actual = ort_backend.run(sess, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), tensors)})
+    names = [f"onnxruntime:{n}" for n in actual]
+    return ort_backend.compare_outputs(dict(zip(names, (e.numpy() for e in expected))), dict(zip(names, actual.values())), tolerance)

@@ -1,0 +1,211 @@
+"""ONNX frontend: the neutral view (graph_view.py) of an ONNX graph.
+
+One view node per value (node output, graph input, initializer), named by the value, so a
+plan's names are the graph's value names. Ops are classified structurally, never by name:
+
+    Add, Sum                                   ADD
+    Identity, inference Dropout, Cast/CastLike to the same type   PASSTHROUGH
+    Reshape keeping the last dimension whole   LAYOUT
+    initializers, Constant, Shape, Size        CONST (Shape/Size carry sizes, no data)
+    attnres.DepthAttention                     DEPTH_ATTENTION
+    graph inputs                               INPUT
+
+Shapes come from shape inference (`infer_shapes`) on top of the file's own value_info;
+symbolic dims are their names, unknown dims a per-value token that equals no other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import networkx as nx
+import onnx
+import onnx.inliner
+from onnx import TensorProto
+
+from ..errors import CorruptModelError
+from .graph_view import Kind, ViewNode, build_view
+from .onnx_function import DOMAIN, OP_TYPE
+
+STANDARD_DOMAINS = ("", "ai.onnx")
+OUTPUT_SINK = "<graph outputs>"
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with inferred value_info: onnxruntime's symbolic shape inference, else ONNX's.
+
+    The symbolic one (sympy) keeps one symbol per dim through Shape/Gather/Concat/Reshape
+    arithmetic, so the skip and branch of a residual add in a legacy export have equal shapes
+    where ONNX's own inference invents a fresh `unk__N` after every computed Reshape. It does
+    not know local functions, so it runs on a copy with them inlined (site outputs keep their
+    names). Shape inference is best effort: values left without a shape are reported as such.
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        source = onnx.inliner.inline_local_functions(model) if model.functions else model
+        with _quiet("onnxruntime.tools.symbolic_shape_infer"):
+            inferred = SymbolicShapeInference.infer_shapes(source, auto_merge=True, guess_output_rank=True)
+        if inferred is not None:
+            return inferred
+    except Exception:  # noqa: BLE001 - fall back to ONNX's inference
+        pass
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001
+        return model
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def value_types(graph: onnx.GraphProto) -> dict[str, tuple[int, tuple | None]]:
+    """name -> (elem_type, shape) for every typed value of `graph` (shape dims: int, str or None)."""
+    types: dict[str, tuple[int, tuple | None]] = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        t = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type"):
+            continue
+        shape = tuple(_dim(d) for d in t.shape.dim) if t.HasField("shape") else None
+        types[vi.name] = (t.elem_type, shape)
+    for init in graph.initializer:
+        types[init.name] = (init.data_type, tuple(init.dims))
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in STANDARD_DOMAINS:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                types[node.output[0]] = (value.data_type, tuple(value.dims))
+    return types
+
+
+def _dim(d) -> int | str | None:
+    if d.HasField("dim_value"):
+        return d.dim_value
+    if d.HasField("dim_param"):
+        return d.dim_param
+    return None
+
+
+def _shape(name: str, types: dict) -> tuple | None:
+    shape = types.get(name, (None, None))[1]
+    if shape is None:
+        return None
+    return tuple(f"?{name}[{i}]" if d is None else d for i, d in enumerate(shape))
+
+
+def _dtype(name: str, types: dict) -> str | None:
+    elem = types.get(name, (None, None))[0]
+    return TensorProto.DataType.Name(elem).lower() if elem else None
+
+
+def _numel_one(name: str, types: dict, consts: set[str]) -> bool:
+    shape = types.get(name, (None, None))[1]
+    return name in consts and shape is not None and all(d == 1 for d in shape)
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _is_passthrough(node: onnx.NodeProto, types: dict) -> bool:
+    """Value-preserving on its first input: Identity, inference Dropout, same-type casts."""
+    op = node.op_type
+    if op == "Identity":
+        return True
+    if op == "Dropout":
+        training = node.input[2] if len(node.input) > 2 else ""
+        return not training  # a training_mode input makes it data-dependent; without one it is identity
+    if op in ("Cast", "CastLike"):
+        src = types.get(node.input[0], (None, None))[0]
+        dst = _attr(node, "to") if op == "Cast" else types.get(node.input[1], (None, None))[0]
+        return bool(src) and src == dst
+    return False
+
+
+def _is_layout(node: onnx.NodeProto, types: dict) -> bool:
+    """A Reshape that keeps the last (feature) axis whole: [B, T, D] <-> [B*T, D]."""
+    if node.op_type != "Reshape":
+        return False
+    shape_in, shape_out = types.get(node.input[0], (0, None))[1], types.get(node.output[0], (0, None))[1]
+    return bool(shape_in) and bool(shape_out) and isinstance(shape_in[-1], int) and shape_in[-1] == shape_out[-1]
+
+
+def subgraph_reads(node: onnx.NodeProto) -> list[str]:
+    """Outer-scope values read by the subgraphs (If/Loop/Scan bodies) of `node`."""
+    reads: list[str] = []
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            defined = {v.name for v in g.input} | {i.name for i in g.initializer}
+            for n in g.node:
+                reads += [i for i in [*n.input, *subgraph_reads(n)] if i and i not in defined]
+                defined.update(n.output)
+    return list(dict.fromkeys(reads))
+
+
+def _kind(node: onnx.NodeProto, types: dict) -> Kind:
+    if node.domain == DOMAIN and node.op_type == OP_TYPE:
+        return Kind.DEPTH_ATTENTION
+    if node.domain not in STANDARD_DOMAINS:
+        return Kind.OP
+    if node.op_type in ("Constant", "Shape", "Size"):
+        return Kind.CONST
+    if node.op_type in ("Add", "Sum"):
+        return Kind.ADD
+    if _is_passthrough(node, types):
+        return Kind.PASSTHROUGH
+    if _is_layout(node, types):
+        return Kind.LAYOUT
+    return Kind.OP
+
+
+def view_nodes(model: onnx.ModelProto) -> list[ViewNode]:
+    """The ViewNodes of `model.graph` in topological order (the order ONNX requires)."""
+    graph = model.graph
+    types = value_types(infer_shapes(model).graph)  # types only: shape inference may have inlined functions
+    initializers = [i.name for i in graph.initializer]
+    consts = set(initializers)
+    out: list[ViewNode] = []
+    for name in initializers:
+        out.append(ViewNode(name, Kind.CONST, "initializer", [], _shape(name, types), _dtype(name, types)))
+    for vi in graph.input:
+        if vi.name not in consts:
+            out.append(ViewNode(vi.name, Kind.INPUT, "input", [], _shape(vi.name, types), _dtype(vi.name, types)))
+    defined = {n.name for n in out}
+    for node in graph.node:
+        kind = _kind(node, types)
+        inputs = [i for i in node.input if i] + [i for i in subgraph_reads(node) if i not in node.input]
+        missing = [i for i in inputs if i not in defined]
+        if missing:
+            raise CorruptModelError(f"node {node.name or node.op_type} reads {missing[0]!r}, which no earlier node, "
+                                    "input or initializer defines (the graph is not topologically sorted or is damaged)")
+        target = node.op_type if node.domain in STANDARD_DOMAINS else f"{node.domain}.{node.op_type}"
+        scalar = kind == Kind.ADD and (len(inputs) < 2 or any(_numel_one(i, types, consts) for i in inputs))
+        is_const = kind == Kind.CONST or (bool(inputs) and all(i in consts for i in inputs))
+        for index, value in enumerate(node.output):
+            if not value:
+                continue
+            value_kind = kind if index == 0 or kind == Kind.CONST else Kind.OP  # e.g. Dropout's mask
+            if is_const:
+                consts.add(value)
+            defined.add(value)
+            out.append(ViewNode(value, value_kind, target, inputs, _shape(value, types), _dtype(value, types),
+                                scalar=scalar and value_kind == Kind.ADD))
+    out.append(ViewNode(OUTPUT_SINK, Kind.OUTPUT, "output", [o.name for o in graph.output]))
+    return out
+
+
+def view_from_onnx(model: onnx.ModelProto) -> nx.DiGraph:
+    """The neutral view of `model.graph` (node names are the ONNX value names)."""
+    return build_view(view_nodes(model))

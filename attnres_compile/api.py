@@ -15,6 +15,7 @@ from .errors import InputError, TraceError, first_line
 from .passes import verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
+from .passes.fx_mode import make_mode_switchable
 from .passes.fx_view import tensor_meta, view_from_fx
 from .plan_checks import as_config, has_work, plan_notes, split_inputs
 from .report import Report, build
@@ -47,7 +48,7 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
     """
     args, kwargs = split_inputs(example_inputs)
     if isinstance(model, torch.export.ExportedProgram):
-        return Traced(copy.deepcopy(model.module()), "ExportedProgram", args, kwargs, [])
+        return Traced(make_mode_switchable(copy.deepcopy(model.module()), False), "ExportedProgram", args, kwargs, [])
     if isinstance(model, fx.GraphModule):
         gm = copy.deepcopy(model)
         _ensure_shapes(gm, args, kwargs)
@@ -60,7 +61,7 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
     model = copy.deepcopy(model)
     try:
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-        return Traced(ep.module(), "torch.export", args, kwargs, notes)
+        return Traced(make_mode_switchable(ep.module(), model.training), "torch.export", args, kwargs, notes)
     except Exception as export_exc:  # noqa: BLE001 - any tracer failure falls back, then is reported
         try:
             gm = fx.symbolic_trace(model)

@@ -5,8 +5,8 @@ A model is an ONNX file (a path ending in .onnx, or any existing file) or a
 0 ok, 1 other error, 2 bad arguments or config, 3 the model could not be traced, 4 no residual
 chain, 5 dynamic feature axis, 6 bad input (missing file, bad factory, output exists without
 --force), 7 preserve-mode verification failed, 8 not an ONNX file, 9 truncated or corrupt ONNX
-model, 10 missing or truncated external data, 11 output would replace the input or its data (without --force),
-12 unsupported ONNX opset.
+model, 10 external data missing, truncated, malformed or outside the model's folder (refused, never
+read), 11 output would replace the input or its data (without --force), 12 unsupported ONNX opset.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import importlib
 import io
+import json
 import logging
 import os
 import sys
@@ -33,8 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     model_help = "MODEL.onnx, or package.module:factory (a callable returning (model, example_inputs))"
 
     ins = sub.add_parser("inspect", help="report residual chains, sites and skipped adds")
-    ins.add_argument("model", help=model_help)
+    ins.add_argument("model", nargs="?", help=model_help)
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.add_argument("--weights", metavar="CHECKPOINT.pt2",
+                     help="instead: depth-attention weights of a saved rewritten model (heatmap, collapse flags)")
+    ins.add_argument("--heatmap", metavar="OUT.png", help="with --weights: where to write the heatmap "
+                     "(default: beside the checkpoint, .png)")
     _config_args(ins)
 
     rw = sub.add_parser("rewrite", help="rewrite a model to AttnRes and verify it")
@@ -113,6 +118,10 @@ def atomic_write(path: Path, write) -> None:
 
 
 def _inspect(args) -> int:
+    if args.weights:
+        return _inspect_weights(args)
+    if not args.model:
+        raise ConfigError("inspect needs MODEL (an .onnx file or package.module:factory) or --weights CHECKPOINT.pt2")
     if is_onnx_path(args.model):
         from .onnx_api import inspect_onnx
 
@@ -123,6 +132,22 @@ def _inspect(args) -> int:
         model, example = load_factory(args.model)
         report = inspect(model, example, _config(args))
     print(report.to_json() if args.json else report)
+    return 0
+
+
+def _inspect_weights(args) -> int:
+    """Per-site depth-attention weights of a saved rewritten model, as a table (or JSON) and a heatmap."""
+    from .monitor import format_stats, inspect_weights
+
+    checkpoint = Path(args.weights)
+    if not checkpoint.is_file():
+        raise InputError(f"checkpoint {checkpoint} does not exist: pass a .pt2 written by `attnres-compile rewrite -o X.pt2`")
+    result = inspect_weights(checkpoint, out=args.heatmap or checkpoint.with_suffix(".png"))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_stats(result["stats"], result["collapse"]))
+        print(f"heatmap: {result['heatmap']}")
     return 0
 
 
@@ -203,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback without --debug
         if args.debug:
             traceback.print_exc()
-        if isinstance(exc, AttnResError):
-            print(f"attnres-compile: error: {exc}", file=sys.stderr)
+        if isinstance(exc, AttnResError):  # one line even when a name from the model holds a newline
+            print(f"attnres-compile: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return exc.exit_code
         print(f"attnres-compile: error: {first_line(exc)} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1

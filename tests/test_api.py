@@ -31,6 +31,18 @@ def test_gpt_state_dict_names_and_training_step():
     assert all(not torch.equal(before[q], after[q]) for q in queries)
 
 
+def test_train_and_eval_switch_dropout():
+    """ExportedProgram.module() refuses train()/eval(); the rewritten module switches its dropout."""
+    model, inputs = hf_models.gpt2_factory()
+    gm = ac.rewrite(model, inputs).graph_module
+    assert not gm.training
+    gm.train()
+    assert gm.training and not torch.equal(gm(**inputs).logits, gm(**inputs).logits)
+    gm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**inputs).logits, model(**inputs).logits, atol=1e-5, rtol=0)
+
+
 def test_state_dict_round_trip(tmp_path):
     model, inputs = hf_models.llama_factory()
     gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="block", num_blocks=2)).graph_module

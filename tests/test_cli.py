@@ -144,6 +144,11 @@ def test_factory_to_onnx_and_pt2(tmp_path, capsys):
     assert all(d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim)
     assert main(["rewrite", "samples.models:parallel_gpt_factory", "-o", str(tmp_path / "p.pt2")]) == 0
     assert (tmp_path / "p.pt2").is_file() and "✓" in capsys.readouterr().out
+    assert main(["inspect", "--weights", str(tmp_path / "p.pt2"), "--heatmap", str(tmp_path / "w.png"), "--json"]) == 0
+    weights = json.loads(capsys.readouterr().out)
+    assert [s["site"] for s in weights["stats"]["sites"]] == [1, 2, 3, 4]
+    assert all(abs(sum(s["weights"]) - 1) < 1e-5 for s in weights["stats"]["sites"])
+    assert (tmp_path / "w.png").stat().st_size > 0
 
 
 def test_output_equal_to_input_needs_force(gpt_onnx, tmp_path):

@@ -1,0 +1,130 @@
+"""The rewritten GraphModule trained under torch.distributed: DDP and FSDP2 (`fully_shard`), gloo, CPU.
+
+Every process builds the same seeded GPT, rewrites it to AttnRes and trains it on its shard of
+each global batch. `reference` trains the same rewritten model in one process on the whole
+global batch, as `world` micro-batches whose mean loss is backpropagated (the rewritten module
+is traced at the micro-batch shape), so the losses and the final pseudo-queries must agree to
+float tolerance. FSDP2 shards the root module only: the fx graph reads every parameter directly
+(get_attr), so submodules are never called and per-block `fully_shard` would not gather them.
+
+    python -m samples.train_distributed --modes ddp fsdp --world 2 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+
+from attnres_compile import AttnResConfig, rewrite
+from samples.models import GPT
+
+SIZE = dict(vocab=64, dim=32, layers=2, heads=2, seq=16, micro=4)
+
+
+def setup(variant: str, steps: int, world: int, seed: int = 0):
+    """The rewritten model and `steps` global batches (x, y) of `world * micro` sequences, all seeded."""
+    torch.manual_seed(seed)
+    model = GPT(vocab=SIZE["vocab"], dim=SIZE["dim"], layers=SIZE["layers"], heads=SIZE["heads"], max_len=SIZE["seq"]).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, SIZE["vocab"], (steps, world * SIZE["micro"], SIZE["seq"] + 1), generator=gen)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    config = AttnResConfig(variant=variant, num_blocks=2 if variant == "block" else None)
+    gm = rewrite(model, (batches[0][0][: SIZE["micro"]],), config).graph_module
+    return gm, batches
+
+
+def _step(gm, opt, pieces) -> torch.Tensor:
+    """One optimiser step on the mean loss over `pieces` [(x, y), ...]; returns that loss."""
+    loss = sum(F.cross_entropy(gm(x).flatten(0, 1), y.flatten()) for x, y in pieces) / len(pieces)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _queries(gm) -> dict[str, list[float]]:
+    out = {}
+    for name, p in gm.named_parameters():
+        if name.startswith("attnres."):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = full.detach().tolist()
+    return out
+
+
+def reference(variant: str = "full", steps: int = 5, world: int = 2, lr: float = 1e-2) -> dict:
+    """Single-process training on the whole global batches: {"losses", "queries"}."""
+    gm, batches = setup(variant, steps, world)
+    opt = torch.optim.Adam(gm.parameters(), lr=lr)
+    losses = [_step(gm, opt, list(zip(x.chunk(world), y.chunk(world)))).item() for x, y in batches]
+    return {"losses": losses, "queries": _queries(gm)}
+
+
+def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
+    """Train `gm` wrapped for `mode` on this rank's shards; {"losses" (averaged over ranks), "queries"}."""
+    if mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(gm)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(gm, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.Adam(wrapped.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        loss = _step(wrapped, opt, [(x.chunk(world)[rank], y.chunk(world)[rank])])
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return {"losses": losses, "queries": _queries(gm)}
+
+
+def _worker(rank: int, world: int, modes: list[str], variant: str, steps: int, lr: float, rendezvous: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        base, batches = setup(variant, steps, world)
+        results = {mode: _train(mode, copy.deepcopy(base), batches, rank, world, lr) for mode in modes}
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+        # Free the wrapped modules (FSDP2 state sits in reference cycles) while the interpreter is alive:
+        # gloo work objects destroyed during interpreter shutdown abort the process.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(modes=("ddp", "fsdp"), world: int = 2, variant: str = "full", steps: int = 5, lr: float = 1e-2) -> dict:
+    """Train under each of `modes` with `world` gloo processes (spawned); {mode: {"losses", "queries"}} from rank 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(world, list(modes), variant, steps, lr, os.path.join(tmp, "rendezvous"), out), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--variant", choices=["full", "block"], default="full")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+    ref = reference(args.variant, args.steps, args.world)
+    results = run(args.modes, args.world, args.variant, args.steps)
+    print(f"{'step':>4}{'single':>12}" + "".join(f"{m:>12}" for m in args.modes))
+    for i, loss in enumerate(ref["losses"]):
+        print(f"{i:>4}{loss:>12.6f}" + "".join(f"{results[m]['losses'][i]:>12.6f}" for m in args.modes))
+    return {"reference": ref, **results}
+
+
+if __name__ == "__main__":
+    main()

@@ -177,7 +177,6 @@ def _chains(g: nx.DiGraph, links: dict[str, Link], config: AttnResConfig) -> lis
     nodes = g.nodes
     ordered = sorted(links.values(), key=lambda l: nodes[l.result]["order"])
     preds: dict[str, tuple[str, list[str], list[str]]] = {}
-    successors: dict[str, list[str]] = {}
     for link in ordered:
         found = _predecessor(g, link, links)
         if found is None:
@@ -187,7 +186,7 @@ def _chains(g: nx.DiGraph, links: dict[str, Link], config: AttnResConfig) -> lis
         if any(nodes[p]["kind"] == Kind.LAYOUT for p in path) and axes != {-1}:
             continue  # a reshape is only layout-only for last-axis streams
         preds[link.result] = found
-        successors.setdefault(prev, []).append(link.result)
+    successors = _successors(preds)
     forks = {prev for prev, succ in successors.items() if len(succ) > 1}
     chains: list[Chain] = []
     for link in ordered:
@@ -201,6 +200,22 @@ def _chains(g: nx.DiGraph, links: dict[str, Link], config: AttnResConfig) -> lis
             stream.append(nxt)
         chains += _segments(g, stream, joins, config, len(chains))
     return chains
+
+
+def _successors(preds: dict[str, tuple[str, list[str], list[str]]]) -> dict[str, list[str]]:
+    """Each link result's continuations: of the links that walk back to it, those through the
+    fewest non-linear ops. A chain nested in a branch reaches the outer site through the
+    branch's own norm and projection on top of the outer join, so it does not fork the outer
+    stream. Dropped candidates are removed from `preds` and start streams of their own."""
+    by_prev: dict[str, list[str]] = {}
+    for result, (prev, _, _) in preds.items():
+        by_prev.setdefault(prev, []).append(result)
+    for prev, results in by_prev.items():
+        fewest = min(len(preds[r][2]) for r in results)
+        for result in [r for r in results if len(preds[r][2]) > fewest]:
+            del preds[result]
+            results.remove(result)
+    return by_prev
 
 
 def _segments(g: nx.DiGraph, stream: list[Link], joins: list[list[str]], config: AttnResConfig, start: int) -> list[Chain]:

@@ -138,7 +138,12 @@ def view_from_fx(gm: fx.GraphModule) -> nx.DiGraph:
     pos = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         kind = _kind(gm, node)
-        inputs = list(dict.fromkeys(node.all_input_nodes)) if kind != Kind.ADD else [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if kind == Kind.ADD:
+            inputs = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        elif kind in (Kind.PASSTHROUGH, Kind.LAYOUT):
+            inputs = [node.args[0]]  # the value; type_as's dtype reference and view sizes are not data
+        else:
+            inputs = list(dict.fromkeys(node.all_input_nodes))
         shape, dtype = tensor_meta(node)
         is_add = kind == Kind.ADD
         out.append(ViewNode(

@@ -1,4 +1,5 @@
-"""The `attnres-compile` command line: inspect and rewrite PyTorch factories and ONNX files.
+"""The `attnres-compile` command line: inspect and rewrite PyTorch factories and ONNX files;
+compile rewritten ONNX to TVM artifacts and run them (backends/tvm/cli.py).
 
 A model is an ONNX file (a path ending in .onnx, or any existing file) or a
 `package.module:factory` returning (model, example_inputs). Exit codes (docs/cli.md):
@@ -6,7 +7,8 @@ A model is an ONNX file (a path ending in .onnx, or any existing file) or a
 chain, 5 dynamic feature axis, 6 bad input (missing file, bad factory, output exists without
 --force), 7 preserve-mode verification failed, 8 not an ONNX file, 9 truncated or corrupt ONNX
 model, 10 external data missing, truncated, malformed or outside the model's folder (refused, never
-read), 11 output would replace the input or its data (without --force), 12 unsupported ONNX opset.
+read), 11 output would replace the input or its data (without --force), 12 unsupported ONNX opset,
+13 TVM import, lowering or build failed, 14 not a usable TVM artifact folder.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(rw)
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    from .backends.tvm.cli import add_commands
+
+    add_commands(sub)
     return p
 
 
@@ -224,7 +229,7 @@ def _rewrite_pt2(args, out: Path):
 def main(argv: list[str] | None = None) -> int:
     """Run one command; errors become one stderr line and their exit code (with --debug, also the traceback)."""
     args = _parser().parse_args(argv)
-    command = {"inspect": _inspect, "rewrite": _rewrite}[args.command]
+    command = getattr(args, "handler", None) or {"inspect": _inspect, "rewrite": _rewrite}[args.command]
     try:
         with contextlib.nullcontext() if args.debug else _quiet():
             return command(args)

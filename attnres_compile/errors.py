@@ -83,3 +83,15 @@ class UnsupportedOpsetError(InputError):
     """The model's ONNX opset is outside the range the rewrite supports."""
 
     exit_code = 12
+
+
+class CompileError(AttnResError):
+    """TVM could not import, lower or build the model (the frontend's or compiler's reason is included)."""
+
+    exit_code = 13
+
+
+class ArtifactError(InputError):
+    """A compiled artifact folder is missing, incomplete, or needs a device this machine lacks."""
+
+    exit_code = 14

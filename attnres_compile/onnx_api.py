@@ -6,6 +6,7 @@ verification runs original and rewritten in onnxruntime on the same generated in
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     plan = analyze(view, config)
     if not has_work(plan, config):
         return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + plan_notes(plan) + ["no file written"]))
+    if verify_outputs:
+        _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
     onnx_io.load_data(model, path)
     sites = apply_plan(model, plan, config, view)
@@ -87,6 +90,29 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                                    "nothing written; verify_outputs=False (--no-verify) skips the check") from None
             notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
     return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
+
+
+MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB while drawn as float64
+
+
+def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
+    """Refuse to verify when a generated input would be absurdly large (a static dim of 2**40, say),
+    before anything is allocated: symbolic dims count as their --input-shape size, else 16."""
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers and i.type.HasField("tensor_type")]
+    symbols = {}
+    for inp in inputs:
+        for d, size in zip(inp.type.tensor_type.shape.dim, overrides.get(inp.name, ())):
+            if d.HasField("dim_param"):
+                symbols.setdefault(d.dim_param, size)
+    for inp in inputs:
+        declared = inp.type.tensor_type.shape.dim
+        dims = overrides.get(inp.name) or [d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param, 16)
+                                           for d in declared]
+        count = math.prod(max(int(d), 1) for d in dims)
+        if count > MAX_TEST_INPUT_ELEMENTS:
+            raise AttnResError(f"input {inp.name!r} of shape {list(dims)} has {count} elements, too many to generate "
+                               "a verification input; nothing written; verify_outputs=False (--no-verify) skips the check")
 
 
 def _check_output(inputs: list[Path], output: Path, force: bool) -> None:

@@ -1,7 +1,10 @@
 """Reading and writing ONNX files: every failure classified (errors.py), every write atomic.
 
 `load` tells a file that is not ONNX from a truncated or damaged one (ONNX files start with
-the ir_version field, byte 0x08), checks the opset and the external data before reading it.
+the ir_version field, byte 0x08), checks the opset and the external data before reading it:
+external data must lie inside the model's folder (an absolute location, `..` or a symlink
+that leads out is refused before the file is touched) and hold exactly the tensor's bytes;
+embedded tensors must have a known data type and exactly the bytes their shape needs.
 `staged` / `save` write the model (and its `<name>.data` when weights go external) into a
 temporary folder beside the output and rename them into place only when everything done
 there succeeded, so a failed run leaves no partial file.
@@ -10,6 +13,7 @@ there succeeded, so a failed run leaves no partial file.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -18,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
-from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
+from onnx import TensorProto
+from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
 from ..errors import CorruptModelError, ExternalDataError, InputError, NotOnnxError, UnsupportedOpsetError, first_line
 from .onnx_function import MIN_OPSET, default_opset
@@ -26,6 +31,7 @@ from .onnx_function import MIN_OPSET, default_opset
 ONNX_MAGIC = b"\x08"          # field 1 (ir_version, varint) comes first in every serialized ModelProto
 EXTERNAL_LIMIT = 1 << 30      # weights above this many bytes are always written as external data
 EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the .onnx file
+EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}  # what onnx reads; others are refused
 
 
 def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
@@ -44,23 +50,111 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     if not model.HasField("graph") or model.ir_version <= 0:
         error = CorruptModelError if head == ONNX_MAGIC else NotOnnxError
         raise error(f"{p}: {'truncated or corrupt ONNX model' if head == ONNX_MAGIC else 'not an ONNX model'} (no graph or IR version)")
+    bad = _non_utf8_field(model)
+    if bad:  # protobuf hands such strings over as bytes, which every later name lookup trips on
+        raise CorruptModelError(f"{p}: truncated or corrupt ONNX model (a string field, {bad}, is not valid UTF-8)")
     check_opset(model, p)
     check_external_data(model, p.parent, p)
     try:  # by path: the checker resolves external data against the model's folder, not the cwd
         onnx.checker.check_model(str(p))
     except Exception as exc:  # noqa: BLE001
         raise CorruptModelError(f"{p}: invalid ONNX model ({first_line(exc)})") from None
+    check_types(model, p)
     if with_data:
         load_data(model, p)
     return model
 
 
+def _non_utf8_field(message, path: str = "model") -> str | None:
+    """The first string field under `message` that does not decode as UTF-8 (its path), or None."""
+    if isinstance(message, onnx.TensorProto):  # its strings only: listing its fields would copy the weights
+        strings = [("name", message.name), ("doc_string", message.doc_string)]
+        strings += [("external_data", v) for e in message.external_data for v in (e.key, e.value)]
+        return next((f"{path}.{name}" for name, v in strings if isinstance(v, bytes)), None)
+    for fd, value in message.ListFields():
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+        values = value if repeated else (value,)
+        if fd.type == fd.TYPE_STRING:
+            if any(isinstance(v, bytes) for v in values):
+                return f"{path}.{fd.name}"
+        elif fd.type == fd.TYPE_MESSAGE:
+            for sub in values:
+                bad = _non_utf8_field(sub, f"{path}.{fd.name}")
+                if bad:
+                    return bad
+    return None
+
+
 def load_data(model: onnx.ModelProto, path: Path) -> None:
-    """Read the external data of `model`, loaded from `path`, into its tensors."""
+    """Read the external data of `model`, loaded from `path`, into its tensors (checked by `load` first)."""
+    base = str(Path(path).parent)
     try:
-        onnx.load_external_data_for_model(model, str(Path(path).parent))
+        for tensor in external_tensors(model):  # every tensor check_external_data checked, sparse ones too
+            load_external_data_for_tensor(tensor, base)
     except Exception as exc:  # noqa: BLE001
         raise ExternalDataError(f"{path}: cannot read external data ({first_line(exc)})") from None
+
+
+_BITS = {TensorProto.UINT4: 4, TensorProto.INT4: 4, TensorProto.FLOAT4E2M1: 4}
+_BITS.update({getattr(TensorProto, n): 2 for n in ("UINT2", "INT2") if hasattr(TensorProto, n)})
+_SIZED = {TensorProto.FLOAT, TensorProto.UINT8, TensorProto.INT8, TensorProto.UINT16, TensorProto.INT16,
+          TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.DOUBLE,
+          TensorProto.UINT32, TensorProto.UINT64, TensorProto.COMPLEX64, TensorProto.COMPLEX128, TensorProto.BFLOAT16,
+          TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ}
+_SIZED.update(getattr(TensorProto, n) for n in ("FLOAT8E8M0",) if hasattr(TensorProto, n))
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes `tensor`'s shape and type need as raw data; None for types without a fixed size (strings)."""
+    if tensor.data_type in _BITS:
+        bits = _BITS[tensor.data_type]
+    elif tensor.data_type in _SIZED:
+        bits = 8 * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    else:
+        return None
+    return -(-math.prod(tensor.dims) * bits // 8)
+
+
+def _typed_field(data_type: int) -> str | None:
+    """The TensorProto field holding one value per element of `data_type` (None: sub-byte types, packed)."""
+    if data_type in _BITS or data_type not in _SIZED | {TensorProto.STRING}:
+        return None
+    return onnx.helper.tensor_dtype_to_field(data_type)
+
+
+def check_types(model: onnx.ModelProto, path: Path) -> None:
+    """Known data types everywhere, and embedded raw data of exactly the size shape and type need.
+
+    The checker rejects raw data that is too short, not too long, and lets unknown data
+    types through; both would otherwise fail later, in onnxruntime or in the analysis.
+    """
+    known = set(TensorProto.DataType.values())
+    for tensor in _tensors(model):
+        if tensor.data_type not in known:
+            raise CorruptModelError(f"{path}: truncated or corrupt ONNX model (tensor {tensor.name!r} has unknown "
+                                    f"data type {tensor.data_type})")
+        if uses_external_data(tensor):
+            continue
+        if tensor.HasField("raw_data"):
+            held, need, unit = len(tensor.raw_data), tensor_bytes(tensor), "bytes"
+        else:  # typed fields: one value per element (two for complex types; sub-byte types pack theirs)
+            field = _typed_field(tensor.data_type)
+            if field is None:
+                continue
+            held, unit = len(getattr(tensor, field)), f"{field} values"
+            complex_ = tensor.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128)
+            need = math.prod(tensor.dims) * (2 if complex_ else 1)
+            if held == 0 and need > 0:
+                continue  # no data at all: the checker's call (a tensor without a value field)
+        if need is not None and held != need:
+            raise CorruptModelError(f"{path}: truncated or corrupt ONNX model (tensor {tensor.name!r} holds "
+                                    f"{held} {unit}, its shape {list(tensor.dims)} and type need {need})")
+    for graph in _graphs(model):
+        for vi in [*graph.input, *graph.value_info, *graph.output]:
+            elem = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
+            if elem not in known:
+                raise CorruptModelError(f"{path}: truncated or corrupt ONNX model (value {vi.name!r} has unknown "
+                                        f"element type {elem})")
 
 
 def check_opset(model: onnx.ModelProto, path: Path) -> int:
@@ -68,8 +162,9 @@ def check_opset(model: onnx.ModelProto, path: Path) -> int:
     opset = default_opset(model)
     newest = onnx.defs.onnx_opset_version()
     if opset is None or not MIN_OPSET <= opset <= newest:
+        what = "imports no ai.onnx opset" if opset is None else f"ONNX opset {opset} is not supported"
         raise UnsupportedOpsetError(
-            f"{path}: ONNX opset {opset} is not supported (supported: {MIN_OPSET}..{newest}); "
+            f"{path}: {what} (supported: {MIN_OPSET}..{newest}); "
             f"convert it first, e.g. onnx.version_converter.convert_version(model, {max(MIN_OPSET, min(17, newest))})"
         )
     return opset
@@ -80,18 +175,32 @@ def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 
 
 def _tensors(model: onnx.ModelProto):
-    """Initializers and Constant-node tensors of the graph, its subgraphs and its functions."""
+    """Initializers, sparse initializers and attribute tensors of the graph, its subgraphs and its functions.
+
+    An attribute's tensor or graph counts when it is set, whatever the attribute's declared
+    type, as onnx's and onnxruntime's external data loaders see them.
+    """
+    def sparse(s: onnx.SparseTensorProto):
+        yield s.values
+        yield s.indices
+
     def graph_tensors(graph: onnx.GraphProto):
         yield from graph.initializer
+        for s in graph.sparse_initializer:
+            yield from sparse(s)
         yield from node_tensors(graph.node)
 
     def node_tensors(nodes):
         for node in nodes:
             for a in node.attribute:
-                if a.type == onnx.AttributeProto.TENSOR:
+                if a.HasField("t"):
                     yield a.t
                 yield from a.tensors
-                if a.type == onnx.AttributeProto.GRAPH:
+                if a.HasField("sparse_tensor"):
+                    yield from sparse(a.sparse_tensor)
+                for s in a.sparse_tensors:
+                    yield from sparse(s)
+                if a.HasField("g"):
                     yield from graph_tensors(a.g)
                 for g in a.graphs:
                     yield from graph_tensors(g)
@@ -101,17 +210,73 @@ def _tensors(model: onnx.ModelProto):
         yield from node_tensors(fn.node)
 
 
+def _graphs(model: onnx.ModelProto):
+    """The main graph and every subgraph (of the graph and of the functions)."""
+    def subgraphs(nodes):
+        for node in nodes:
+            for a in node.attribute:
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield g
+                    yield from subgraphs(g.node)
+
+    yield model.graph
+    yield from subgraphs(model.graph.node)
+    for fn in model.functions:
+        yield from subgraphs(fn.node)
+
+
+def external_location(base: Path, location: str, tensor: str, path: Path) -> Path:
+    """`location` under `base`, refused (before the file is touched) unless it lies inside `base`.
+
+    Absolute locations, `..` and symlinks that lead out of the model's folder are refused, so a
+    model can make the tool read nothing but files beside it.
+    """
+    if not location or "\0" in location:
+        raise ExternalDataError(f"{path}: tensor {tensor!r} has an invalid external data location {location!r}")
+    folder = base.resolve()
+    how = "an absolute path" if os.path.isabs(location) else None
+    if how is None and not Path(os.path.normpath(folder / location)).is_relative_to(folder):
+        how = "'..' leads out"
+    if how is None:
+        try:
+            if not (folder / location).resolve().is_relative_to(folder):
+                how = "a symlink leads out"
+        except (OSError, RuntimeError, ValueError):  # a symlink loop
+            how = "a symlink loop"
+    if how:
+        raise ExternalDataError(f"{path}: external data {location!r} of tensor {tensor!r} is outside the model's "
+                                f"folder {folder} ({how}); refused: keep the .data file next to the model")
+    return base / location
+
+
 def check_external_data(model: onnx.ModelProto, base: Path, path: Path) -> None:
-    """Every external tensor's file exists and is long enough for its offset and length."""
+    """Every external tensor's file lies inside the model's folder, exists, and holds the tensor's bytes
+    (offset plus length within the file; a length equal to what the shape and type need)."""
     for tensor in external_tensors(model):
-        info = ExternalDataInfo(tensor)
-        data = base / info.location
-        if not data.is_file():
-            raise ExternalDataError(f"{path}: external data file {data} for tensor {tensor.name!r} is missing; "
-                                    "keep the .data file next to the model")
-        end = (info.offset or 0) + (info.length or 0)
-        if data.stat().st_size < end:
-            raise ExternalDataError(f"{path}: external data file {data} is truncated ({data.stat().st_size} bytes, "
+        unknown = sorted({e.key for e in tensor.external_data} - EXTERNAL_KEYS)
+        if unknown:  # onnx would ignore them (a misspelt offset reads the wrong bytes), onnxruntime refuses them
+            raise ExternalDataError(f"{path}: tensor {tensor.name!r} has unknown external data key(s) {unknown} "
+                                    f"(known: {', '.join(sorted(EXTERNAL_KEYS))})")
+        try:
+            info = ExternalDataInfo(tensor)
+        except Exception as exc:  # noqa: BLE001 - a negative or non-numeric offset or length
+            raise ExternalDataError(f"{path}: tensor {tensor.name!r} has an invalid external data reference "
+                                    f"({first_line(exc)})") from None
+        data = external_location(base, info.location, tensor.name, path)
+        try:
+            size = data.stat().st_size if data.is_file() else None
+        except OSError:  # a name too long, a permission denied
+            size = None
+        if size is None:
+            raise ExternalDataError(f"{path}: external data file {str(data)!r} for tensor {tensor.name!r} is missing "
+                                    "(or not a file); keep the .data file next to the model")
+        need = tensor_bytes(tensor)
+        if info.length is not None and need is not None and info.length != need:
+            raise ExternalDataError(f"{path}: external data of tensor {tensor.name!r} is {info.length} bytes, its "
+                                    f"shape {list(tensor.dims)} and type need {need}")
+        end = (info.offset or 0) + (info.length if info.length is not None else need or 0)
+        if size < end:
+            raise ExternalDataError(f"{path}: external data file {str(data)!r} is truncated ({size} bytes, "
                                     f"tensor {tensor.name!r} needs {end})")
 
 
@@ -136,10 +301,11 @@ def staged(output: str | os.PathLike) -> Iterator[Staged]:
     even when the output will replace it.
     """
     out = Path(output)
+    created = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    stage = Staged(tmpdir / out.name)
     try:
-        stage = Staged(tmpdir / out.name)
         yield stage
         mode = 0o666 & ~_umask()
         for name in (data_file_name(out), out.name):
@@ -149,6 +315,10 @@ def staged(output: str | os.PathLike) -> Iterator[Staged]:
                 stage.written.insert(0, out.parent / name)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+        if not stage.written:  # a failed run also takes back the folders it made for the output
+            for d in created:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
 
 
 def data_file_name(output: Path) -> str:

@@ -45,7 +45,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         source = onnx.inliner.inline_local_functions(model) if model.functions else model
-        with _quiet("onnxruntime.tools.symbolic_shape_infer"):
+        with _quiet("onnxruntime.tools.symbolic_shape_infer"), _no_stray_files():
             inferred = SymbolicShapeInference.infer_shapes(source, auto_merge=True, guess_output_rank=True)
         if inferred is not None:
             return inferred
@@ -55,6 +55,42 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # noqa: BLE001
         return model
+
+
+class _OnnxWithoutSave:
+    """The onnx module, but `save_model` writes nothing."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    @staticmethod
+    def save_model(*args, **kwargs) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _no_stray_files():
+    """Keep onnxruntime's symbolic shape inference from writing into the working directory.
+
+    When it cannot infer every shape it saves the model there (`sym_shape_infer_temp.onnx`, its
+    weights in a `<uuid>.data`) before raising, and view_from_onnx falls back to ONNX's own
+    inference; only that save is dropped.
+    """
+    try:
+        from onnxruntime.tools import symbolic_shape_infer as ssi
+    except ImportError:
+        ssi = None
+    if ssi is None or not hasattr(ssi, "onnx"):
+        yield
+        return
+    real, ssi.onnx = ssi.onnx, _OnnxWithoutSave(ssi.onnx)
+    try:
+        yield
+    finally:
+        ssi.onnx = real
 
 
 @contextlib.contextmanager

@@ -1,0 +1,136 @@
+"""Deployable artifact folders: `compile_model` writes one (runtime.py's `load` runs it).
+
+Layout (docs/tvm.md):
+
+    OUT_DIR/model.so        the exported library: VM bytecode, weights, compiled host code
+                            (for CUDA also the device modules, as CUDA source)
+    OUT_DIR/device0.cu      CUDA only: the device source, and device0.fatbin compiled from it
+    OUT_DIR/device0.fatbin  by nvcc for the arch, served to the runtime at load (cuda_binary.py)
+    OUT_DIR/manifest.json   inputs/outputs (names, shapes with symbolic dims as names, dtypes),
+                            sites and their kernels, target, device code, tuning, versions
+
+The folder is written in a temporary folder beside OUT_DIR and renamed into place when
+complete, so a failed compile leaves nothing (and an existing artifact intact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import tvm
+from tvm import relax
+
+from ... import __version__
+from ...errors import CompileError, InputError, first_line
+from .cuda_binary import write_device_code
+from .importers import ImportedModel, import_model
+from .pipeline import Built, build, make_target
+from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
+
+LIBRARY = "model.so"
+
+
+def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, target: str = "llvm",
+                  arch: str | None = None, tune: bool = False, trials: int = 8,
+                  tuning_db: str | os.PathLike | None = None, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                  force: bool = False, progress: TextIO | None = None) -> dict:
+    """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
+
+    `input_shapes` ({input: dims}) fixes symbolic dims (needed to tune); `tune` runs
+    meta_schedule for `trials` trials per task, keeping records in `tuning_db` and reusing
+    them on the next compile. An existing `out_dir` is replaced only with `force`.
+    Returns the manifest.
+    """
+    out = Path(out_dir)
+    _check_output(out, force)
+    tvm_target = make_target(target, arch)
+    imported = import_model(model)
+    if not imported.sites:
+        raise InputError("the model has no depth-attention sites: rewrite it first (attnres-compile rewrite)")
+    built = build(imported, tvm_target, input_shapes=input_shapes, tune=tune, trials=trials, tuning_db=tuning_db,
+                  progress=progress)
+    manifest = _manifest(imported, built, model, input_shapes)
+    with _staged_dir(out) as stage:
+        try:
+            built.executable.export_library(str(stage / LIBRARY))
+        except Exception as exc:  # noqa: BLE001
+            raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+        if tvm_target.kind.name == "cuda":
+            manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _manifest(imported: ImportedModel, built: Built, model: Any, input_shapes: dict | None) -> dict:
+    main = built.mod["main"]
+    sites = [{**site, **lowered} for site, lowered in zip(imported.sites, built.sites)]
+    outputs = main.ret_ty.fields if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library": LIBRARY,
+        "device": "cuda" if built.target.kind.name == "cuda" else "cpu",
+        "target": json.loads(str(built.target)),
+        "source": {"kind": imported.kind,
+                   "path": str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else None},
+        "inputs": [{"name": n, **_describe(p.ty)} for n, p in zip(imported.inputs, main.params)],
+        "outputs": [{"name": n, **_describe(ty)} for n, ty in zip(imported.outputs, outputs)],
+        "input_shapes": {k: list(v) for k, v in (input_shapes or {}).items()},
+        "sites": sites,
+        "kernels": sorted({s["kernel"] for s in sites}),
+        "tuning": built.tuning,
+        "versions": {"tvm": tvm.__version__, "attnres_compile": __version__},
+    }
+
+
+def _describe(ty) -> dict:
+    """shape (ints, symbolic dims by name, None for an unknown dim; None for unknown rank) and dtype."""
+    if not isinstance(ty, relax.TensorType):
+        return {"shape": None, "dtype": None}
+    shape = None
+    if isinstance(ty.shape, relax.ShapeExpr):
+        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else d.name if isinstance(d, tvm.tirx.Var) else str(d)
+                 for d in ty.shape.values]
+    elif ty.ndim >= 0:
+        shape = [None] * ty.ndim
+    return {"shape": shape, "dtype": str(ty.dtype)}
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise InputError(f"output {out} exists: pass --force to replace it")
+
+
+@contextlib.contextmanager
+def _staged_dir(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out`, renamed to `out` (replacing it) on a clean exit, else removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        yield stage
+        os.chmod(stage, 0o777 & ~_umask())
+        if out.exists():
+            old = out.parent / f".{out.name}.{uuid.uuid4().hex}.old"
+            os.rename(out, old)
+            os.rename(stage, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

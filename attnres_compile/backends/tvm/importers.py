@@ -1,0 +1,155 @@
+"""Rewritten models into Relax, each depth-attention site as one placeholder call (sites.py).
+
+`import_model` takes an AttnRes ONNX file, a `.pt2` file (torch.export.save) or an
+ExportedProgram, and returns the Relax module with the model's signature and its sites.
+
+ONNX: TVM's `from_onnx` keys converters on op_type only and has no hook for custom ops, so
+`_OnnxImporter` subclasses its graph importer and converts `attnres.DepthAttention` nodes
+itself (the function body attached to the model is never expanded). PyTorch: the
+`from_exported_program` frontend takes a `custom_convert_map`, keyed by the fx target's
+name, for `torch.ops.attnres.depth_attention.default`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from ...errors import CompileError, InputError, first_line
+from ...passes import onnx_io
+from ...passes.onnx_function import DOMAIN, OP_TYPE, default_opset
+from .sites import site_call
+
+TORCH_OP_NAME = "depth_attention.default"
+
+
+class _OnnxImporter(onnx_frontend.ONNXGraphImporter):
+    """The stock importer plus `attnres.DepthAttention`."""
+
+    def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
+        rest = onnx.GraphProto()
+        rest.node.extend(n for n in graph.node if not _is_site(n))
+        super()._check_for_unsupported_ops(rest)
+
+    def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
+        if op_name == OP_TYPE:
+            *sources, query = [self.bb.normalize(x) for x in inputs]
+            return self.bb.normalize(site_call(sources, query, attrs["eps"], attrs["scale"], attrs["axis"]))
+        if op_name == "Range":
+            bounds = [_int_scalar(x, [self._nodes, self._params]) for x in inputs]
+            if all(b is not None for b in bounds):
+                return self.bb.normalize(relax.op.arange(*bounds, dtype=_dtype(inputs[0])))
+        return super()._convert_operator(op_name, inputs, attrs, opset)
+
+
+def _int_scalar(value, params) -> int | tvm.tirx.PrimExpr | None:
+    """An integer Range bound known at import: a constant or a symbolic shape value, else None.
+
+    The stock Range converter routes symbolic bounds through tensors and names the length a
+    new symbol (range_len_0) unrelated to the input dims, so `tok(idx) + pos(arange(T))` and
+    rotary tables lose their shapes and cannot be legalized; arange over the bound keeps them.
+    """
+    value = onnx_frontend.get_constant(value, params)
+    if isinstance(value, tvm.ir.GenericConst):
+        array = value.value.numpy()
+        return int(array.item()) if array.size == 1 and array.dtype.kind in "iu" else None
+    if tvm.ir.is_prim_expr(value) and _dtype(value).startswith("int"):
+        return value
+    return None
+
+
+def _dtype(value) -> str:
+    """The dtype of a tensor or of a scalar (prim expressions and shape vars)."""
+    ty = value.ty
+    return str(ty.dtype) if isinstance(ty, relax.TensorType) else str(getattr(ty, "dtype", ty))
+
+
+def _is_site(node: onnx.NodeProto) -> bool:
+    return node.domain == DOMAIN and node.op_type == OP_TYPE
+
+
+def from_onnx(model: onnx.ModelProto) -> tvm.IRModule:
+    """The Relax module of an AttnRes ONNX model: weights bound as constants, symbolic dims kept."""
+    others = {n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
+    if others:
+        raise CompileError(f"ONNX model uses custom ops TVM cannot import: {sorted(others)}")
+    importer = _OnnxImporter(None, "float32", keep_params_in_input=False, sanitize=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # per-input "unknown dimension" and renaming notices
+        try:
+            return importer.from_onnx(model.graph, default_opset(model))
+        except Exception as exc:  # noqa: BLE001 - OpNotImplemented, ValueError, InternalError of converters
+            raise CompileError(f"TVM's ONNX frontend cannot import this model: {first_line(exc)}") from None
+
+
+def _convert_torch_site(node, importer) -> relax.Var:
+    """custom_convert_map entry: depth_attention(sources, query, eps, scale, dim) -> placeholder."""
+    sources, query, eps, scale, dim = importer.retrieve_args(node)
+    return importer.block_builder.emit(site_call(list(sources), query, eps, scale, dim))
+
+
+def from_exported_program(program) -> tvm.IRModule:
+    """The Relax module of a torch.export program of a rewritten GraphModule (weights bound)."""
+    from tvm.relax.frontend.torch import from_exported_program as convert
+
+    from ... import op as _op  # noqa: F401  (registers torch.ops.attnres before decompositions run)
+
+    return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site})
+
+
+@dataclass
+class ImportedModel:
+    """A model in Relax with what the artifact's manifest needs: input and output names in the
+    order of main's parameters and results, and one dict per site in program order."""
+
+    mod: tvm.IRModule
+    kind: str  # "onnx" or "torch"
+    inputs: list[str]
+    outputs: list[str]
+    sites: list[dict] = field(default_factory=list)
+
+
+def import_model(model: str | os.PathLike | torch.export.ExportedProgram) -> ImportedModel:
+    """Import an AttnRes ONNX file, a .pt2 file or an ExportedProgram into Relax."""
+    if isinstance(model, torch.export.ExportedProgram):
+        return _import_program(model)
+    path = Path(model)
+    if path.suffix.lower() == ".pt2":
+        if not path.is_file():
+            raise InputError(f"{path}: no such file")
+        try:
+            program = torch.export.load(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise InputError(f"{path}: not a torch.export program ({first_line(exc)})") from None
+        return _import_program(program)
+    proto = onnx_io.load(path)
+    initializers = {i.name for i in proto.graph.initializer}
+    sites = [{"name": n.name, "query": n.input[-1], "sources": len(n.input) - 1,
+              **{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}}
+             for n in proto.graph.node if _is_site(n)]
+    return ImportedModel(from_onnx(proto), "onnx", [i.name for i in proto.graph.input if i.name not in initializers],
+                         [o.name for o in proto.graph.output], sites)
+
+
+def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
+    signature = program.graph_signature
+    params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    sites = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == TORCH_OP_NAME:
+            sources, query, eps, scale, dim = node.args
+            sites.append({"name": node.name, "query": params.get(query.name, query.name), "sources": len(sources),
+                          "axis": int(dim), "eps": float(eps), "scale": float(scale)})
+    try:
+        mod = from_exported_program(program)
+    except Exception as exc:  # noqa: BLE001 - the frontend asserts on unsupported ops
+        raise CompileError(f"TVM's PyTorch frontend cannot import this program: {first_line(exc)}") from None
+    return ImportedModel(mod, "torch", list(signature.user_inputs), [str(o) for o in signature.user_outputs], sites)

@@ -1,0 +1,110 @@
+"""Imported model -> executable: bind shapes, lower the sites, optionally tune, `tvm.compile`.
+
+The lowering runs first, on the imported module, so the standard pipeline (LegalizeOps,
+FuseOps, and for CUDA dlight's default schedules) sees the kernels as already scheduled,
+opaque call_tir targets and compiles everything around them as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import TextIO
+
+import tvm
+from tvm import relax
+from tvm.target import Target
+
+from ...errors import CompileError, ConfigError, first_line
+from .importers import ImportedModel
+from .lower import KERNEL_PREFIX, LowerDepthAttention, calls
+from .schedule import host_target
+from .sites import PACKED_NAME
+
+TARGETS = ("llvm", "cuda")
+DEFAULT_ARCH = "sm_90"
+
+
+@dataclass
+class Built:
+    """The compiled executable, the module it was compiled from (lowered, before the build
+    pipeline), the target, the lowered sites and, when tuned, the tuning summary."""
+
+    executable: tvm.runtime.Executable
+    mod: tvm.IRModule
+    target: Target
+    sites: list[dict]
+    tuning: dict | None
+
+
+def make_target(kind: str, arch: str | None = None) -> Target:
+    """llvm: this machine's CPU, all its cores; cuda: `arch` (default sm_90) with an llvm host."""
+    host = host_target(os.cpu_count() or 1)
+    if kind == "llvm":
+        if arch:
+            raise ConfigError("--arch applies to --target cuda only")
+        return host
+    if kind == "cuda":
+        arch = arch or DEFAULT_ARCH
+        if not arch.startswith("sm_"):
+            raise ConfigError(f"--arch must look like sm_90, got {arch!r}")
+        return Target({"kind": "cuda", "arch": arch}, host=host)
+    raise ConfigError(f"--target must be one of {', '.join(TARGETS)}, got {kind!r}")
+
+
+def bind_shapes(model: ImportedModel, shapes: dict[str, tuple[int, ...]] | None) -> tvm.IRModule:
+    """Fix the symbolic input dims named by `shapes` ({input name: dims}); the others stay symbolic."""
+    if not shapes:
+        return model.mod
+    params = dict(zip(model.inputs, model.mod["main"].params))
+    unknown = sorted(set(shapes) - set(params))
+    if unknown:
+        raise ConfigError(f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are {model.inputs}")
+    binding: dict[tvm.tirx.Var, int] = {}
+    for name, dims in shapes.items():
+        declared = list(params[name].ty.shape.values)
+        if len(dims) != len(declared):
+            raise ConfigError(f"--input-shape {name}: {len(dims)} dims given, the input has rank {len(declared)}")
+        for d, size in zip(declared, dims):
+            if isinstance(d, tvm.tirx.IntImm) and int(d) != size:
+                raise ConfigError(f"--input-shape {name}: dim {int(d)} is static, got {size}")
+            if isinstance(d, tvm.tirx.Var) and binding.setdefault(d, size) != size:
+                raise ConfigError(f"--input-shape gives {d.name} two sizes: {binding[d]} and {size}")
+    return relax.transform.BindSymbolicVars(binding, "main")(model.mod)
+
+
+def lower(mod: tvm.IRModule, target: Target, expected_sites: int) -> tuple[tvm.IRModule, list[dict]]:
+    """Every placeholder to one kernel call; checks that none is left and each site has its call."""
+    lowering = LowerDepthAttention(target)
+    mod = lowering(mod)
+    counted = calls(mod)
+    left = counted[f"packed:{PACKED_NAME}"]
+    kernel_calls = sum(n for name, n in counted.items() if name.startswith(KERNEL_PREFIX))
+    if left or kernel_calls != expected_sites or len(lowering.lowered) != expected_sites:
+        raise CompileError(f"lowering left {left} depth-attention placeholder(s) and made {kernel_calls} kernel "
+                           f"call(s) for {expected_sites} site(s)")
+    return mod, lowering.lowered
+
+
+def build(model: ImportedModel, target: Target, *, input_shapes: dict | None = None, tune: bool = False,
+          trials: int = 8, tuning_db: str | os.PathLike | None = None, progress: TextIO | None = None) -> Built:
+    """Compile `model` for `target`; with `tune`, meta_schedule first (CPU, static shapes) into
+    `tuning_db` (a temporary folder, dropped afterwards, when None)."""
+    mod = bind_shapes(model, input_shapes)
+    mod, sites = lower(mod, target, len(model.sites))
+    summary = None
+    if tune:
+        from . import tune as tuning  # meta_schedule's runner needs psutil and cloudpickle
+
+        with contextlib.ExitStack() as stack:
+            db = tuning_db if tuning_db is not None else stack.enter_context(tempfile.TemporaryDirectory())
+            mod = tuning.prepare(mod, target)
+            summary = tuning.tune(mod, target, trials, db, progress).to_dict()
+            mod = tuning.apply(mod, target, db)
+    try:
+        executable = tvm.compile(mod, target)
+    except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
+        raise CompileError(f"TVM could not build the model for {target.kind.name}: {first_line(exc)}") from None
+    return Built(executable, mod, target, sites, summary)

@@ -1,0 +1,105 @@
+"""Loading and running an artifact folder written by artifact.py: numpy in, numpy out, by name."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ...errors import ArtifactError, InputError, first_line
+from .cuda_binary import serve_fatbins
+
+FORMAT = "attnres-compile-tvm"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class Artifact:
+    """A loaded artifact: `artifact({"input": array, ...})` -> {"output": array, ...}.
+
+    Inputs are checked against the manifest (names, dtypes, ranks, static dims, and one size
+    per symbolic dim); safe dtype casts (int32 -> int64) are applied."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        self.device = tvm.cuda(0) if self.manifest["device"] == "cuda" else tvm.cpu(0)
+        if not self.device.exist:
+            raise ArtifactError(f"{self.folder}: the artifact runs on {self.manifest['device']}, and this machine has none")
+        if "cuda" in self.manifest:
+            serve_fatbins(self.folder, self.manifest["cuda"])
+        try:
+            library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
+        except Exception as exc:  # noqa: BLE001
+            raise ArtifactError(f"{self.folder}: cannot load {self.manifest['library']} ({first_line(exc)})") from None
+        self.vm = relax.VirtualMachine(library, self.device)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.manifest["inputs"]]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o["name"] for o in self.manifest["outputs"]]
+
+    def __call__(self, inputs: Mapping[str, np.ndarray] | None = None, **kwargs: np.ndarray) -> dict[str, np.ndarray]:
+        given = {**(inputs or {}), **kwargs}
+        arrays = self._check(given)
+        result = self.vm["main"](*[tvm.runtime.tensor(a, self.device) for a in arrays])
+        results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
+        return {name: r.numpy() for name, r in zip(self.output_names, results)}
+
+    def _check(self, given: dict[str, Any]) -> list[np.ndarray]:
+        missing = [n for n in self.input_names if n not in given]
+        extra = sorted(set(given) - set(self.input_names))
+        if missing or extra:
+            raise InputError(f"inputs must be exactly {self.input_names}: missing {missing}, unknown {extra}")
+        symbols: dict[str, int] = {}
+        arrays = []
+        for spec in self.manifest["inputs"]:
+            name, shape, dtype = spec["name"], spec["shape"], np.dtype(spec["dtype"])
+            array = np.asarray(given[name])
+            if array.dtype != dtype:
+                if not np.can_cast(array.dtype, dtype, "safe"):
+                    raise InputError(f"input {name}: dtype {array.dtype}, expected {dtype}")
+                array = array.astype(dtype)
+            if shape is not None:
+                if array.ndim != len(shape):
+                    raise InputError(f"input {name}: shape {list(array.shape)}, expected rank {len(shape)} {shape}")
+                for want, got in zip(shape, array.shape):
+                    if isinstance(want, int) and want != got:
+                        raise InputError(f"input {name}: shape {list(array.shape)}, expected {shape}")
+                    if isinstance(want, str) and symbols.setdefault(want, got) != got:
+                        raise InputError(f"input {name}: dim {want} is {got} here and {symbols[want]} in another input")
+            arrays.append(np.ascontiguousarray(array))
+        return arrays
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of the artifact in `folder`, checked for format and library."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: not an artifact folder (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: unreadable manifest ({first_line(exc)})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest")
+    built_with = manifest.get("versions", {}).get("tvm")
+    if built_with != tvm.__version__:
+        raise ArtifactError(f"{folder}: built with TVM {built_with}, this is TVM {tvm.__version__}: recompile it")
+    if not (folder / manifest["library"]).is_file():
+        raise ArtifactError(f"{folder}: {manifest['library']} is missing")
+    return manifest
+
+
+def load(folder: str | os.PathLike) -> Artifact:
+    """The artifact in `folder`, ready to run: `load(folder)({"idx": tokens})["logits"]`."""
+    return Artifact(folder)

@@ -1,0 +1,330 @@
+"""Whole AttnRes models through TVM: every site one fused-kernel call, artifacts against onnxruntime.
+
+ONNX files come from `export_onnx` (fx rewrite + dynamo export) with random pseudo-queries, so
+the softmax over the sources is far from uniform; they are exported and compiled once per
+module. CUDA builds and compiles its device code with nvcc here, without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.inliner
+import pytest
+import torch
+import tvm
+from onnx import TensorProto, helper
+
+import attnres_compile as ac
+from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
+from attnres_compile.backends.tvm.cli import add_commands
+from attnres_compile.backends.tvm.importers import from_onnx, import_model
+from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, calls
+from attnres_compile.backends.tvm.pipeline import make_target
+from attnres_compile.errors import ArtifactError, ConfigError, InputError
+from attnres_compile.onnx_api import export_onnx, rewrite_onnx
+from attnres_compile.op import depth_attention
+from attnres_compile.passes.onnx_export import auto_dynamic_shapes
+from attnres_compile.passes.onnx_function import DOMAIN, OP_TYPE, attach_functions, site_node
+from samples import hf_models, models
+
+ATOL = 1e-4
+PLACEHOLDER = "packed:attnres.depth_attention"
+
+
+class Logits(torch.nn.Module):
+    """HF causal LM as (input_ids, attention_mask) -> logits, for export."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def _llama():
+    model, inputs = hf_models.llama_factory()
+    return Logits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
+
+
+MODELS = {  # name: (factory, config, sites)
+    "gpt_full": (models.gpt_factory, ac.AttnResConfig(), 8),
+    "gpt_block": (models.gpt_factory, ac.AttnResConfig(variant="block", block_size=3), 8),
+    "hf_llama": (_llama, ac.AttnResConfig(), 4),
+}
+
+
+def _randomize_queries(path: Path, seed: int = 0) -> None:
+    """Pseudo-queries w ~ N(0, 1/D): logits of order 1, weights far from uniform."""
+    model = onnx.load(str(path))
+    rng = np.random.default_rng(seed)
+    for init in model.graph.initializer:
+        if init.name.startswith("attnres."):
+            w = onnx.numpy_helper.to_array(init)
+            init.CopyFrom(onnx.numpy_helper.from_array((rng.standard_normal(w.shape) / np.sqrt(w.size)).astype(np.float32),
+                                                       init.name))
+    onnx.save(model, str(path))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tvm_models")
+
+
+@pytest.fixture(scope="module")
+def exported(folder):
+    """name -> AttnRes ONNX file with random queries, exported once."""
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            factory, config, _ = MODELS[name]
+            model, args = factory()
+            path = folder / f"{name}.onnx"
+            export_onnx(model, args, path, config, verify_outputs=False)
+            _randomize_queries(path)
+            cache[name] = path
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def artifact(folder, exported):
+    """(name, target) -> artifact folder, compiled once."""
+    cache = {}
+
+    def get(name: str, target: str = "llvm") -> Path:
+        if (name, target) not in cache:
+            out = folder / f"{name}_{target}"
+            compile_model(exported(name), out, target=target)
+            cache[name, target] = out
+        return cache[name, target]
+    return get
+
+
+def _feeds(path: Path, size: tuple[int, int], seed: int = 1) -> dict[str, np.ndarray]:
+    sess = ort_backend.session(path)
+    shapes = {i.name: size for i in sess.get_inputs()}
+    return ort_backend.make_inputs(sess, onnx.load(str(path), load_external_data=False), shapes, seed)
+
+
+def _sites(path: Path) -> list[onnx.NodeProto]:
+    return [n for n in onnx.load(str(path)).graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_artifact_matches_onnxruntime(exported, artifact, name):
+    path = exported(name)
+    model = load(artifact(name))
+    for size in [(2, 8), (3, 5)]:  # symbolic batch and sequence: one artifact serves both
+        feeds = _feeds(path, size)
+        expected = ort_backend.run(ort_backend.session(path), feeds)
+        actual = model(feeds)
+        assert list(actual) == list(expected)
+        for key, ref in expected.items():
+            err = float(np.abs(actual[key] - ref).max())
+            print(f"{name} {size}: max abs error vs onnxruntime {err:.2e} (output scale {np.abs(ref).max():.2f})")
+            assert actual[key].shape == ref.shape and err <= ATOL
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_one_kernel_call_per_site_and_no_unfused_copy(exported, artifact, name):
+    path = exported(name)
+    sites = _sites(path)
+    assert len(sites) == MODELS[name][2]
+    attention_softmaxes = sum(n.op_type == "Softmax" for n in onnx.load(str(path)).graph.node)
+    imported = import_model(path).mod
+    assert calls(imported)[PLACEHOLDER] == len(sites)
+    lowered = LowerDepthAttention(make_target("llvm"))(imported)
+    counted = calls(lowered)
+    kernel_calls = {k: v for k, v in counted.items() if k.startswith(KERNEL_PREFIX)}
+    assert sum(kernel_calls.values()) == len(sites) and counted[PLACEHOLDER] == 0
+    # the only softmaxes left are the model's attention ones: none over the sources
+    assert counted["relax.nn.softmax"] == attention_softmaxes
+    arities = sorted(len(n.input) - 1 for n in sites)
+    assert sorted(int(k.split("_n")[1].split("_")[0]) for k, v in kernel_calls.items() for _ in range(v)) == arities
+    manifest = load(artifact(name)).manifest
+    assert [s["sources"] for s in manifest["sites"]] == [len(n.input) - 1 for n in sites]
+    assert all(s["kernel"].startswith(KERNEL_PREFIX) for s in manifest["sites"])
+
+
+def test_the_softmax_count_sees_an_unfused_site(exported):
+    """Control for the check above: the inlined function bodies import as one softmax per site."""
+    path = exported("gpt_full")
+    model = onnx.load(str(path))
+    attention_softmaxes = sum(n.op_type == "Softmax" for n in model.graph.node)
+    inlined = from_onnx(onnx.inliner.inline_local_functions(model))
+    assert calls(inlined)["relax.nn.softmax"] == attention_softmaxes + len(_sites(path))
+
+
+def test_exported_program_through_from_exported_program(folder):
+    model, args = models.gpt_factory()
+    dynamic = auto_dynamic_shapes(args, {})
+    gm = ac.rewrite(model, args, ac.AttnResConfig(variant="block", num_blocks=2), dynamic_shapes=dynamic).graph_module
+    with torch.no_grad():
+        for p in gm.attnres.parameters():
+            p.copy_(torch.randn(p.shape) / p.numel() ** 0.5)
+    program = torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
+    sites = sum(n.target is torch.ops.attnres.depth_attention.default for n in program.graph.nodes)
+    mod = import_model(program).mod
+    assert calls(mod)[PLACEHOLDER] == sites == 8
+    manifest = compile_model(program, folder / "gpt_program")
+    assert len(manifest["sites"]) == sites and all(s["query"].startswith("attnres.") for s in manifest["sites"])
+    tokens = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = gm(tokens).numpy()
+    (actual,) = load(folder / "gpt_program")({"idx": tokens.numpy()}).values()
+    err = float(np.abs(actual - expected).max())
+    print(f"gpt block (from_exported_program): max abs error vs torch {err:.2e}")
+    assert err <= ATOL
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_artifact_builds_without_a_gpu(artifact):
+    out = artifact("gpt_full", "cuda")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["device"] == "cuda" and manifest["target"]["arch"] == "sm_90"
+    (device,) = manifest["cuda"]
+    source = (out / device["source"]).read_text()
+    for kernel in manifest["kernels"]:
+        assert f"{kernel}_kernel" in source
+    fatbin = (out / device["fatbin"]).read_bytes()
+    assert fatbin[:4] == b"\x50\xed\x55\xba"  # fatbin magic
+    if not tvm.cuda(0).exist:
+        with pytest.raises(ArtifactError, match="runs on cuda"):
+            load(out)
+
+
+def test_round_trip_in_a_fresh_process(exported, artifact, tmp_path):
+    path, out = exported("hf_llama"), artifact("hf_llama")
+    feeds = _feeds(path, (2, 6), seed=4)
+    np.savez(tmp_path / "in.npz", **feeds)
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from attnres_compile.backends.tvm import load
+        with np.load({str(tmp_path / 'in.npz')!r}) as data:
+            outputs = load({str(out)!r})({{k: data[k] for k in data.files}})
+        np.savez({str(tmp_path / 'out.npz')!r}, **outputs)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=300)
+    here = load(out)(feeds)
+    with np.load(tmp_path / "out.npz") as there:
+        assert sorted(there.files) == sorted(here)
+        for key in here:
+            np.testing.assert_array_equal(there[key], here[key])
+
+
+def _chain_onnx(folder: Path) -> Path:
+    """x -> h1 = x + relu(x) -> h2 = h1 + relu(h1), rewritten: two sites, one tunable task (relu)."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
+             helper.make_node("Relu", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["h2"]),
+             helper.make_node("Identity", ["h2"], ["y"])]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "chain.onnx"))
+    rewrite_onnx(folder / "chain.onnx", folder / "chain_attnres.onnx", force=True)
+    _randomize_queries(folder / "chain_attnres.onnx")
+    return folder / "chain_attnres.onnx"
+
+
+def _records(database: Path) -> int:
+    return len((database / "database_tuning_record.json").read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
+    path = _chain_onnx(tmp_path)
+    database = tmp_path / "db"
+    first = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database, input_shapes={"x": (4, 16)})
+    assert first["tuning"]["tuned"] == 1 and first["tuning"]["measured"] >= 1
+    assert first["input_shapes"] == {"x": [4, 16]} and first["inputs"][0]["shape"] == [4, 16]
+    records = _records(database)
+    assert records >= 1
+    progress = capfd.readouterr().err
+    assert "tune [1/1] relu" in progress  # the kernels themselves are never tuned
+    second = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database,
+                           input_shapes={"x": (4, 16)}, force=True)
+    assert second["tuning"] == {**first["tuning"], "reused": 1, "tuned": 0, "measured": 0}
+    assert _records(database) == records
+    feeds = {"x": np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)}
+    expected = ort_backend.run(ort_backend.session(path), feeds)["y"]
+    assert np.abs(load(tmp_path / "tuned")(feeds)["y"] - expected).max() <= ATOL
+
+
+def test_tuning_needs_static_shapes(tmp_path):
+    with pytest.raises(ConfigError, match="static shapes"):
+        compile_model(_chain_onnx(tmp_path), tmp_path / "out", tune=True, trials=2, tuning_db=tmp_path / "db")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nchw_site_on_axis_1(tmp_path):
+    """Feature axis 1 of [N, C, H, W] streams: permuted to last around the kernel."""
+    rng = np.random.default_rng(6)
+    query = (rng.standard_normal(8) / np.sqrt(8)).astype(np.float32)
+    names, shape = ["s0", "s1", "s2"], ["n", 8, "h", "w"]
+    node = site_node(names, "q", "y", eps=1e-6, scale=3.0, axis=1, rank=4, name="site")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              [onnx.numpy_helper.from_array(query, "q")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    attach_functions(model)
+    onnx.save(model, str(tmp_path / "nchw.onnx"))
+    manifest = compile_model(tmp_path / "nchw.onnx", tmp_path / "nchw")
+    assert manifest["sites"][0]["feature_size"] == 8
+    sources = [rng.standard_normal((2, 8, 3, 5)).astype(np.float32) * (i + 1) for i in range(3)]
+    expected = depth_attention([torch.from_numpy(s) for s in sources], torch.from_numpy(query), 1e-6, 3.0, 1).numpy()
+    actual = load(tmp_path / "nchw")(dict(zip(names, sources)))["y"]
+    assert np.abs(actual - expected).max() <= ATOL
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_cli_compile_and_run(tmp_path, capsys):
+    path = _chain_onnx(tmp_path)
+    out = tmp_path / "art"
+    assert _cli("compile", str(path), "-o", str(out), "--input-shape", "x:3x16") == 0
+    assert "compiled 2 depth-attention sites" in capsys.readouterr().out
+    x = np.random.default_rng(7).standard_normal((3, 16)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    assert _cli("run", str(out), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz")) == 0
+    expected = ort_backend.run(ort_backend.session(path), {"x": x})["y"]
+    with np.load(tmp_path / "out.npz") as got:
+        assert np.abs(got["y"] - expected).max() <= ATOL
+    with pytest.raises(InputError, match="pass --force"):
+        _cli("compile", str(path), "-o", str(out))
+    with pytest.raises(ConfigError, match="--arch applies to --target cuda"):
+        _cli("compile", str(path), "-o", str(tmp_path / "other"), "--arch", "sm_90")
+    np.savez(tmp_path / "bad.npz", y=x)
+    with pytest.raises(InputError, match="inputs must be exactly"):
+        _cli("run", str(out), "--inputs", str(tmp_path / "bad.npz"), "-o", str(tmp_path / "o.npz"))
+    with pytest.raises(InputError, match="expected"):
+        load(out)({"x": x[:2]})  # the compile fixed x to 3x16
+
+
+def test_bad_inputs_are_classified(tmp_path):
+    with pytest.raises(ArtifactError, match="not an artifact folder"):
+        load(tmp_path)
+    plain = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    onnx.save(helper.make_model(plain, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "plain.onnx"))
+    with pytest.raises(InputError, match="no depth-attention sites"):
+        compile_model(tmp_path / "plain.onnx", tmp_path / "out")
+    with pytest.raises(ConfigError, match="--target"):
+        compile_model(tmp_path / "plain.onnx", tmp_path / "out", target="rocm")
+    assert not (tmp_path / "out").exists()

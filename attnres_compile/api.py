@@ -44,13 +44,14 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
 
     nn.Module: torch.export (eval-mode ops recorded as they are), falling back to
     torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`. GraphModule: a copy,
-    shape-propagated from `example_inputs` if its nodes carry no shapes.
+    shape-propagated from `example_inputs` if its nodes carry no shapes. Export-traced modules
+    get working train()/eval() (passes/fx_mode.py).
     """
     args, kwargs = split_inputs(example_inputs)
     if isinstance(model, torch.export.ExportedProgram):
         return Traced(make_mode_switchable(copy.deepcopy(model.module()), False), "ExportedProgram", args, kwargs, [])
     if isinstance(model, fx.GraphModule):
-        gm = copy.deepcopy(model)
+        gm = make_mode_switchable(copy.deepcopy(model), model.training)
         _ensure_shapes(gm, args, kwargs)
         return Traced(gm, "GraphModule", args, kwargs, [])
     if not isinstance(model, nn.Module):

@@ -75,6 +75,8 @@ def test_exported_program_and_graph_module_inputs():
     assert r1.report["source"] == "ExportedProgram"
     r2 = ac.rewrite(ep.module(), inputs)
     assert r2.report["source"] == "GraphModule"
+    r2.graph_module.train()
+    r2.graph_module.eval()
     with torch.no_grad():
         torch.testing.assert_close(r1.graph_module(*inputs), model(*inputs), atol=1e-5, rtol=0)
         torch.testing.assert_close(r2.graph_module(*inputs), model(*inputs), atol=1e-5, rtol=0)

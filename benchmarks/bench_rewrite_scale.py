@@ -8,22 +8,16 @@ references (site k reads k+1 sources), Block's O(L*N). Prints JSON then a table.
 from __future__ import annotations
 
 import json
-import operator
+import sys
 import time
+from pathlib import Path
 
 import torch
-from torch import fx, nn
 
 import attnres_compile as ac
 
-
-def long_chain(n: int) -> fx.GraphModule:
-    g = fx.Graph()
-    h = g.placeholder("x")
-    for _ in range(n):
-        h = g.call_function(operator.add, (h, g.call_function(torch.tanh, (h,))))
-    g.output(h)
-    return fx.GraphModule(nn.Module(), g)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from samples.models import long_chain  # noqa: E402
 
 
 def _seconds(fn) -> float:

@@ -6,7 +6,10 @@ tests rewrite next to the HF transformers models.
 
 from __future__ import annotations
 
+import operator
+
 import torch
+from torch import fx
 from torch import nn
 from torch.nn import functional as F
 
@@ -111,3 +114,13 @@ def iadd_gpt_factory():
 
 def torch_add_gpt_factory():
     return gpt_factory(style="torch_add")
+
+
+def long_chain(links: int) -> fx.GraphModule:
+    """A synthetic residual chain `h = h + tanh(h)` of `links` links, built as an fx graph directly."""
+    g = fx.Graph()
+    h = g.placeholder("x")
+    for _ in range(links):
+        h = g.call_function(operator.add, (h, g.call_function(torch.tanh, (h,))))
+    g.output(h)
+    return fx.GraphModule(nn.Module(), g)

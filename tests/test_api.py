@@ -1,11 +1,9 @@
 """API behaviour: inputs accepted, trainability, state_dict, idempotence, scale, and bad input."""
 
-import operator
-
 import numpy as np
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 import attnres_compile as ac
 from attnres_compile.errors import (ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError,
@@ -181,23 +179,14 @@ def test_bad_inputs():
         ac.rewrite(models.gpt_factory()[0], models.gpt_factory()[1], config={"variant": "full"})
 
 
-def _long_chain(n: int) -> fx.GraphModule:
-    g = fx.Graph()
-    h = g.placeholder("x")
-    for _ in range(n):
-        h = g.call_function(operator.add, (h, g.call_function(torch.tanh, (h,))))
-    g.output(h)
-    return fx.GraphModule(nn.Module(), g)
-
-
 def test_two_thousand_link_chain():
     """Analysis is about linear in graph size; a 2,000-link chain is analysed and rewritten
     (timings: benchmarks/bench_rewrite_scale.py)."""
     x = torch.randn(2, 4)
-    report = ac.inspect(_long_chain(2000), (x,))
+    report = ac.inspect(models.long_chain(2000), (x,))
     assert report["chains"][0]["links"] == 2000
-    result = ac.rewrite(_long_chain(2000), (x,), ac.AttnResConfig(variant="block", num_blocks=8), verify_outputs=False)
+    result = ac.rewrite(models.long_chain(2000), (x,), ac.AttnResConfig(variant="block", num_blocks=8), verify_outputs=False)
     assert result.report["summary"]["sites_rewritten"] == 2000
-    small = _long_chain(40)
+    small = models.long_chain(40)
     out = ac.rewrite(small, (x,), ac.AttnResConfig(variant="block", num_blocks=8)).graph_module(x)
     torch.testing.assert_close(out, small(x), atol=1e-4, rtol=1e-5)

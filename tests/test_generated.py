@@ -66,13 +66,7 @@ OP = torch.ops.attnres.depth_attention.default
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add sync overhead (5x slower on a busy 2-core runner)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _is_add(node: fx.Node) -> bool:

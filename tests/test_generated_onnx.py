@@ -62,12 +62,7 @@ TOL = 1e-5
 CONFIGS = {"full": ac.AttnResConfig(), "block": ac.AttnResConfig(variant="block", num_blocks=2)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _export(model, inputs, path) -> bool:

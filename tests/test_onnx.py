@@ -26,17 +26,6 @@ from attnres_compile.passes.onnx_function import DOMAIN, OP_TYPE, attach_functio
 from samples import hf_models, models
 
 
-class Logits(torch.nn.Module):
-    """HF causal LM as (input_ids, attention_mask) -> logits, for export."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-
 def _sample(factory):
     model, args = factory()
     return model, args
@@ -44,7 +33,7 @@ def _sample(factory):
 
 def _hf(factory):
     model, inputs = factory()
-    return Logits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
+    return hf_models.CausalLMLogits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
 
 
 TOKENS = ["idx"]

@@ -41,20 +41,9 @@ ATOL = 1e-4
 PLACEHOLDER = "packed:attnres.depth_attention"
 
 
-class Logits(torch.nn.Module):
-    """HF causal LM as (input_ids, attention_mask) -> logits, for export."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-
 def _llama():
     model, inputs = hf_models.llama_factory()
-    return Logits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
+    return hf_models.CausalLMLogits(model).eval(), (inputs["input_ids"], inputs["attention_mask"])
 
 
 MODELS = {  # name: (factory, config, sites)

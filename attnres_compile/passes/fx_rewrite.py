@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from ..config import AttnResConfig
 from ..op import depth_attention as _op  # noqa: F401  (registers torch.ops.attnres)
+from .fx_view import tensor_meta
 from .plan import Chain, Plan, RewrittenSite
 
 HOLDER = "attnres"
@@ -58,7 +59,7 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) ->
         val = site.meta.get("val")
         device = val.device if isinstance(val, torch.Tensor) else None
         params[f"site{k}"] = nn.Parameter(torch.zeros(chain.feature_size, dtype=torch.float32, device=device))
-        layout = (site, ref, _shape(site))
+        layout = (site, ref, tensor_meta(site)[0])
         with graph.inserting_before(site.next):
             inputs = [_term(graph, group, sources, layout, cache) for group in groups]
             scale = float(len(inputs)) if config.scale == "preserve" else 1.0
@@ -99,20 +100,12 @@ def _in_layout(graph: fx.Graph, src: fx.Node, layout, cache) -> fx.Node:
     key = (src, shape)
     if key in cache:
         return cache[key]
-    if _shape(src) == shape:
+    if tensor_meta(src)[0] == shape:
         cache[key] = src
     else:
         cache[key] = graph.call_method("reshape_as", (src, ref))
         _copy_meta(site, cache[key])
     return cache[key]
-
-
-def _shape(node: fx.Node):
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(str(d) for d in val.shape)
-    tm = node.meta.get("tensor_meta")
-    return tuple(str(d) for d in tm.shape) if tm is not None else None
 
 
 def _copy_meta(src: fx.Node, dst: fx.Node) -> None:

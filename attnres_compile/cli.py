@@ -57,8 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     from .backends.tvm.cli import add_commands
+    from .bench.cli import add_commands as add_bench_commands
 
     add_commands(sub)
+    add_bench_commands(sub)
     return p
 
 

@@ -9,16 +9,7 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
-
-class CausalLMLogits(torch.nn.Module):
-    """An HF causal LM as (input_ids, attention_mask) -> logits: plain tensors for export."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+from attnres_compile.bench.model import CausalLMLogits  # noqa: F401 - re-exported for the tests and samples
 
 
 def _text_inputs(vocab: int, batch: int = 2, length: int = 8) -> dict:

@@ -250,6 +250,32 @@ def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
     assert np.abs(load(tmp_path / "tuned")(feeds)["y"] - expected).max() <= ATOL
 
 
+@pytest.mark.slow
+def test_a_task_no_trial_can_run_is_recorded_and_not_retried(tmp_path, capfd):
+    """An embedding lookup (take) fed meta_schedule's random indices reads out of bounds: every
+    trial fails. It keeps the default schedule, is listed in untunable.json, and the next compile
+    spends no trials on it."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [10, 16], np.linspace(-1, 1, 160, dtype=np.float32))
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"]),
+             helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
+             helper.make_node("Relu", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])], initializer=[table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "embed.onnx"))
+    rewrite_onnx(tmp_path / "embed.onnx", tmp_path / "embed_attnres.onnx")
+    database = tmp_path / "db"
+    first = compile_model(tmp_path / "embed_attnres.onnx", tmp_path / "a", tune=True, trials=2, tuning_db=database)
+    assert first["tuning"]["untunable"] == 1 and first["tuning"]["tuned"] >= 1
+    untunable = json.loads((database / "untunable.json").read_text())
+    assert len(untunable) == 1 and "take" in next(iter(untunable.values()))
+    assert "no trial ran for" in capfd.readouterr().err
+    second = compile_model(tmp_path / "embed_attnres.onnx", tmp_path / "b", tune=True, trials=2, tuning_db=database)
+    assert second["tuning"] == {**first["tuning"], "reused": first["tuning"]["tuned"], "tuned": 0, "measured": 0}
+    ids = np.array([0, 3, 9, 3])
+    expected = ort_backend.run(ort_backend.session(tmp_path / "embed_attnres.onnx"), {"ids": ids})["y"]
+    assert np.abs(load(tmp_path / "b")({"ids": ids})["y"] - expected).max() <= ATOL
+
+
 def test_tuning_needs_static_shapes(tmp_path):
     with pytest.raises(ConfigError, match="static shapes"):
         compile_model(_chain_onnx(tmp_path), tmp_path / "out", tune=True, trials=2, tuning_db=tmp_path / "db")

@@ -57,7 +57,8 @@ def compile_command(args) -> int:
         print(f"  {io}: " + ", ".join(f"{x['name']} {x['shape']} {x['dtype']}" for x in manifest[io]))
     if manifest["tuning"]:
         t = manifest["tuning"]
-        print(f"  tuning: {t['tuned']} tasks tuned ({t['measured']} trials), {t['reused']} reused from {t['database']}")
+        print(f"  tuning: {t['tuned']} tasks tuned ({t['measured']} trials), {t['reused']} reused from {t['database']}"
+              + (f", {t['untunable']} left at the default schedule (no trial ran)" if t.get("untunable") else ""))
     return 0
 
 

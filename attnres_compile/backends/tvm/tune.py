@@ -4,12 +4,15 @@ The module is legalized and fused first (the zero pipeline) and reshapes become 
 tasks are the fused operators the build will compile. Tasks whose function is already
 scheduled (the depth-attention kernels, marked by lower.py) are never tuned, and neither are
 tasks the database already holds records for: a second compile of the same model against
-the same folder measures nothing. Tuning measures real runs, so shapes must be static.
+the same folder measures nothing. Tasks none of whose trials ran (a gather or take fed the
+runner's random indices reads out of bounds) are listed in the folder's untunable.json and not
+retried; they keep the default schedule. Tuning measures real runs, so shapes must be static.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
@@ -30,16 +34,19 @@ from ...errors import ConfigError
 # tvm.s_tir.tensor_intrin (about 15-25 s of TVMScript parsing on a busy 2-core machine): far
 # beyond meta_schedule's 30 s default once the machine is loaded, so every build timed out.
 BUILD_TIMEOUT_S = 300.0
+UNTUNABLE = "untunable.json"  # structural hashes of tasks whose every trial failed
 
 
 @dataclass
 class TuningSummary:
-    """What a tuning run did: tasks found, reused from the database, tuned now, trials measured."""
+    """What a tuning run did: tasks found, reused from the database, tuned now, trials measured,
+    and tasks left at the default schedule because no trial of theirs ever ran."""
 
     tasks: int
     reused: int
     tuned: int
     measured: int
+    untunable: int
     database: str
     cost_model: str
 
@@ -68,9 +75,12 @@ def tune(mod: tvm.IRModule, target: Target, trials: int, database_dir: str | Pat
     database = ms.database.JSONDatabase(work_dir=str(database_dir))
     tasks = [t for t in ms.relax_integration.extract_tasks(mod, target)
              if not t.dispatched[0]["main"].attrs.get("tirx.is_scheduled", False)]
-    todo = [t for t in tasks if not _has_record(database, t.dispatched[0])]
+    untunable = _read_untunable(database_dir)
+    todo = [t for t in tasks if not _has_record(database, t.dispatched[0]) and _key(t) not in untunable]
+    skipped = sum(_key(t) in untunable for t in tasks)
+    reused = len(tasks) - len(todo) - skipped
     cost_model = _cost_model()
-    print(f"tune: {len(tasks)} tasks, {len(tasks) - len(todo)} already in {database_dir}, "
+    print(f"tune: {len(tasks)} tasks, {reused} already in {database_dir}, {skipped} untunable, "
           f"{len(todo)} to tune x {trials} trials (cost model {cost_model}; logs in {database_dir / 'logs'})",
           file=stream, flush=True)
     callback = _Progress([t.task_name for t in todo], trials, stream)
@@ -84,7 +94,14 @@ def tune(mod: tvm.IRModule, target: Target, trials: int, database_dir: str | Pat
                       num_trials_per_iter=min(trials, 64), database=database, cost_model=cost_model,
                       builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=BUILD_TIMEOUT_S),
                       measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
-    return TuningSummary(len(tasks), len(tasks) - len(todo), len(todo), callback.total, str(database_dir), cost_model)
+    failed = [t for t in todo if not _has_record(database, t.dispatched[0])]
+    if failed:
+        untunable.update({_key(t): t.task_name for t in failed})
+        (database_dir / UNTUNABLE).write_text(json.dumps(untunable, indent=1, sort_keys=True) + "\n")
+        print(f"tune: no trial ran for {', '.join(t.task_name for t in failed)}: default schedule, "
+              f"not retried (listed in {database_dir / UNTUNABLE})", file=stream, flush=True)
+    return TuningSummary(len(tasks), reused, len(todo) - len(failed), callback.total, skipped + len(failed),
+                         str(database_dir), cost_model)
 
 
 def apply(mod: tvm.IRModule, target: Target, database_dir: str | Path) -> tvm.IRModule:
@@ -100,6 +117,18 @@ def _check_static(mod: tvm.IRModule) -> None:
         if dims is None or any(not isinstance(d, tvm.tirx.IntImm) for d in dims.values):
             raise ConfigError(f"tuning needs static shapes: input {param.name} is {param.ty}; "
                               "fix its dims with --input-shape NAME:1x128")
+
+
+def _key(task) -> str:
+    return str(tvm_ffi.structural_hash(task.dispatched[0]))
+
+
+def _read_untunable(database_dir: Path) -> dict[str, str]:
+    """{task hash: task name} of the tasks no trial ever ran for, from earlier runs on this folder."""
+    try:
+        return dict(json.loads((database_dir / UNTUNABLE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def _has_record(database: ms.database.Database, mod: tvm.IRModule) -> bool:

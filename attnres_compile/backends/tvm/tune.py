@@ -11,11 +11,13 @@ retried; they keep the default schedule. Tuning measures real runs, so shapes mu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -85,15 +87,18 @@ def tune(mod: tvm.IRModule, target: Target, trials: int, database_dir: str | Pat
           file=stream, flush=True)
     callback = _Progress([t.task_name for t in todo], trials, stream)
     if todo:
+        logger = logging.getLogger("tvm.s_tir.meta_schedule")
         # the console handler meta_schedule adds takes this logger's level: its tables go to the logs only
-        logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+        logger.setLevel(logging.WARNING)
         cores = _cores(target)
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(todo, str(database_dir), num_threads=cores)
-        ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(database_dir),
-                      max_trials_global=trials * len(todo), max_trials_per_task=trials,
-                      num_trials_per_iter=min(trials, 64), database=database, cost_model=cost_model,
-                      builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=BUILD_TIMEOUT_S),
-                      measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
+        with _only_named_handlers(logger):
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+                todo, str(database_dir), num_threads=cores)
+            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(database_dir),
+                          max_trials_global=trials * len(todo), max_trials_per_task=trials,
+                          num_trials_per_iter=min(trials, 64), database=database, cost_model=cost_model,
+                          builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=BUILD_TIMEOUT_S),
+                          measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
     failed = [t for t in todo if not _has_record(database, t.dispatched[0])]
     if failed:
         untunable.update({_key(t): t.task_name for t in failed})
@@ -117,6 +122,21 @@ def _check_static(mod: tvm.IRModule) -> None:
         if dims is None or any(not isinstance(d, tvm.tirx.IntImm) for d in dims.values):
             raise ConfigError(f"tuning needs static shapes: input {param.name} is {param.ty}; "
                               "fix its dims with --input-shape NAME:1x128")
+
+
+@contextlib.contextmanager
+def _only_named_handlers(logger: logging.Logger) -> Iterator[None]:
+    """Detach the logger's unnamed handlers for the duration: meta_schedule's logging set-up lists
+    the handlers by name and fails on an unnamed one (pytest attaches its capture handler to
+    every non-propagating logger, and meta_schedule's is one after a first tuning run)."""
+    unnamed = [h for h in logger.handlers if h.get_name() is None]
+    for handler in unnamed:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in unnamed:
+            logger.addHandler(handler)
 
 
 def _key(task) -> str:

@@ -121,7 +121,8 @@ depth_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def depth_attention_stacked(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int = -1) -> torch.Tensor:
-    """The unfused `torch.stack` formulation of the published pseudocode, for tests and benchmarks."""
+    """The unfused `torch.stack` formulation of the published pseudocode in float32, for tests
+    (bench/kernel.py's `eager` backend is the same form run in the storage dtype, as a user would)."""
     v = torch.stack([s.movedim(dim, -1) for s in sources]).float()
     k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     p = torch.einsum("d,s...d->s...", query.float(), k).softmax(0)

@@ -15,7 +15,6 @@ history    The source tensors a rewritten model keeps alive. Analytic: a livenes
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import json
 import os
@@ -29,6 +28,7 @@ import torch
 from torch import fx, nn
 
 from . import memory, results
+from .kernel import tvm_target
 from .timing import CopyBandwidth, interleaved, sync_for
 
 SCHEDULES = {"sublayers": 48, "blocks": 8, "rows": [2048, 8192], "features": [1024]}
@@ -78,17 +78,6 @@ def phase1_bytes(terms, T: int, D: int) -> int:
 def twophase_bytes(terms, T: int, D: int) -> int:
     """Phase 1, then per merge: read the state, the partial block sum and the query, write the output."""
     return phase1_bytes(terms, T, D) + len(terms) * (_state(T, D) + 2 * T * D * F32 + D * F32)
-
-
-def _target(device: str, threads: int):
-    from tvm.target import Target
-
-    from ..backends.tvm import host_target
-
-    if device != "cuda":
-        return host_target(threads)
-    major, minor = torch.cuda.get_device_capability()
-    return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
 
 
 def _reference(srcs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
@@ -190,7 +179,7 @@ def measure_schedules(cfg: dict, device: str, threads: int, rounds: int, min_tim
                       progress: TextIO) -> list[dict]:
     """One row per (T, D): both schedules checked, then timed interleaved with the copy."""
     terms, size = site_terms(cfg["sublayers"], cfg["blocks"])
-    target, sync, copy = _target(device, threads), sync_for(device), CopyBandwidth(device=device)
+    target, sync, copy = tvm_target(device, threads), sync_for(device), CopyBandwidth(device=device)
     rows = []
     for D in cfg["features"]:
         kernel = _kernels(D, target)
@@ -273,11 +262,7 @@ def history_worker(variant: str, sublayers: int, blocks: int, T: int, D: int, th
         row.update(history_walk(model.graph))
     with torch.no_grad():
         model(ids)  # warm-up: the runtime's lazy allocations are not the forward's
-        gc.collect()
-        memory.reset_peak()
-        base = memory.rss_bytes()
-        model(ids)
-        row["measured_bytes"] = memory.peak_bytes() - base
+        row["measured_bytes"] = memory.forward_peak(lambda: model(ids))
     return row
 
 

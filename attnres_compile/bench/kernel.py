@@ -123,16 +123,23 @@ class Group:
         raise ValueError(f"unknown backend {name!r}")
 
 
-def _tvm_build(S: int, D: int, dtype: str, device: str, threads: int):
+def tvm_target(device: str, threads: int):
+    """The TVM target for `device`: this CPU with `threads` cores, or this machine's GPU (its sm_XY)
+    with that CPU as host."""
     from tvm.target import Target
 
-    from ..backends.tvm import build, depth_attention_func, host_target
+    from ..backends.tvm import host_target
 
-    target = host_target(threads)
-    if device == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        target = Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=target)
-    return build(depth_attention_func(S, D, dtype, EPS, float(S)), target)
+    if device != "cuda":
+        return host_target(threads)
+    major, minor = torch.cuda.get_device_capability()
+    return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
+
+
+def _tvm_build(S: int, D: int, dtype: str, device: str, threads: int):
+    from ..backends.tvm import build, depth_attention_func
+
+    return build(depth_attention_func(S, D, dtype, EPS, float(S)), tvm_target(device, threads))
 
 
 def _ort_session(S: int, w: torch.Tensor, dtype: str, device: str, threads: int):

@@ -8,6 +8,8 @@ fresh process (model.py does) so memory freed by an earlier candidate cannot be 
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from pathlib import Path
 
 STATUS = Path("/proc/self/status")
@@ -43,3 +45,13 @@ def reset_peak() -> None:
 def peak_bytes() -> int:
     """The RSS high-water mark since the last `reset_peak` (or process start)."""
     return _status_kib("VmHWM") * 1024
+
+
+def forward_peak(forward: Callable[[], object]) -> int:
+    """Bytes the RSS rose above its level before one call of `forward` (run a warm-up call first:
+    lazy allocations are not the forward's)."""
+    gc.collect()
+    reset_peak()
+    before = rss_bytes()
+    forward()
+    return max(peak_bytes() - before, 0)

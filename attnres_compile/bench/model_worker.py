@@ -112,11 +112,8 @@ def measure(runtime: str, artifact: Path, inputs: dict[str, np.ndarray], device:
     if device == "cuda":
         return _measure_cuda(call) | {"peak_rss_bytes": memory.peak_bytes()}
     lifetime = memory.peak_bytes()
-    before = memory.rss_bytes()
-    memory.reset_peak()
-    call()
-    peak = memory.peak_bytes()
-    return {"forward_peak_bytes": max(peak - before, 0), "peak_rss_bytes": max(lifetime, peak)}
+    forward = memory.forward_peak(call)
+    return {"forward_peak_bytes": forward, "peak_rss_bytes": max(lifetime, memory.peak_bytes())}
 
 
 def _measure_cuda(call: Call) -> dict:

@@ -2,19 +2,74 @@
 
     out = scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
-A torch.library custom op: it stays one node through torch.export, has a fake kernel for
-tracing and an analytic backward. The eager kernel never stacks the sources: per source it
-reads the norm and the dot with `w` (two fused reductions), then accumulates `p_i * s_i` in
-place, in float32 (float64 for float64 storage) whatever the storage dtype.
+Two implementations behind one op, chosen per call by ATTNRES_KERNEL (or `set_kernel`):
+  auto (default)  the fused TVM kernels (fused.py) where they apply, else the eager reference
+  tvm             the same, but a TVM that cannot be imported is an error, not a fallback
+  eager           the eager reference only
+The eager reference never stacks the sources: per source it reads the norm and the dot with `w`
+(two fused reductions), then accumulates `p_i * s_i` in place, in float32 (float64 for float64
+storage) whatever the storage dtype. It serves float64, feature axes other than the last,
+devices without a fused kernel, and is what the fused kernels are tested against.
+
+Registration is a torch.library Library (schema, backend kernels, fake kernels) with a Python
+Autograd kernel: it stays one node through torch.export and an opaque op under torch.compile,
+and costs a few microseconds per call (torch.library.custom_op's Python wrapper cost tens, the
+price of a whole fused kernel at width 256). The backward is its own op,
+`attnres.depth_attention_backward` (fused kernel or the analytic eager form), so compiled and
+exported backward graphs keep it whole too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
 OP_NAME = "attnres::depth_attention"
+BACKWARD_NAME = "attnres::depth_attention_backward"
+KERNELS = ("auto", "tvm", "eager")
+
+_LIB = torch.library.Library("attnres", "DEF")
+_LIB.define("depth_attention(Tensor[] sources, Tensor query, float eps, float scale, int dim) -> Tensor")
+_LIB.define("depth_attention_backward(Tensor[] sources, Tensor query, Tensor grad, float eps, float scale, "
+            "int dim) -> (Tensor[], Tensor)")
+_OP = torch.ops.attnres.depth_attention.default
+_BACKWARD = torch.ops.attnres.depth_attention_backward.default
+depth_attention = _OP  # depth_attention(sources, query, eps, scale, dim)
+
+_mode = os.environ.get("ATTNRES_KERNEL") or "auto"  # unset or empty: auto
+_fused = None  # fused.py for modes auto/tvm once resolved; False: the eager reference only
+
+
+def set_kernel(mode: str) -> str:
+    """Choose the implementation ("auto", "tvm" or "eager") for later calls; returns the previous."""
+    global _mode, _fused
+    if mode not in KERNELS:
+        raise ValueError(f"unknown depth-attention kernel {mode!r}: expected one of {', '.join(KERNELS)}")
+    previous, _mode, _fused = _mode, mode, None
+    return previous
+
+
+def _resolve():
+    """fused.py, imported on the first call that may use it; False in mode eager or, in mode
+    auto, without a usable TVM."""
+    global _fused
+    if _mode not in KERNELS:
+        raise ValueError(f"ATTNRES_KERNEL={_mode!r} is not a depth-attention kernel: use one of {', '.join(KERNELS)}")
+    if _mode == "eager":
+        _fused = False
+        return _fused
+    from . import fused
+
+    if not fused.available():
+        if _mode == "tvm":
+            raise RuntimeError("ATTNRES_KERNEL=tvm but TVM cannot be imported: install apache-tvm, "
+                               "or use ATTNRES_KERNEL=auto or eager")
+        _fused = False
+        return _fused
+    _fused = fused
+    return _fused
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,6 +94,8 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, dim: int) -> in
     return size
 
 
+# ---- the eager reference -----------------------------------------------------------------------
+
 def _logits(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float, ctype: torch.dtype):
     """Per source, with the feature axis last: logits z_i and inverse RMS r_i (shape [...])."""
     size = sources[0].shape[-1]
@@ -61,9 +118,9 @@ def _back(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).contiguous()
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int) -> torch.Tensor:
-    """scale * sum_i softmax_i(query . RMSNorm(sources[i])) * sources[i], reduced over axis `dim`."""
+def forward_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float,
+                      dim: int) -> torch.Tensor:
+    """The eager forward: scale * sum_i softmax_i(query . RMSNorm(sources[i])) * sources[i]."""
     _check(sources, query, dim)
     dtype = sources[0].dtype
     ctype = _compute_dtype(dtype)
@@ -78,30 +135,17 @@ def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, eps: float
     return _back(acc, dim, dtype)
 
 
-@depth_attention.register_fake
-def _(sources, query, eps, scale, dim):
-    _check(sources, query, dim)
-    return sources[0].new_empty(sources[0].shape)
-
-
-def _setup_context(ctx, inputs, output):
-    sources, query, eps, scale, dim = inputs
-    ctx.save_for_backward(query, *sources)
-    ctx.eps, ctx.scale, ctx.dim = eps, scale, dim
-
-
-def _backward(ctx, grad):
-    """Analytic gradient. With n_i = s_i r_i, z_i = w.n_i, u_i = g.s_i, dz_i = c p_i (u_i - sum_j p_j u_j):
+def backward_reference(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float,
+                       scale: float, dim: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The analytic gradient. With n_i = s_i r_i, z_i = w.n_i, u_i = g.s_i, dz_i = c p_i (u_i - sum_j p_j u_j):
     ds_i = c p_i g + dz_i r_i (w - z_i n_i / D),  dw = sum_rows sum_i dz_i n_i."""
-    query, *sources = ctx.saved_tensors
-    dim, scale = ctx.dim, ctx.scale
     dtype = sources[0].dtype
     ctype = _compute_dtype(dtype)
     w = query.to(ctype)
     srcs = [s.to(ctype) for s in _last(sources, dim)]
     g = _last([grad], dim)[0].to(ctype)
     size = srcs[0].shape[-1]
-    z, rinv = _logits(srcs, w, ctx.eps, ctype)
+    z, rinv = _logits(srcs, w, eps, ctype)
     p = torch.softmax(z, dim=0)
     u = torch.stack([(g * s).sum(-1) for s in srcs])
     dz = p * (u - (p * u).sum(0, keepdim=True)) * scale
@@ -111,13 +155,86 @@ def _backward(ctx, grad):
     for i, s in enumerate(srcs):
         gs = g * (scale * p[i]).unsqueeze(-1)
         gs.add_(a[i].unsqueeze(-1) * w).sub_(s * b[i].unsqueeze(-1))
-        grads.append(_back(gs, dim, dtype) if ctx.needs_input_grad[0] else None)
+        grads.append(_back(gs, dim, dtype))
         grad_w += torch.einsum("...,...d->d", a[i], s)
-    grad_q = grad_w.to(query.dtype) if ctx.needs_input_grad[1] else None
-    return grads, grad_q, None, None, None
+    return grads, grad_w.to(query.dtype)
 
 
-depth_attention.register_autograd(_backward, setup_context=_setup_context)
+# ---- kernels -----------------------------------------------------------------------------------
+
+def _forward(sources, query, eps, scale, dim):
+    """The CPU and CUDA kernel."""
+    fused = _fused if _fused is not None else _resolve()
+    if fused:
+        try:
+            out = fused.forward(sources, query, eps, scale, dim)
+        except Exception:
+            _check(sources, query, dim)  # bad arguments get the reference's message
+            raise
+        if out is not None:
+            return out
+    return forward_reference(sources, query, eps, scale, dim)
+
+
+def _backward(sources, query, grad, eps, scale, dim):
+    fused = _fused if _fused is not None else _resolve()
+    if fused:
+        result = fused.backward(sources, query, grad, eps, scale, dim)
+        if result is not None:
+            return result
+    return backward_reference(sources, query, grad, eps, scale, dim)
+
+
+class _DepthAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, eps, scale, dim, *sources):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = _OP(list(sources), query, eps, scale, dim)
+        ctx.save_for_backward(query, *sources)
+        ctx.args = (eps, scale, dim)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, *sources = ctx.saved_tensors
+        grads, grad_query = _BACKWARD(sources, query, grad, *ctx.args)
+        return grad_query if ctx.needs_input_grad[0] else None, None, None, None, *grads
+
+
+_Tensor = torch.Tensor
+_modes = torch._C._len_torch_dispatch_stack
+
+
+def _autograd(sources, query, eps, scale, dim):
+    """The Autograd kernel: the autograd.Function only when a gradient is wanted. Without one, in
+    plain eager execution (no dispatch mode, plain CPU/CUDA tensors) it calls the backend kernel
+    itself, which is what redispatching would reach, minus a round trip through the dispatcher."""
+    if torch.is_grad_enabled() and (query.requires_grad or any(s.requires_grad for s in sources)):
+        return _DepthAttention.apply(query, eps, scale, dim, *sources)
+    if (sources and not _modes() and type(query) is _Tensor and sources[0].device.type in ("cpu", "cuda")
+            and all(type(s) is _Tensor for s in sources)):
+        return _forward(sources, query, eps, scale, dim)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _OP(sources, query, eps, scale, dim)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("depth_attention", _forward, _key)
+    _LIB.impl("depth_attention_backward", _backward, _key)
+_LIB.impl("depth_attention", forward_reference, "CompositeExplicitAutograd")  # any other device
+_LIB.impl("depth_attention_backward", backward_reference, "CompositeExplicitAutograd")
+_LIB.impl("depth_attention", _autograd, "Autograd")
+
+
+@torch.library.register_fake(OP_NAME)
+def _(sources, query, eps, scale, dim):
+    _check(sources, query, dim)
+    return sources[0].new_empty(sources[0].shape)
+
+
+@torch.library.register_fake(BACKWARD_NAME)
+def _(sources, query, grad, eps, scale, dim):
+    return [s.new_empty(s.shape) for s in sources], query.new_empty(query.shape)
 
 
 def depth_attention_stacked(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int = -1) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Numerics of `torch.ops.attnres.depth_attention` at the edges: low-precision storage at large
 and tiny magnitudes, all-zero / single / identical sources, a feature size of 1, peaked logits.
 
-Every case is compared with a float64 reference written from DESIGN.md §2:
+Every case runs both implementations of the op (the fused TVM kernels, the eager reference) and
+is compared with a float64 reference written from DESIGN.md §2:
 
     out = scale * sum_i softmax_i(w . s_i / sqrt(mean(s_i^2) + eps)) * s_i     (over axis `dim`)
 
@@ -25,9 +26,17 @@ Tolerances, per element, |out - ref| <= atol + rtol * |ref|:
 import pytest
 import torch
 
-import attnres_compile.op  # noqa: F401  (registers torch.ops.attnres)
+from attnres_compile import op as op_module
 
 op = torch.ops.attnres.depth_attention.default
+
+
+@pytest.fixture(autouse=True, params=["tvm", "eager"])
+def kernel(request):
+    """Every case against both implementations: the fused TVM kernels and the eager reference."""
+    previous = op_module.set_kernel(request.param)
+    yield request.param
+    op_module.set_kernel(previous)
 
 LOW = [torch.float16, torch.bfloat16]
 COMPUTE = 1e-5

@@ -16,6 +16,7 @@ import tvm
 
 from attnres_compile.backends.tvm import (
     build,
+    depth_attention_backward_func,
     depth_attention_func,
     depth_attention_merge_func,
     depth_attention_partial_func,
@@ -34,10 +35,24 @@ CUDA = {"kind": "cuda", "arch": "sm_90"}
 def reference(sources, w, eps, scale):
     v = np.stack([s.astype(np.float64) for s in sources])
     r = np.sqrt((v**2).mean(-1) + eps)
-    z = np.einsum("d,srd->sr", w.astype(np.float64), v) / r
+    z = np.einsum("d,s...d->s...", w.astype(np.float64), v) / r
     p = np.exp(z - z.max(0))
     p /= p.sum(0)
-    return scale * np.einsum("sr,srd->rd", p, v)
+    return scale * np.einsum("s...,s...d->...d", p, v)
+
+
+def backward_reference(sources, w, g, eps, scale):
+    """(d out / d sources, d out / d w) for the upstream gradient g, float64 (op.py's formula)."""
+    v = np.stack([s.astype(np.float64) for s in sources])
+    w, g = w.astype(np.float64), g.astype(np.float64)
+    rinv = 1 / np.sqrt((v**2).mean(-1) + eps)
+    z = np.einsum("d,s...d->s...", w, v) * rinv
+    p = np.exp(z - z.max(0))
+    p /= p.sum(0)
+    u = np.einsum("...d,s...d->s...", g, v)
+    dz = scale * p * (u - (p * u).sum(0))
+    ds = scale * p[..., None] * g + (dz * rinv)[..., None] * w - (dz * z * rinv**2 / v.shape[-1])[..., None] * v
+    return list(ds), ((dz * rinv)[..., None] * v).reshape(-1, v.shape[-1]).sum(0)
 
 
 @functools.cache
@@ -46,12 +61,14 @@ def _compiled(kind: str, *args):
         "main": depth_attention_func,
         "partial": depth_attention_partial_func,
         "merge": depth_attention_merge_func,
+        "backward": depth_attention_backward_func,
     }[kind]
     return build(make(*args), host_target(2))
 
 
 def _sources(rng, count, rows, size, dtype):
-    return [rng.standard_normal((rows, size)).astype(NP_DTYPES[dtype]) for _ in range(count)]
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    return [rng.standard_normal((*rows, size)).astype(NP_DTYPES[dtype]) for _ in range(count)]
 
 
 def _query(rng, size):
@@ -88,6 +105,42 @@ def test_depth_attention_matches_reference(num_sources, size, rows, dtype):
     result = _run(_compiled("main", num_sources, size, dtype), *srcs, w, out)[-1].numpy()
     assert result.dtype == NP_DTYPES[dtype]
     _assert_close(result, reference(srcs, w, 1e-6, num_sources), dtype)
+
+
+@pytest.mark.parametrize(
+    "num_sources, size, rows, dtype",
+    [(3, 77, 130, "float32"), (9, 64, (3, 17), "float32"), (1, 16, 1, "float32"), (4, 96, 33, "bfloat16"),
+     (2, 40, (2, 3), "float16")],
+)
+def test_backward_matches_reference(num_sources, size, rows, dtype):
+    """The fused backward (two row chunks with their own partial dw; rows fewer than chunks
+    included) against float64. Tolerances relative to each gradient's magnitude, as the forward's;
+    dw is accumulated and stored in float32."""
+    rng = np.random.default_rng(num_sources * 100 + size)
+    srcs, w = _sources(rng, num_sources, rows, size, dtype), _query(rng, size)
+    g = _sources(rng, 1, rows, size, dtype)[0]
+    scale = float(num_sources)
+    outs = [np.zeros_like(s) for s in srcs] + [np.zeros(size, np.float32)]
+    rank = srcs[0].ndim
+    module = _compiled("backward", num_sources, size, dtype, 1e-6, scale, rank)
+    *grads, dw = [t.numpy() for t in _run(module, *srcs, w, g, *outs)[num_sources + 2:]]
+    ref_grads, ref_dw = backward_reference(srcs, w, g, 1e-6, scale)
+    for got, ref in zip(grads, ref_grads):
+        assert got.dtype == NP_DTYPES[dtype]
+        _assert_close(got, ref, dtype)
+    if num_sources > 1:  # one source: dw = 0 exactly
+        _assert_close(dw, ref_dw, "float32")
+    else:
+        assert not np.any(dw)
+
+
+def test_rank3_forward_matches_reference():
+    """[B, T, D] sources as they are (symbolic row dims, fused by the schedule)."""
+    rng = np.random.default_rng(5)
+    srcs, w = _sources(rng, 4, (3, 37), 77, "float32"), _query(rng, 77)
+    out = np.zeros((3, 37, 77), np.float32)
+    result = _run(_compiled("main", 4, 77, "float32", 1e-6, None, 3), *srcs, w, out)[-1].numpy()
+    _assert_close(result, reference(srcs, w, 1e-6, 4), "float32")
 
 
 def test_eps_scale_and_large_logits():
@@ -166,7 +219,8 @@ def test_cuda_builds_and_compiles_with_nvcc(dtype):
     from tvm.support import nvcc
 
     target = tvm.target.Target(CUDA)
-    funcs = [depth_attention_func(9, 1024, dtype), depth_attention_func(3, 77, dtype)]
+    funcs = [depth_attention_func(9, 1024, dtype), depth_attention_func(3, 77, dtype, rank=3),
+             depth_attention_backward_func(3, 77, dtype, rank=3)]
     if dtype == "float32":
         funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype)]
     for func in funcs:
@@ -186,3 +240,5 @@ def test_rejects_bad_arguments():
         depth_attention_func(2, 64, "int8")
     with pytest.raises(ValueError):
         depth_attention_partial_func(2, 0, 64)
+    with pytest.raises(ValueError, match="rank >= 2"):
+        depth_attention_backward_func(2, 64, rank=1)

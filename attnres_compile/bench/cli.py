@@ -17,7 +17,8 @@ from ..errors import ConfigError
 
 BENCHMARKS = {
     "kernel": "fused TVM kernel vs torch eager, torch.compile and onnxruntime, with the copy-bandwidth roofline",
-    "model": "whole models: original vs Full and Block rewrites in torch eager, onnxruntime and TVM",
+    "model": "whole models: original, identical copy, Full and Block in torch eager (forward, forward + backward), "
+             "onnxruntime and TVM; the targets of issues 11 and 12",
     "block": "Block AttnRes: two-phase vs one-pass kernels, history memory of Block vs Full",
 }
 
@@ -52,8 +53,10 @@ def add_commands(subparsers) -> None:
         p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.txt and the plots "
                        "(default bench-results)")
         p.add_argument("--quick", action="store_true", help="a small matrix and few rounds: checks the set-up in a minute")
-        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-        p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every runtime (default: all cores)")
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+        p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                       help="CPU threads for every runtime (default: all cores); bench model times at 1 thread "
+                            "(CPU time) and at this many (wall time)")
         p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 5, --quick 2)")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         p.set_defaults(handler=bench_command)
@@ -64,17 +67,27 @@ def add_commands(subparsers) -> None:
         p.add_argument("--features", type=_ints, help="D values (default 256,1024,4096)")
         p.add_argument("--dtypes", type=_names(("float32", "float16")), help="default float32,float16")
         p.add_argument("--backends", type=_names(("tvm", "eager", "op", "compile", "onnxruntime")),
-                       help="default all: tvm,eager,op,compile,onnxruntime (op: the custom op rewritten PyTorch models run)")
+                       help="default all: tvm,eager,op,compile,onnxruntime (op: the custom op's eager reference; "
+                            "the backward has no onnxruntime)")
+        p.add_argument("--passes", type=_names(("forward", "backward")), help="default forward,backward")
     for name in ("model", "all"):
         p = parsers[name]
         p.add_argument("--models", type=_names(("gpt", "llama")), help="default gpt,llama")
-        p.add_argument("--sublayers", type=_ints, help="depths in sublayers, two per layer (default 12,24,48)")
-        p.add_argument("--runtimes", type=_names(("eager", "onnxruntime", "tvm")), help="default eager,onnxruntime,tvm")
-        p.add_argument("--width", type=int, help="hidden size (default 256)")
+        p.add_argument("--sublayers", type=_ints, help="depths in sublayers, two per layer (default: width 256 at "
+                       "12,24,48 and width 1024 at 24; with --width: 12,24,48)")
+        p.add_argument("--runtimes", type=_names(("eager", "train", "onnxruntime", "tvm", "tvm-tuned")),
+                       help="default eager,train,onnxruntime,tvm (train: forward + backward in torch eager; tvm: the "
+                            "default build), and tvm-tuned with --tune-minutes or --trials")
+        p.add_argument("--width", type=int, help="hidden size (default: 256 and 1024, see --sublayers)")
         p.add_argument("--seq", type=int, help="tokens per sequence (default 128)")
         p.add_argument("--batch", type=int, help="sequences per forward (default 1)")
         p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")
-        p.add_argument("--trials", type=int, help="meta_schedule trials per TVM operator; 0 = untuned (default 16)")
+        p.add_argument("--tune-minutes", type=float, help="also time a TVM build tuned with meta_schedule for this "
+                       "many minutes (runtime tvm-tuned)")
+        p.add_argument("--trials", type=int, help="also time a TVM build tuned with this many meta_schedule trials per "
+                       "operator (runtime tvm-tuned; default 0: none)")
+        p.add_argument("--profile", action="store_true", help="per-kernel (TVM) and per-node (onnxruntime) time by op "
+                       "kind, original vs Full vs Block, at 1 thread")
         p.add_argument("--tuning-db", help="folder keeping TVM tuning records across runs (default OUT/tuning-db)")
 
 
@@ -96,8 +109,11 @@ def bench_command(args) -> int:
     out = Path(args.out)
     progress = sys.__stderr__  # the main CLI hides sys.stderr without --debug; progress stays visible
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
-    for name in names:
-        module = importlib.import_module(f".{name}", __package__)
+    modules = {name: importlib.import_module(f".{name}", __package__) for name in names}
+    for module in modules.values():  # every flag checked before any benchmark starts
+        if hasattr(module, "settings"):
+            module.settings(args)
+    for name, module in modules.items():
         print(f"bench {name}: {BENCHMARKS[name]}", file=progress, flush=True)
         data = module.run(args, progress)
         text = module.table(data)

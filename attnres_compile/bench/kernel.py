@@ -1,20 +1,31 @@
-"""The fused depth-attention kernel (TVM) against what a user would otherwise run, over S x T x D.
+"""The fused depth-attention kernels (TVM) against what a user would otherwise run, over S x T x D.
 
-Backends, all computing `S * softmax_s(w . RMSNorm(s)) . s` over S sources of [T, D]:
+Forward backends, all computing `S * softmax_s(w . RMSNorm(s)) . s` over S sources of [T, D]:
   eager        the unfused torch form as the paper's pseudocode writes it, in the storage dtype
-  op           torch.ops.attnres.depth_attention, the custom op a rewritten PyTorch model runs
-               (its eager kernel never stacks; float32 accumulation for 16-bit sources)
+  op           the eager reference of torch.ops.attnres.depth_attention (a rewritten model's op;
+               it never stacks, float32 accumulation for 16-bit sources), which the op runs
+               where the fused kernel does not apply (ATTNRES_KERNEL=eager, float64, ...)
   compile      torch.compile of exactly that function (rows dynamic: one compile per S, D, dtype;
                its cold compile time is recorded, inductor's on-disk caches off for that call)
   onnxruntime  a one-site ONNX model, the `attnres.DepthAttention` node the rewrite emits, with
                the query an initializer as in a rewritten model (onnxruntime then fuses each
                source's RMSNorm and query product into one SimplifiedLayerNormalization)
-  tvm          the fused kernel, built once per (S, D, dtype): rows are symbolic in it
+  tvm          the fused kernel, built once per (S, D, dtype): rows are symbolic in it; what the
+               op runs by default
+Backward backends, computing the gradients of every source and of the query for an upstream
+gradient g (onnxruntime has none):
+  eager        autograd of the unfused form (its graph recorded once, the backward timed)
+  op           the op's eager backward (the analytic gradient, per source)
+  compile      the backward graph torch.compile (AOT autograd + inductor) makes for the unfused form
+  tvm          the fused backward kernel: one pass for the row statistics, one for every source
+               gradient and the row's share of the query gradient (a partial per thread)
 and the machine's copy bandwidth, timed in the same interleaved rounds: the roofline of a
-memory-bound op that reads S sources and writes one output, (S+1)*T*D*itemsize bytes.
+memory-bound op. Bytes: the forward reads S sources and writes one output, (S+1)*T*D*itemsize;
+the backward reads S sources and g and writes S gradients, (2S+1)*T*D*itemsize.
 
-Every backend's output is checked against a float64 reference on a sample of rows (rows are
-independent); TVM or onnxruntime off by more than the dtype's tolerance raises: that is a bug,
+Every backend's result is checked against a float64 reference on a sample of rows (rows are
+independent; the fused backward's query gradient, a sum over rows, by a second call on the
+sampled rows); TVM or onnxruntime off by more than the dtype's tolerance raises: that is a bug,
 not a benchmark result. Shapes or backends whose estimated peak memory would not fit are
 recorded as skipped.
 """
@@ -32,10 +43,13 @@ import numpy as np
 import psutil
 import torch
 
+from ..kernel_cache import target as tvm_target  # the block benchmark imports it from here too
 from . import results
 from .timing import CopyBandwidth, interleaved, sync_for
 
 BACKENDS = ("tvm", "eager", "op", "compile", "onnxruntime")
+BACKWARD_BACKENDS = ("tvm", "eager", "op", "compile")
+PASSES = ("forward", "backward")
 DEFAULT = {"sources": [2, 5, 9, 17, 33], "rows": [128, 2048, 8192], "features": [256, 1024, 4096],
            "dtypes": ["float32", "float16"]}
 QUICK = {"sources": [2, 9], "rows": [128], "features": [256], "dtypes": ["float32"]}
@@ -45,6 +59,9 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-3}  # max |out - ref| / max |ref| fo
 MEMORY_FRACTION = 0.6  # of the available memory a shape may plan to use
 # extra S*T*D tensors each backend allocates beyond the sources (itemsize: storage, or 4 = float32)
 EXTRA = {"tvm": (0, None), "eager": (4, None), "op": (0, None), "compile": (2, None), "onnxruntime": (4, 4)}
+# the backward's, beyond sources, g and the S gradients: autograd's saved stacked tensors, the op's
+# float32 per-source temporaries, inductor's saved activations
+EXTRA_BACKWARD = {"tvm": (0, None), "eager": (5, None), "op": (2, 4), "compile": (3, None)}
 TARGET_SHAPE = {"S": 9, "T": 2048, "D": 1024, "dtype": "float32"}
 
 
@@ -94,9 +111,9 @@ class Group:
             w_store = w.to(srcs[0].dtype)
             return lambda: self.eager(srcs, w_store)
         if name == "op":
-            from .. import op  # noqa: F401 - registers torch.ops.attnres
+            from ..op import forward_reference
 
-            return lambda: torch.ops.attnres.depth_attention.default(srcs, w, EPS, float(self.S), -1)
+            return lambda: forward_reference(srcs, w, EPS, float(self.S), -1)
         if name == "compile":
             w_store = w.to(srcs[0].dtype)
             for s in srcs:
@@ -122,24 +139,49 @@ class Group:
             return _ort_call(session, srcs, out)
         raise ValueError(f"unknown backend {name!r}")
 
+    def backward_candidate(self, name: str, srcs: list[torch.Tensor], w: torch.Tensor, g: torch.Tensor,
+                           grads: list[torch.Tensor], dw: torch.Tensor) -> Callable:
+        """A no-argument backward of backend `name`: returns (source gradients, query gradient), or
+        None after writing `grads` and `dw` (tvm)."""
+        if name == "tvm":
+            kernel = self._once("tvm_backward", lambda: _tvm_build(self.S, self.D, self.dtype, self.device,
+                                                                   self.threads, backward=True))
+            return lambda: kernel(*srcs, w, g, *grads, dw)
+        if name == "op":
+            from ..op import backward_reference
 
-def tvm_target(device: str, threads: int):
-    """The TVM target for `device`: this CPU with `threads` cores, or this machine's GPU (its sm_XY)
-    with that CPU as host."""
-    from tvm.target import Target
+            return lambda: backward_reference(srcs, w, g, EPS, float(self.S), -1)
+        leaves = [s.detach().requires_grad_() for s in srcs]
+        w_leaf = w.detach().to(srcs[0].dtype, copy=True).requires_grad_()
+        inputs = [*leaves, w_leaf]
+        if name == "eager":
+            out = self.eager(leaves, w_leaf)
+        elif name == "compile":
+            for s in leaves:
+                torch._dynamo.mark_dynamic(s, 0)
 
-    from ..backends.tvm import host_target
+            def first_call():  # compiles forward and backward graphs, cold; the backward is timed
+                compiled = torch.compile(unfused(EPS, float(self.S)))
+                with torch._inductor.config.patch(force_disable_caches=True):
+                    result = compiled(leaves, w_leaf)
+                    torch.autograd.grad(result, inputs, g, retain_graph=True)
+                return compiled
 
-    if device != "cuda":
-        return host_target(threads)
-    major, minor = torch.cuda.get_device_capability()
-    return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
+            out = self._once("compile_backward", first_call)(leaves, w_leaf)
+        else:
+            raise ValueError(f"unknown backward backend {name!r}")
+
+        def run():
+            *source_grads, w_grad = torch.autograd.grad(out, inputs, g, retain_graph=True)
+            return source_grads, w_grad
+        return run
 
 
-def _tvm_build(S: int, D: int, dtype: str, device: str, threads: int):
-    from ..backends.tvm import build, depth_attention_func
+def _tvm_build(S: int, D: int, dtype: str, device: str, threads: int, backward: bool = False):
+    from ..backends.tvm import build, depth_attention_backward_func, depth_attention_func
 
-    return build(depth_attention_func(S, D, dtype, EPS, float(S)), tvm_target(device, threads))
+    make = depth_attention_backward_func if backward else depth_attention_func
+    return build(make(S, D, dtype, EPS, float(S)), tvm_target(device, threads))
 
 
 def _ort_session(S: int, w: torch.Tensor, dtype: str, device: str, threads: int):
@@ -201,24 +243,54 @@ def available_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def memory_plan(S: int, T: int, D: int, dtype: str, backends: list[str], budget: int) -> tuple[str | None, dict]:
+def memory_plan(S: int, T: int, D: int, dtype: str, backends: list[str], budget: int,
+                pass_: str = "forward") -> tuple[str | None, dict]:
     """(reason the whole shape is skipped or None, {backend: reason it is skipped}) against `budget` bytes."""
     itemsize = getattr(torch, dtype).itemsize
-    base = (S + 1) * T * D * itemsize
+    base = _bytes(S, T, D, itemsize, pass_)
     gb = 1e9
     if base > budget:
-        return f"sources and output need {base / gb:.1f} GB, {budget / gb:.1f} GB available", {}
+        return f"{'sources and output' if pass_ == 'forward' else 'sources, g and gradients'} need " \
+               f"{base / gb:.1f} GB, {budget / gb:.1f} GB available", {}
     skipped = {}
     for name in backends:
-        copies, size = EXTRA[name]
+        copies, size = (EXTRA if pass_ == "forward" else EXTRA_BACKWARD)[name]
         need = base + copies * S * T * D * (size or itemsize)
         if need > budget:
             skipped[name] = f"estimated peak {need / gb:.1f} GB, {budget / gb:.1f} GB available"
     return None, skipped
 
 
+def _bytes(S: int, T: int, D: int, itemsize: int, pass_: str) -> int:
+    """What the pass must move: the forward reads S sources and writes the output; the backward
+    reads S sources and g and writes S gradients."""
+    return ((S + 1) if pass_ == "forward" else (2 * S + 1)) * T * D * itemsize
+
+
 def _max_rel_err(out: torch.Tensor, idx: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out[idx].double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _sources(S: int, T: int, D: int, dtype: torch.dtype, device: str, seed: int) -> list[torch.Tensor]:
+    """S sources of differing RMS, so the softmax weights differ."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(T, D, generator=gen) * (0.5 + i / S)).to(device, dtype) for i in range(S)]
+
+
+def _timed(row: dict, entries: dict, candidates: dict, copy: CopyBandwidth, rounds: int, min_time: float,
+           sync) -> dict:
+    """Time the candidates interleaved with the copy; fill the row's GB/s, fractions and speedups."""
+    candidates["copy"] = copy.fn
+    times = interleaved(candidates, rounds, min_time, sync)
+    copy_gbps = copy.gbps(times.pop("copy")["median_ms"])
+    row["copy_GBps"] = copy_gbps
+    for name, t in times.items():
+        gbps = row["bytes"] / (t["median_ms"] * 1e-3) / 1e9
+        entries[name].update(median_ms=t["median_ms"], min_ms=t["min_ms"], GBps=gbps, fraction_of_copy=gbps / copy_gbps)
+    row["backends"] = entries
+    if "tvm" in times:
+        row["tvm_speedup"] = {n: t["median_ms"] / times["tvm"]["median_ms"] for n, t in times.items() if n != "tvm"}
+    return row
 
 
 def measure(group: Group, T: int, backends: list[str], skipped: dict[str, str], copy: CopyBandwidth,
@@ -226,16 +298,15 @@ def measure(group: Group, T: int, backends: list[str], skipped: dict[str, str], 
     """One row: every backend on S sources of [T, D], timed interleaved with the copy."""
     S, D, dtype, device = group.S, group.D, group.dtype, group.device
     torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seed)
-    # sources of differing RMS so the softmax weights differ; w exact in the storage dtype
-    srcs = [(torch.randn(T, D, generator=gen) * (0.5 + i / S)).to(device, torch_dtype) for i in range(S)]
-    w = group.w
+    srcs = _sources(S, T, D, torch_dtype, device, seed)
+    w = group.w  # exact in the storage dtype
     out = torch.empty(T, D, dtype=torch_dtype, device=device)
     idx = torch.linspace(0, T - 1, min(T, CHECK_ROWS), device=device).long().unique()
     ref = reference([s[idx] for s in srcs], w, EPS, float(S))
     sync = sync_for(device)
 
-    row: dict = {"S": S, "T": T, "D": D, "dtype": dtype, "bytes": (S + 1) * T * D * torch_dtype.itemsize}
+    row: dict = {"pass": "forward", "S": S, "T": T, "D": D, "dtype": dtype,
+                 "bytes": _bytes(S, T, D, torch_dtype.itemsize, "forward")}
     entries: dict[str, dict] = {}
     candidates: dict[str, Callable] = {}
     for name in backends:
@@ -255,17 +326,61 @@ def measure(group: Group, T: int, backends: list[str], skipped: dict[str, str], 
         if not had_setup and name in group.setup_s:
             entries[name]["setup_s"] = group.setup_s[name]
         candidates[name] = fn
-    candidates["copy"] = copy.fn
-    times = interleaved(candidates, rounds, min_time, sync)
-    copy_gbps = copy.gbps(times.pop("copy")["median_ms"])
-    row["copy_GBps"] = copy_gbps
-    for name, t in times.items():
-        gbps = row["bytes"] / (t["median_ms"] * 1e-3) / 1e9
-        entries[name].update(median_ms=t["median_ms"], min_ms=t["min_ms"], GBps=gbps, fraction_of_copy=gbps / copy_gbps)
-    row["backends"] = entries
-    if "tvm" in times:
-        row["tvm_speedup"] = {n: t["median_ms"] / times["tvm"]["median_ms"] for n, t in times.items() if n != "tvm"}
-    return row
+    return _timed(row, entries, candidates, copy, rounds, min_time, sync)
+
+
+def measure_backward(group: Group, T: int, backends: list[str], skipped: dict[str, str], copy: CopyBandwidth,
+                     rounds: int, min_time: float, seed: int = 0) -> dict:
+    """One backward row: every backend's gradients on S sources of [T, D], timed interleaved with the copy."""
+    from ..op import backward_reference
+
+    S, D, dtype, device = group.S, group.D, group.dtype, group.device
+    torch_dtype = getattr(torch, dtype)
+    srcs = _sources(S, T, D, torch_dtype, device, seed)
+    w = group.w
+    g = torch.randn(T, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch_dtype)
+    grads = [torch.empty(T, D, dtype=torch_dtype, device=device) for _ in range(S)]
+    dw = torch.empty(D, device=device)
+    idx = torch.linspace(0, T - 1, min(T, CHECK_ROWS), device=device).long().unique()
+    # float64 on the sampled rows: the source gradients there, and the query gradient of those rows alone
+    ref_grads, ref_dw = backward_reference([s[idx].double().cpu() for s in srcs], w.double().cpu(),
+                                           g[idx].double().cpu(), EPS, float(S), -1)
+    sync = sync_for(device)
+    row: dict = {"pass": "backward", "S": S, "T": T, "D": D, "dtype": dtype,
+                 "bytes": _bytes(S, T, D, torch_dtype.itemsize, "backward")}
+    entries: dict[str, dict] = {}
+    candidates: dict[str, Callable] = {}
+    for name in backends:
+        if name not in BACKWARD_BACKENDS:
+            continue
+        if name in skipped:
+            entries[name] = {"skipped": skipped[name]}
+            continue
+        setup_key = f"{name}_backward" if name in ("tvm", "compile") else name
+        had_setup = setup_key in group.setup_s
+        fn = group.backward_candidate(name, srcs, w, g, grads, dw)
+        result = fn()
+        sync()
+        source_grads = grads if result is None else result[0]
+        err = max(_max_rel_err(mine, idx, ref) for mine, ref in zip(source_grads, ref_grads))
+        del result, source_grads
+        entries[name] = {"max_rel_err": err}
+        if name == "tvm":  # the query gradient sums over rows: the kernel again on the sampled rows
+            sub = [torch.empty(len(idx), D, dtype=torch_dtype, device=device) for _ in range(S)]
+            sub_dw = torch.empty(D, device=device)
+            group.backward_candidate(name, [s[idx].contiguous() for s in srcs], w, g[idx].contiguous(), sub,
+                                     sub_dw)()
+            sync()
+            entries[name]["max_rel_err_query"] = ((sub_dw.double().cpu() - ref_dw).abs().max()
+                                                  / ref_dw.abs().max()).item()
+            err = max(err, entries[name]["max_rel_err_query"])
+            if not err <= TOLERANCE[dtype]:
+                raise AssertionError(f"tvm backward is wrong at S={S} T={T} D={D} {dtype}: max relative error "
+                                     f"{err:.2e} > {TOLERANCE[dtype]:.0e} against the float64 reference")
+        if not had_setup and setup_key in group.setup_s:
+            entries[name]["setup_s"] = group.setup_s[setup_key]
+        candidates[name] = fn
+    return _timed(row, entries, candidates, copy, rounds, min_time, sync)
 
 
 def run(args, progress: TextIO) -> dict:
@@ -273,6 +388,7 @@ def run(args, progress: TextIO) -> dict:
     defaults = QUICK if args.quick else DEFAULT
     config = {key: getattr(args, key, None) or defaults[key] for key in DEFAULT}
     backends = list(getattr(args, "backends", None) or BACKENDS)
+    passes = list(getattr(args, "passes", None) or PASSES)
     device, threads, rounds = args.device, args.threads, args.rounds or (2 if args.quick else 5)
     os.environ.setdefault("TVM_NUM_THREADS", str(threads))  # effective only if TVM's pool has not started
     import tvm
@@ -281,34 +397,38 @@ def run(args, progress: TextIO) -> dict:
     # compile in this process: inductor's default pool of compile subprocesses keeps both cores
     # busy for tens of seconds after the first compile and slowed the first rows' eager 2-5x
     torch._inductor.config.compile_threads = 1
-    config.update(backends=backends, rounds=rounds, min_time=min_time, eps=EPS, scale="S (preserve)",
+    torch._functorch.config.donated_buffer = False  # the compiled backward runs repeatedly on one graph
+    config.update(backends=backends, passes=passes, rounds=rounds, min_time=min_time, eps=EPS, scale="S (preserve)",
                   check_rows=CHECK_ROWS, tolerance=TOLERANCE, tvm_threads=tvm.runtime.num_threads())
     unavailable = _unavailable(backends, device)
     copy = CopyBandwidth(device=device)
     rows, start = [], time.perf_counter()
-    total = len(config["dtypes"]) * len(config["features"]) * len(config["sources"]) * len(config["rows"])
+    total = len(config["dtypes"]) * len(config["features"]) * len(config["sources"]) * len(config["rows"]) * len(passes)
     for dtype in config["dtypes"]:
         for D in config["features"]:
             for S in config["sources"]:
                 torch._dynamo.reset()  # one compile per (S, D, dtype), rows dynamic: no recompile limit to hit
                 group = Group(S, D, dtype, device, threads)
                 for T in config["rows"]:
-                    budget = int(available_bytes(device) * MEMORY_FRACTION)
-                    shape_skip, skipped = memory_plan(S, T, D, dtype, backends, budget)
-                    if shape_skip:
-                        row = {"S": S, "T": T, "D": D, "dtype": dtype, "skipped": shape_skip}
-                    else:
-                        row = measure(group, T, backends, {**skipped, **unavailable}, copy, rounds, min_time)
-                    rows.append(row)
-                    print(f"[{len(rows)}/{total} {time.perf_counter() - start:6.0f}s] {_summary(row)}",
-                          file=progress, flush=True)
+                    for pass_ in passes:
+                        budget = int(available_bytes(device) * MEMORY_FRACTION)
+                        names = backends if pass_ == "forward" else [b for b in backends if b in BACKWARD_BACKENDS]
+                        shape_skip, skipped = memory_plan(S, T, D, dtype, names, budget, pass_)
+                        if shape_skip:
+                            row = {"pass": pass_, "S": S, "T": T, "D": D, "dtype": dtype, "skipped": shape_skip}
+                        else:
+                            run_pass = measure if pass_ == "forward" else measure_backward
+                            row = run_pass(group, T, names, {**skipped, **unavailable}, copy, rounds, min_time)
+                        rows.append(row)
+                        print(f"[{len(rows)}/{total} {time.perf_counter() - start:6.0f}s] {_summary(row)}",
+                              file=progress, flush=True)
     return {"benchmark": "kernel", "environment": results.environment(threads, device), "config": config,
             "copy_bandwidth_GBps": statistics.median([r["copy_GBps"] for r in rows if "copy_GBps" in r] or [0.0]),
             "rows": rows, "targets": targets(rows)}
 
 
 def _summary(row: dict) -> str:
-    shape = f"S={row['S']} T={row['T']} D={row['D']} {row['dtype']}"
+    shape = f"{row.get('pass', 'forward')} S={row['S']} T={row['T']} D={row['D']} {row['dtype']}"
     if "skipped" in row:
         return f"{shape}: skipped ({row['skipped']})"
     times = ", ".join(f"{n} {e['median_ms']:.3g} ms" if "median_ms" in e else f"{n} skipped"
@@ -316,35 +436,45 @@ def _summary(row: dict) -> str:
     return f"{shape}: {times}, copy {row['copy_GBps']:.1f} GB/s"
 
 
+def _pass(rows: list[dict], pass_: str) -> list[dict]:
+    return [r for r in rows if r.get("pass", "forward") == pass_]
+
+
 def targets(rows: list[dict]) -> list[dict]:
     """The CPU targets at S=9, T=2048, D=1024, float32 (empty when that shape was not measured):
-    tvm >= 10x eager, >= 3x torch.compile, >= 60% of copy bandwidth."""
-    row = next((r for r in rows if all(r.get(k) == v for k, v in TARGET_SHAPE.items()) and "skipped" not in r), None)
-    if row is None:
-        return []
-    speedup = row.get("tvm_speedup", {})
-    fraction = row["backends"].get("tvm", {}).get("fraction_of_copy")
-    checks = [("tvm speedup over eager", ">= 10x", speedup.get("eager"), 10.0),
-              ("tvm speedup over compile", ">= 3x", speedup.get("compile"), 3.0),
-              ("tvm fraction of copy bandwidth", ">= 0.6", fraction, 0.6)]
+    forward tvm >= 10x eager, >= 3x torch.compile, >= 60% of copy bandwidth; backward tvm >= 60%."""
+    def at_target(pass_):
+        return next((r for r in _pass(rows, pass_) if all(r.get(k) == v for k, v in TARGET_SHAPE.items())
+                     and "skipped" not in r), None)
+
+    checks = []
+    forward, backward = at_target("forward"), at_target("backward")
+    if forward is not None:
+        speedup = forward.get("tvm_speedup", {})
+        checks += [("tvm speedup over eager", ">= 10x", speedup.get("eager"), 10.0),
+                   ("tvm speedup over compile", ">= 3x", speedup.get("compile"), 3.0),
+                   ("tvm fraction of copy bandwidth", ">= 0.6", forward["backends"].get("tvm", {}).get("fraction_of_copy"),
+                    0.6)]
+    if backward is not None:
+        checks.append(("tvm backward fraction of copy bandwidth", ">= 0.6",
+                       backward["backends"].get("tvm", {}).get("fraction_of_copy"), 0.6))
     return [{"name": name, "target": target, "measured": value, "met": None if value is None else value >= bound}
             for name, target, value, bound in checks]
 
 
-def table(data: dict) -> str:
-    """Times, bandwidth and speedups per shape, set-up times, and the targets."""
-    backends = data["config"]["backends"]
+def _pass_table(rows: list[dict], backends: list[str], title: str) -> list[str]:
+    """Times, bandwidth, speedups, errors and set-up times of one pass's rows."""
     flat, setups, notes = [], {}, []
-    for r in data["rows"]:
+    for r in rows:
         line = {k: r[k] for k in ("S", "T", "D", "dtype")}
         shape = f"S={r['S']} T={r['T']} D={r['D']} {r['dtype']}"
         if "skipped" in r:
-            notes.append(f"{shape}: skipped, {r['skipped']}")
+            notes.append(f"{title} {shape}: skipped, {r['skipped']}")
         for name, e in r.get("backends", {}).items():
             line[f"{name}_ms"], line[f"{name}_pct"] = e.get("median_ms"), _pct(e.get("fraction_of_copy"))
             line[f"{name}_err"], line[f"x_{name}"] = e.get("max_rel_err"), r.get("tvm_speedup", {}).get(name)
             if "skipped" in e:
-                notes.append(f"{shape}: {name} skipped, {e['skipped']}")
+                notes.append(f"{title} {shape}: {name} skipped, {e['skipped']}")
             if "setup_s" in e:
                 setups.setdefault((r["S"], r["D"], r["dtype"]), {})[name] = e["setup_s"]
         line["copy_GBps"], line["tvm_GBps"] = r.get("copy_GBps"), r.get("backends", {}).get("tvm", {}).get("GBps")
@@ -352,22 +482,33 @@ def table(data: dict) -> str:
     shape_cols = [("S", "S", ""), ("T", "T", ""), ("D", "D", ""), ("dtype", "dtype", "")]
     others = [b for b in backends if b != "tvm"]
     parts = [
-        "median ms per call (and % of copy bandwidth)",
+        f"{title}: median ms per call (and % of copy bandwidth)",
         results.table(flat, shape_cols + [c for b in backends
                                         for c in ((f"{b}_ms", b, ".3f"), (f"{b}_pct", "%copy", ".0f"))]
                       + [("tvm_GBps", "tvm GB/s", ".1f"), ("copy_GBps", "copy GB/s", ".1f")]),
         "",
-        "tvm speedup over each backend, and max relative error against float64",
+        f"{title}: tvm speedup over each backend, and max relative error against float64",
         results.table(flat, shape_cols + [(f"x_{b}", f"x {b}", ".2f") for b in others]
                       + [(f"{b}_err", f"err {b}", ".1e") for b in backends]),
     ]
     if setups:
         setup_rows = [{"S": S, "D": D, "dtype": dtype, **s} for (S, D, dtype), s in setups.items()]
-        parts += ["", "set-up seconds per (S, D, dtype): tvm build, onnxruntime session, torch.compile first call",
+        parts += ["", f"{title}: set-up seconds per (S, D, dtype): tvm build, onnxruntime session, "
+                      "torch.compile first call",
                   results.table(setup_rows, shape_cols[:1] + shape_cols[2:]
                                 + [(b, b, ".2f") for b in backends if b != "eager"])]
-    if notes:
-        parts += ["", *notes]
+    return parts + ([""] + notes if notes else [])
+
+
+def table(data: dict) -> str:
+    """Per pass: times, bandwidth and speedups per shape, errors, set-up times; then the targets."""
+    backends = data["config"]["backends"]
+    parts = []
+    for pass_ in data["config"].get("passes", ["forward"]):
+        names = backends if pass_ == "forward" else [b for b in backends if b in BACKWARD_BACKENDS]
+        rows = _pass(data["rows"], pass_)
+        if rows:
+            parts += (["", ""] if parts else []) + _pass_table(rows, names, pass_)
     shape = "S={S} T={T} D={D} {dtype}".format(**TARGET_SHAPE)
     parts += ["", f"targets at {shape}:" if data["targets"] else f"targets: {shape} not measured"]
     for t in data["targets"]:
@@ -383,48 +524,51 @@ def _pct(fraction: float | None) -> float | None:
 
 def plot(data: dict, out_dir: Path) -> list[Path]:
     """kernel_bandwidth.png (fraction of copy bandwidth vs S) and kernel_speedup.png (tvm over
-    the others vs S): one panel per D, at T=2048 or the largest T measured; a line per backend
-    and dtype (float16 dashed)."""
+    the others vs S), and kernel_backward_*.png for the backward: one panel per D, at T=2048 or
+    the largest T measured; a line per backend and dtype (float16 dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measured = [r for r in data["rows"] if "skipped" not in r]
-    if not measured:
-        return []
-    rows_present = {r["T"] for r in measured}
-    T = 2048 if 2048 in rows_present else max(rows_present)
-    sel = [r for r in measured if r["T"] == T]
-    features = sorted({r["D"] for r in sel})
-    dtypes = [d for d in data["config"]["dtypes"] if any(r["dtype"] == d for r in sel)]
     backends = data["config"]["backends"]
     paths = []
-    for name, title, value, lines, log in [
-        ("kernel_bandwidth.png", "fraction of copy bandwidth", lambda r, b: r["backends"].get(b, {}).get("fraction_of_copy"),
-         backends, False),
-        ("kernel_speedup.png", "tvm speedup over each backend", lambda r, b: r.get("tvm_speedup", {}).get(b),
-         [b for b in backends if b != "tvm"], True),
-    ]:
-        fig, axes = plt.subplots(1, len(features), figsize=(4.5 * len(features), 3.8), squeeze=False, sharey=True)
-        for ax, D in zip(axes[0], features):
-            for dtype in dtypes:
-                for b in lines:
-                    pts = sorted((r["S"], value(r, b)) for r in sel
-                                 if r["D"] == D and r["dtype"] == dtype and value(r, b) is not None)
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", color=f"C{backends.index(b)}", linestyle="--" if dtype == "float16" else "-",
-                                label=f"{b} {dtype}")
-            ax.axhline(1.0, color="grey", linewidth=0.8)  # copy bandwidth; break-even speedup
-            if log:
-                ax.set_yscale("log")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({r["S"] for r in sel}), [str(S) for S in sorted({r["S"] for r in sel})])
-            ax.set_title(f"D={D}, T={T}")
-            ax.set_xlabel("sources S")
-            ax.grid(True, alpha=0.3)
-        axes[0][0].set_ylabel(title)
-        axes[0][-1].legend(fontsize=7)
-        fig.suptitle(f"depth attention: {title} ({data['environment'].get('device', 'cpu')})")
-        paths.append(results.save_figure(fig, out_dir / name))
+    for pass_ in data["config"].get("passes", ["forward"]):
+        measured = [r for r in _pass(data["rows"], pass_) if "skipped" not in r]
+        if not measured:
+            continue
+        rows_present = {r["T"] for r in measured}
+        T = 2048 if 2048 in rows_present else max(rows_present)
+        sel = [r for r in measured if r["T"] == T]
+        features = sorted({r["D"] for r in sel})
+        dtypes = [d for d in data["config"]["dtypes"] if any(r["dtype"] == d for r in sel)]
+        names = backends if pass_ == "forward" else [b for b in backends if b in BACKWARD_BACKENDS]
+        prefix = "kernel" if pass_ == "forward" else "kernel_backward"
+        for name, title, value, lines, log in [
+            (f"{prefix}_bandwidth.png", "fraction of copy bandwidth",
+             lambda r, b: r["backends"].get(b, {}).get("fraction_of_copy"), names, False),
+            (f"{prefix}_speedup.png", "tvm speedup over each backend", lambda r, b: r.get("tvm_speedup", {}).get(b),
+             [b for b in names if b != "tvm"], True),
+        ]:
+            fig, axes = plt.subplots(1, len(features), figsize=(4.5 * len(features), 3.8), squeeze=False, sharey=True)
+            for ax, D in zip(axes[0], features):
+                for dtype in dtypes:
+                    for b in lines:
+                        pts = sorted((r["S"], value(r, b)) for r in sel
+                                     if r["D"] == D and r["dtype"] == dtype and value(r, b) is not None)
+                        if pts:
+                            ax.plot(*zip(*pts), marker="o", color=f"C{backends.index(b)}",
+                                    linestyle="--" if dtype == "float16" else "-", label=f"{b} {dtype}")
+                ax.axhline(1.0, color="grey", linewidth=0.8)  # copy bandwidth; break-even speedup
+                if log:
+                    ax.set_yscale("log")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(sorted({r["S"] for r in sel}), [str(S) for S in sorted({r["S"] for r in sel})])
+                ax.set_title(f"D={D}, T={T}")
+                ax.set_xlabel("sources S")
+                ax.grid(True, alpha=0.3)
+            axes[0][0].set_ylabel(title)
+            axes[0][-1].legend(fontsize=7)
+            fig.suptitle(f"depth attention {pass_}: {title} ({data['environment'].get('device', 'cpu')})")
+            paths.append(results.save_figure(fig, out_dir / name))
     return paths

@@ -1,20 +1,22 @@
-"""TensorIR for the fused depth-attention kernel and the Block AttnRes two-phase pair.
+"""TensorIR for the depth-attention kernel family: the fused forward, the Block AttnRes two-phase
+pair (partial, merge) and the fused backward.
 
-The functions are generated per source count: every source is its own [rows, D] buffer (never
-stacked) and `rows` is symbolic. Per source k they compute, row by row:
+The functions are generated per source count and rank: every source is its own [rows.., D] buffer
+(never stacked, never reshaped) with symbolic row dims. Per row they run three kinds of stage:
 
-    stats_k:   sum(s_k^2) and w.s_k, both reduced from the same load of s_k
-    softmax_k: z_k = w.s_k / rms(s_k), running max m and denominator l, and the rescales
-               a_k = exp(m_old - m), b_k = exp(z_k - m)
-    fold_k:    acc = acc * a_k + b_k * s_k
-    out:       scale * acc / l   (after the last source)
+    stats_*:    row reductions over the features, sum(s^2), w.s (and g.s in the backward), all
+                from the same load of the source
+    softmax*:   per-row scalars: logits z_k = w.s_k / rms(s_k), their max m, the weights
+                e_k = exp(z_k - m) and the denominator l (in the backward: the softmax gradient's
+                coefficients); exact softmax, not online, since every logit of the row is known
+    the rest:   elementwise over the features (out, acc_*, ds_*) and, in the backward, the query
+                gradient `dw`, a reduction over rows
 
-Each stage is its own loop nest writing fresh [rows]/[rows, D] intermediates (SSA style), so the
-block scope is a stage pipeline, which rfactor, compute_at and compute_inline require. The
-schedules (schedule.py) merge all row loops into one, so per row a source is loaded from memory
-once and the intermediates shrink to one row held in registers or L1. Arithmetic is float32
-whatever the storage dtype. The schedules key on the block names: stats* (reductions), softmax*
-and store_ml* (per-row scalars), fold* and the rest elementwise over the feature axis.
+Each stage writes fresh [rows]/[rows, K] intermediates (SSA style), so the root block is a stage
+pipeline the schedules can merge under one row loop: per row a source is then loaded from memory
+once and re-read from cache. Arithmetic is float32 whatever the storage dtype. The schedules
+(schedule.py) key on the block names: stats_<source>[_<group>] (reductions), softmax* (per-row
+scalars), dw (the row reduction); everything else is elementwise over the features.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
+import tvm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
@@ -44,89 +47,84 @@ def _alloc(name: str, *shape):
 
 
 def _param(name: str, shape, dtype: str):
-    return IRBuilder.name(name, T.match_buffer(T.arg(name, T.handle()), shape, dtype, layout=None))
+    """A tensor argument, aligned to its element only: the op passes torch views as they are, and
+    TVM's default (64-byte alignment assumed, never checked) faults on a view at an odd offset."""
+    align = tvm.DataType(dtype).bits // 8
+    return IRBuilder.name(name, T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=align, layout=None))
+
+
+def _rows(rank: int) -> tuple:
+    """The symbolic leading (row) dims of rank-`rank` sources: the kernels take the tensors as
+    they are ([B, T, D] or [rows, D]: no reshape per call), the schedules fuse these axes."""
+    if rank < 2:
+        raise ValueError(f"sources must have rank >= 2 (rows and features), got rank {rank}")
+    return tuple(tirx.Var(f"n{i}", "int32") for i in range(rank - 1))
 
 
 @contextmanager
-def _row_block(rows, name: str):
-    """A per-row scalar stage; yields the row axis."""
-    with T.serial(rows) as r, T.sblock(name):
-        yield T.axis.spatial(rows, r)
+def _row_block(rows: tuple, name: str):
+    """A per-row scalar stage; yields the row indices."""
+    with T.grid(*rows) as rs, T.sblock(name):
+        rs = [rs] if isinstance(rs, tirx.Var) else list(rs)  # T.grid of one extent yields the var
+        yield tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs))
 
 
-def _elementwise(rows, size: int, name: str, body: Callable):
-    """A [row, d] stage storing body(vr, vd) -> (buffer, indices, float32 value)."""
-    with T.grid(rows, size) as (r, d), T.sblock(name):
-        vr, vd = T.axis.spatial(rows, r), T.axis.spatial(size, d)
+def _elementwise(rows: tuple, size: int, name: str, body: Callable):
+    """A [rows.., d] stage storing body(vr, vd) -> (buffer, indices, float32 value)."""
+    with T.grid(*rows, size) as (*rs, d), T.sblock(name):
+        vr, vd = tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs)), T.axis.spatial(size, d)
         buf, idx, val = body(vr, vd)
         T.buffer_store(buf, val if buf.dtype == F32 else T.cast(val, buf.dtype), idx)
 
 
-def _stats(name: str, rows, src, queries: Sequence[Callable]):
-    """stats_* stages: sum(src^2) and w_q . src for every query. Returns the [rows] buffers
-    (ss, [dot_q]). The sums go two per reduction block (TVM registers a sum reducer for one or
-    two buffers, not more); the schedules load src[row, d] once for all of them."""
-    size = src.shape[1]
-    outs = [(_alloc(f"ss_{name}", rows), lambda x, vd: x * x)]
-    outs += [(_alloc(f"dot{q}_{name}", rows), lambda x, vd, w=w: x * w(vd)) for q, w in enumerate(queries)]
+def _stats(name: str, rows: tuple, src, others: Sequence[Callable]) -> list:
+    """stats_<name>[_<g>] stages: sum(src^2), then sum(src * other(vr, vd)) for each other term.
+    Returns the [rows] buffers in that order. The sums go two per reduction block (TVM registers
+    a sum reducer for one or two buffers, not more); the schedules load src[row, d] once for all."""
+    size = src.shape[-1]
+    outs = [(_alloc(f"ss_{name}", *rows), lambda x, vr, vd: x * x)]
+    outs += [(_alloc(f"dot{q}_{name}", *rows), lambda x, vr, vd, o=o: x * o(vr, vd)) for q, o in enumerate(others)]
     for g in range(0, len(outs), 2):
         group = outs[g : g + 2]
-        with T.grid(rows, size) as (r, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
-            vr, vd = T.axis.spatial(rows, r), T.axis.reduce(size, d)
+        with T.grid(*rows, size) as (*rs, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
+            vr, vd = tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs)), T.axis.reduce(size, d)
             with T.init():
                 for buf, _ in group:
-                    T.buffer_store(buf, T.float32(0), [vr])
-            x = _f32(src, vr, vd)
-            new = [T.Bind(buf[vr] + term(x, vd)) for buf, term in group]
+                    T.buffer_store(buf, T.float32(0), list(vr))
+            x = _f32(src, *vr, vd)
+            new = [T.Bind(buf[vr] + term(x, vr, vd)) for buf, term in group]
             for (buf, _), v in zip(group, new):
-                T.buffer_store(buf, v, [vr])
-    return outs[0][0], [buf for buf, _ in outs[1:]]
+                T.buffer_store(buf, v, list(vr))
+    return [buf for buf, _ in outs]
 
 
-class _State:
-    """Online-softmax state (m, l, acc) of one query: readers of the latest step's buffers.
+def _logit(ss, dot, vr: tuple, size: int, eps: float):
+    """(z, 1/rms) of one source in a row stage: z = w.s / sqrt(mean(s^2) + eps)."""
+    rinv = T.Bind(T.rsqrt(ss[vr] * T.float32(1.0 / size) + T.float32(eps)))
+    return T.Bind(dot[vr] * rinv), rinv
 
-    `start` None begins the softmax at the first folded source; otherwise it is the initial
-    readers (m(vr), l(vr), acc(vr, vd)), e.g. a phase-1 result."""
 
-    def __init__(self, tag: str, rows, size: int, start=None):
-        self.tag, self.rows, self.size = tag, rows, size
-        self.m, self.l, self.acc = start if start is not None else (None, None, None)
+def _softmax(logits: list, start=None):
+    """In a row stage: max m, weights e_k = exp(z_k - m) and denominator l over `logits`; with a
+    `start` state (m0, l0) also its rescale a0 = exp(m0 - m), counted in l. Returns (m, e, l, a0)."""
+    m = logits[0] if start is None else start[0]
+    for z in logits if start is not None else logits[1:]:
+        m = T.max(m, z)
+    m = T.Bind(m)
+    e = [T.Bind(T.exp(z - m)) for z in logits]
+    a0 = None if start is None else T.Bind(T.exp(start[0] - m))
+    total = e[0] if start is None else start[1] * a0
+    for x in e if start is not None else e[1:]:
+        total = total + x
+    return m, e, T.Bind(total), a0
 
-    def fold(self, name: str, src, ss, dot, eps: float):
-        """softmax_* and fold_* stages: merge `src` given its stats (ss, dot)."""
-        rows, size, n = self.rows, self.size, f"{self.tag}_{name}"
-        m, l = _alloc(f"m{n}", rows), _alloc(f"l{n}", rows)
-        acc, m_old, l_old, acc_old = _alloc(f"acc{n}", rows, size), self.m, self.l, self.acc
-        if m_old is not None:
-            a, b = _alloc(f"a{n}", rows), _alloc(f"b{n}", rows)
-        with _row_block(rows, f"softmax{n}") as vr:
-            z = T.Bind(dot[vr] * T.rsqrt(ss[vr] * T.float32(1.0 / size) + T.float32(eps)))
-            if m_old is None:
-                T.buffer_store(m, z, [vr])
-                T.buffer_store(l, T.float32(1), [vr])
-            else:
-                m_new = T.Bind(T.max(m_old(vr), z))
-                ea, eb = T.Bind(T.exp(m_old(vr) - m_new)), T.Bind(T.exp(z - m_new))
-                T.buffer_store(m, m_new, [vr])
-                T.buffer_store(l, l_old(vr) * ea + eb, [vr])
-                T.buffer_store(a, ea, [vr])
-                T.buffer_store(b, eb, [vr])
-        if acc_old is None:
-            _elementwise(rows, size, f"fold{n}", lambda vr, vd: (acc, [vr, vd], _f32(src, vr, vd)))
-        else:
-            _elementwise(
-                rows, size, f"fold{n}",
-                lambda vr, vd: (acc, [vr, vd], acc_old(vr, vd) * a[vr] + b[vr] * _f32(src, vr, vd)),
-            )
-        self.m, self.l, self.acc = (lambda vr: m[vr]), (lambda vr: l[vr]), (lambda vr, vd: acc[vr, vd])
 
-    def normalise(self, out, scale: float):
-        """out stage: out = scale * acc / l in the storage dtype."""
-        _elementwise(
-            self.rows, self.size, "out",
-            lambda vr, vd: (out, [vr, vd], self.acc(vr, vd) * (T.float32(scale) / self.l(vr))),
-        )
+def _weighted(terms: list):
+    """sum_k coef_k * x_k for [(coef, x)], as one expression."""
+    val = terms[0][0] * terms[0][1]
+    for c, x in terms[1:]:
+        val = val + c * x
+    return val
 
 
 def _check(count: int, what: str, size: int, dtype: str):
@@ -138,33 +136,52 @@ def _check(count: int, what: str, size: int, dtype: str):
         raise ValueError(f"unsupported storage dtype {dtype!r}; expected one of {DTYPES}")
 
 
+def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, start=None):
+    """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l.
+    `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None."""
+    stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
+    K = len(srcs)
+    e_buf, coef = _alloc("e", *rows, K + 1), _alloc("coef", *rows)
+    with _row_block(rows, "softmax") as vr:
+        z = [_logit(ss, dot, vr, size, eps)[0] for ss, dot in stats]
+        _, e, total, a0 = _softmax(z, None if start is None else (start[0](vr), start[1](vr)))
+        for k, x in enumerate(e + ([a0] if a0 is not None else [])):
+            T.buffer_store(e_buf, x, [*vr, k])
+        T.buffer_store(coef, T.float32(scale) / total, list(vr))
+
+    def body(vr, vd):
+        terms = [(e_buf[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]
+        if start is not None:
+            terms.append((e_buf[(*vr, K)], start[2](vr, vd)))
+        return out, [*vr, vd], _weighted(terms) * coef[vr]
+
+    _elementwise(rows, size, "out", body)
+
+
 def depth_attention_func(
     num_sources: int,
     feature_size: int,
     dtype: str = "float32",
     eps: float = 1e-6,
     scale: float | None = None,
+    rank: int = 2,
 ) -> tirx.PrimFunc:
-    """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows, D] sources.
+    """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources
+    of rank `rank` (symbolic row dims).
 
-    Online softmax over the sources with float32 accumulation. `scale` None means `num_sources`
+    Softmax over the sources with float32 accumulation. `scale` None means `num_sources`
     (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum."""
     _check(num_sources, "source", feature_size, dtype)
-    S, D = num_sources, feature_size
+    S, D, rows = num_sources, feature_size, _rows(rank)
     scale = float(S) if scale is None else float(scale)
-    rows = tirx.Var("rows", "int32")
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("depth_attention")
-            srcs = [_param(f"s{i}", (rows, D), dtype) for i in range(S)]
+            srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
-            out = _param("out", (rows, D), dtype)
+            out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
-                st = _State("", rows, D)
-                for k, src in enumerate(srcs):
-                    ss, (dot,) = _stats(f"{k}", rows, src, [lambda vd: w[vd]])
-                    st.fold(f"{k}", src, ss, dot, eps)
-                st.normalise(out, scale)
+                _site(rows, D, srcs, w, out, eps, scale)
     return ib.get()
 
 
@@ -174,36 +191,38 @@ def depth_attention_partial_func(
     feature_size: int,
     dtype: str = "float32",
     eps: float = 1e-6,
+    rank: int = 2,
 ) -> tirx.PrimFunc:
-    """Phase 1 of Block AttnRes: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows], l[B, rows],
-    acc[B, rows, D])` stores the unnormalised online-softmax state of each of B queries over the
-    J completed blocks (float32); the schedules load each block once per row for all queries."""
+    """Phase 1 of Block AttnRes: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows..], l[B, rows..],
+    acc[B, rows.., D])` stores the unnormalised softmax state of each of B queries over the J
+    completed blocks (float32): m the max logit, l = sum_j exp(z_j - m), acc = sum_j exp(z_j - m) b_j.
+    The schedules load each block once per row for all queries."""
     _check(num_blocks, "block", feature_size, dtype)
     _check(num_queries, "query", feature_size, dtype)
-    J, B, D = num_blocks, num_queries, feature_size
-    rows = tirx.Var("rows", "int32")
+    J, B, D, rows = num_blocks, num_queries, feature_size, _rows(rank)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("depth_attention_partial")
-            blocks = [_param(f"b{j}", (rows, D), dtype) for j in range(J)]
+            blocks = [_param(f"b{j}", (*rows, D), dtype) for j in range(J)]
             w = _param("w", (B, D), F32)
-            m_out, l_out = _param("m", (B, rows), F32), _param("l", (B, rows), F32)
-            acc_out = _param("acc", (B, rows, D), F32)
+            m_out, l_out = _param("m", (B, *rows), F32), _param("l", (B, *rows), F32)
+            acc_out = _param("acc", (B, *rows, D), F32)
             with T.sblock("root"):
-                states = [_State(f"_q{q}", rows, D) for q in range(B)]
-                queries = [lambda vd, q=q: w[q, vd] for q in range(B)]
-                for j, blk in enumerate(blocks):
-                    ss, dots = _stats(f"{j}", rows, blk, queries)
-                    for st, dot in zip(states, dots):
-                        st.fold(f"{j}", blk, ss, dot, eps)
-                for q, st in enumerate(states):
-                    with _row_block(rows, f"store_ml_q{q}") as vr:
-                        T.buffer_store(m_out, st.m(vr), [q, vr])
-                        T.buffer_store(l_out, st.l(vr), [q, vr])
-                    _elementwise(
-                        rows, D, f"store_acc_q{q}",
-                        lambda vr, vd, q=q, st=st: (acc_out, [q, vr, vd], st.acc(vr, vd)),
-                    )
+                queries = [lambda vr, vd, q=q: w[q, vd] for q in range(B)]
+                stats = [_stats(f"{j}", rows, blk, queries) for j, blk in enumerate(blocks)]
+                e_buf = _alloc("e", *rows, B, J)
+                with _row_block(rows, "softmax") as vr:
+                    for q in range(B):
+                        z = [_logit(ss, dots[q], vr, D, eps)[0] for ss, *dots in stats]
+                        m, e, total, _ = _softmax(z)
+                        T.buffer_store(m_out, m, [q, *vr])
+                        T.buffer_store(l_out, total, [q, *vr])
+                        for j, x in enumerate(e):
+                            T.buffer_store(e_buf, x, [*vr, q, j])
+                for q in range(B):
+                    _elementwise(rows, D, f"acc_q{q}", lambda vr, vd, q=q: (
+                        acc_out, [q, *vr, vd],
+                        _weighted([(e_buf[(*vr, q, j)], _f32(b, *vr, vd)) for j, b in enumerate(blocks)])))
     return ib.get()
 
 
@@ -213,26 +232,104 @@ def depth_attention_merge_func(
     dtype: str = "float32",
     eps: float = 1e-6,
     scale: float = 1.0,
+    rank: int = 2,
 ) -> tirx.PrimFunc:
-    """Phase 2 of Block AttnRes for one site: `merge(m[rows], l[rows], acc[rows, D], e0, ...,
+    """Phase 2 of Block AttnRes for one site: `merge(m[rows..], l[rows..], acc[rows.., D], e0, ...,
     e{E-1}, w, out)` folds the site's own extra sources into its query's phase-1 state and writes
     out = scale * acc / l (pass scale = J + E to match depth_attention_func's default)."""
+    return _merge((), (), num_extra, feature_size, dtype, eps, scale, rank)
+
+
+def depth_attention_merge_indexed_func(
+    num_queries: int,
+    index: int,
+    num_extra: int,
+    feature_size: int,
+    dtype: str = "float32",
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    rank: int = 2,
+) -> tirx.PrimFunc:
+    """`depth_attention_merge_func` reading query `index` of a whole partial state, `merge(m[B, rows..],
+    l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, out)`: the lowering passes the partial's
+    outputs as they are, with no slice (a copy) per site."""
+    if not 0 <= index < num_queries:
+        raise ValueError(f"index {index} is outside the {num_queries} queries of the partial state")
+    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank)
+
+
+def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str, eps: float, scale: float,
+           rank: int) -> tirx.PrimFunc:
+    """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows,
+    read at the indices `at` there (a single query's state: both empty)."""
     _check(num_extra, "extra source", feature_size, dtype)
-    E, D = num_extra, feature_size
-    rows = tirx.Var("rows", "int32")
+    E, D, rows = num_extra, feature_size, _rows(rank)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("depth_attention_merge")
-            m_in, l_in = _param("m", (rows,), F32), _param("l", (rows,), F32)
-            acc_in = _param("acc", (rows, D), F32)
-            extra = [_param(f"e{i}", (rows, D), dtype) for i in range(E)]
+            m_in, l_in = _param("m", (*lead, *rows), F32), _param("l", (*lead, *rows), F32)
+            acc_in = _param("acc", (*lead, *rows, D), F32)
+            extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
-            out = _param("out", (rows, D), dtype)
+            out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
-                start = (lambda vr: m_in[vr], lambda vr: l_in[vr], lambda vr, vd: acc_in[vr, vd])
-                st = _State("", rows, D, start)
-                for k, src in enumerate(extra):
-                    ss, (dot,) = _stats(f"{k}", rows, src, [lambda vd: w[vd]])
-                    st.fold(f"{k}", src, ss, dot, eps)
-                st.normalise(out, float(scale))
+                start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],
+                         lambda vr, vd: acc_in[(*at, *vr, vd)])
+                _site(rows, D, extra, w, out, eps, float(scale), start)
+    return ib.get()
+
+
+def depth_attention_backward_func(
+    num_sources: int,
+    feature_size: int,
+    dtype: str = "float32",
+    eps: float = 1e-6,
+    scale: float | None = None,
+    rank: int = 2,
+) -> tirx.PrimFunc:
+    """Fused backward `depth_attention_backward(s0, ..., s{S-1}, w, g, ds0, ..., ds{S-1}, dw)`.
+
+    With r_k = 1/rms(s_k), n_k = s_k r_k, z_k = w.n_k, p = softmax(z), u_k = g.s_k, c = scale:
+        dz_k = c p_k (u_k - sum_j p_j u_j)
+        ds_k = c p_k g + dz_k r_k w - (dz_k z_k r_k^2 / D) s_k
+        dw   = sum over rows of sum_k dz_k r_k s_k        (float32, [D])
+    One pass per row reduces sum(s^2), w.s and g.s of every source (from one load), the row's
+    scalars follow, then one pass writes every ds_k and one adds the row's share of dw; the
+    schedules give each thread its own partial dw (a reduction over rows), summed at the end."""
+    _check(num_sources, "source", feature_size, dtype)
+    S, D, rows = num_sources, feature_size, _rows(rank)
+    c = float(S) if scale is None else float(scale)
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("depth_attention_backward")
+            srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
+            w = _param("w", (D,), F32)
+            g = _param("g", (*rows, D), dtype)
+            grads = [_param(f"ds{i}", (*rows, D), dtype) for i in range(S)]
+            dw = _param("dw", (D,), F32)
+            with T.sblock("root"):
+                stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd], lambda vr, vd: _f32(g, *vr, vd)])
+                         for k, s in enumerate(srcs)]
+                cg, ca, cb = (_alloc(name, *rows, S) for name in ("cg", "ca", "cb"))
+                with _row_block(rows, "softmax_bwd") as vr:
+                    zr = [_logit(ss, dot, vr, D, eps) for ss, dot, _ in stats]
+                    _, e, total, _ = _softmax([z for z, _ in zr])
+                    inv = T.Bind(T.float32(1) / total)
+                    p = [T.Bind(x * inv) for x in e]
+                    ubar = T.Bind(_weighted([(pk, u[vr]) for pk, (_, _, u) in zip(p, stats)]))
+                    for k, ((z, rinv), pk, (_, _, u)) in enumerate(zip(zr, p, stats)):
+                        dz = T.Bind(T.float32(c) * pk * (u[vr] - ubar))
+                        T.buffer_store(cg, T.float32(c) * pk, [*vr, k])
+                        T.buffer_store(ca, dz * rinv, [*vr, k])
+                        T.buffer_store(cb, dz * z * rinv * rinv * T.float32(1.0 / D), [*vr, k])
+                for k, (s, ds) in enumerate(zip(srcs, grads)):
+                    _elementwise(rows, D, f"ds_{k}", lambda vr, vd, k=k, s=s, ds=ds: (
+                        ds, [*vr, vd],
+                        cg[(*vr, k)] * _f32(g, *vr, vd) + ca[(*vr, k)] * w[vd] - cb[(*vr, k)] * _f32(s, *vr, vd)))
+                with T.grid(*rows, D) as (*rs, d), T.sblock("dw"):
+                    vr, vd = tuple(T.axis.reduce(n, r) for n, r in zip(rows, rs)), T.axis.spatial(D, d)
+                    with T.init():
+                        T.buffer_store(dw, T.float32(0), [vd])
+                    share = _weighted([(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)])
+                    T.buffer_store(dw, dw[vd] + share, [vd])
     return ib.get()

@@ -7,17 +7,12 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+CUDA_CHUNKS = 256  # row chunks of the backward on CUDA: thread blocks, each with its own partial dw
+
 
 def _stages(sch: s_tir.Schedule):
     """[(name, block)] of the top-level stages, in program order."""
     return [(sch.get(b).name_hint, b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
-
-
-def _merge_rows(sch: s_tir.Schedule) -> None:
-    """Merge every stage's row loop into one."""
-    loops = [sch.get_loops(block)[0] for _, block in _stages(sch)]
-    if len(loops) > 1:
-        sch.merge(*loops)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -30,73 +25,160 @@ def _lanes(target: Target) -> int:
     return max((width if width > 0 else 128) // 32, 4)
 
 
+def _divisor(size: int, lanes: int) -> int:
+    """The largest divisor of `size` up to `lanes`."""
+    return next(f for f in range(min(lanes, size), 0, -1) if size % f == 0)
+
+
+def _cores(target: Target) -> int:
+    return max(1, int(target.attrs.get("num-cores", 1)))
+
+
+def _source(name: str) -> str:
+    """The source a stats block reduces: stats_<source>[_<group>][_rf]."""
+    return name.split("_")[1]
+
+
+def _fuse_rows(sch: s_tir.Schedule) -> None:
+    """Fuse each stage's row loops (one per leading dim of the sources) into one."""
+    rows = next(len(sch.get_loops(b)) for n, b in _stages(sch) if n.startswith("softmax"))
+    if rows > 1:
+        for _, block in _stages(sch):
+            sch.fuse(*sch.get_loops(block)[:rows])
+
+
+def _chunk_rows(sch: s_tir.Schedule, chunks: int) -> bool:
+    """The backward's query gradient `dw` is a reduction over rows: give every stage the loops
+    (chunk, step) over rows step * chunks + chunk and rfactor dw over the chunks, so each chunk
+    (a thread, or a CUDA thread block) accumulates its own partial dw and a last stage sums the
+    partials. The chunk count is the constant (inner) split factor: a symbolic one would make
+    the partial's binding non-affine, which the loop primitives refuse. False if no dw."""
+    if "dw" not in [name for name, _ in _stages(sch)]:
+        return False
+    dw = sch.get_sblock("dw")
+    rf = sch.rfactor(sch.split(sch.get_loops(dw)[0], [None, chunks])[1], 0)
+    for name, block in _stages(sch):
+        if name == "dw":
+            continue
+        if name != "dw_rf":
+            sch.split(sch.get_loops(block)[0], [None, chunks])
+        step, chunk = sch.get_loops(block)[:2]
+        sch.reorder(chunk, step)
+    for level in range(2):
+        sch.merge(*[sch.get_loops(b)[level] for n, b in _stages(sch) if n != "dw"])
+    return True
+
+
+def _merge_rows(sch: s_tir.Schedule) -> None:
+    """Merge every stage's row loop into one."""
+    loops = [sch.get_loops(block)[0] for _, block in _stages(sch)]
+    if len(loops) > 1:
+        sch.merge(*loops)
+
+
 def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     """Rows in parallel, feature loops vectorised at the target's vector width.
 
-    All stages are merged under one row loop. Per row, the stats of all S sources are reduced in
-    one loop over the features (lane-wise partial sums via rfactor, then a horizontal add), so
-    the S rows stream from memory concurrently. The folds are inlined into the output stage:
-    one more loop over the features re-reads the S rows from L1/L2 and applies the
-    online-softmax rescales with the accumulator in registers."""
+    All stages are merged under one row loop (the backward: a parallel loop over as many row
+    chunks as the target has cores, each with its own partial query gradient). Per row, the stats
+    of the sources are reduced in loops over the features holding lane-wise partial sums
+    (rfactor, then a horizontal add), sources packed into as few loops as the vector registers
+    allow, so the rows stream from memory concurrently without spilling the accumulators. The
+    elementwise stages then re-read the rows from L1/L2, the row's softmax weights in registers."""
     sch = s_tir.Schedule(func)
+    _fuse_rows(sch)
     lanes = _lanes(target)
+    max_acc = 24 if lanes >= 16 else 12  # of 32 (AVX-512) or 16 vector registers
+    size = next(int(sch.get(sch.get_loops(b)[1]).extent) for n, b in _stages(sch) if n.startswith("stats"))
+    # rfactor over a predicated split is not affine: partial sums over a divisor of D
+    factor = _divisor(size, lanes)
     for name, block in _stages(sch):
-        if name.startswith("fold"):
-            sch.compute_inline(block)
-    for name, block in _stages(sch):
-        if name.startswith("stats"):
-            size = int(sch.get(sch.get_loops(block)[1]).extent)
-            # rfactor over a predicated split is not affine: partial sums over a divisor of D
-            factor = next(f for f in range(min(lanes, size), 0, -1) if size % f == 0)
-            if factor > 1:
-                sch.rfactor(sch.split(sch.get_loops(block)[1], [None, factor])[1], 0)
-    _merge_rows(sch)
+        if name.startswith("stats") and factor > 1:
+            sch.rfactor(sch.split(sch.get_loops(block)[1], [None, factor])[1], 0)
+    chunked = _chunk_rows(sch, _cores(target))
+    if not chunked:
+        _merge_rows(sch)
+    depth = 2 if chunked else 1  # row loops above the feature loops
     stages = _stages(sch)
     sch.parallel(sch.get_loops(stages[0][1])[0])
-    partials = [block for name, block in stages if name.endswith("_rf")]
-    if len(partials) > 1:
-        # merge puts the merged loop where the last loop passed is: first in program order,
-        # ahead of every consumer
-        sch.merge(*[sch.get_loops(block)[1] for block in reversed(partials)])
-    for block in partials:
-        loops = sch.get_loops(block)
-        sch.vectorize(loops[-1])
-        sch.decompose_reduction(block, loops[1])
+    groups, count = [[]], 0
+    for name, block in stages:
+        if name.endswith("_rf") and name.startswith("stats"):
+            k = len(sch.get(block).writes)
+            previous = groups[-1] and _source(sch.get(groups[-1][-1]).name_hint) == _source(name)
+            if groups[-1] and not previous and count + k > max_acc:
+                groups.append([])
+                count = 0
+            groups[-1].append(block)
+            count += k
+    for group in groups:
+        if len(group) > 1:
+            sch.merge(*[sch.get_loops(b)[depth] for b in reversed(group)])
+    for group in groups:
+        for block in group:
+            sch.vectorize(sch.get_loops(block)[-1])
+    backward = []
     for name, block in stages:
         loops = sch.get_loops(block)
-        if len(loops) > 1 and not name.startswith("stats"):
-            sch.vectorize(sch.split(loops[1], [None, lanes])[1])
+        if len(loops) > depth and not name.startswith("stats") and name != "dw":
+            # the backward's dw partial is a reduction: an exact split, as for the stats
+            d_out, d_in = sch.split(loops[depth], [None, factor if chunked else lanes])
+            sch.vectorize(d_in)
+            if chunked:
+                backward.append(d_out)
+    if backward:  # every ds_k and the dw partial in one loop over the features: each row loaded once
+        sch.merge(*backward)
+    # decompositions last: after them the dw partial no longer passes the loop primitives' checks
+    if chunked:  # the partial starts at zero once per chunk
+        rf = sch.get_sblock("dw_rf")
+        sch.decompose_reduction(rf, sch.get_loops(rf)[1])
+    for group in groups:
+        for block in group:
+            sch.decompose_reduction(block, sch.get_loops(block)[depth])
     return sch.mod["main"]
 
 
 def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -> tirx.PrimFunc:
-    """One thread block per row; each thread owns `per_thread` contiguous features.
+    """One thread block per row (the backward: per chunk of rows, looping over its rows); each
+    thread owns `per_thread` contiguous features.
 
     Thread t holds features [t*per_thread, (t+1)*per_thread) of the row (vector loads, and the
-    accumulator compacts to `per_thread` registers); stats reductions run in-thread then across
-    the block (cross-thread allreduce); per-row scalars are computed redundantly by every thread
-    into registers, after the reduction results are shared through shared memory."""
+    sources stay in registers between the stats and the elementwise stages); stats reductions
+    run in-thread then across the block (cross-thread allreduce); per-row scalars are computed
+    redundantly by every thread into registers, after the reduction results are shared through
+    shared memory. The backward's partial query gradients are summed by a second kernel."""
     sch = s_tir.Schedule(func)
-    _merge_rows(sch)
-    row = sch.get_loops(_stages(sch)[0][1])[0]
+    _fuse_rows(sch)
+    chunked = _chunk_rows(sch, CUDA_CHUNKS)
+    if not chunked:
+        _merge_rows(sch)
+    depth = 2 if chunked else 1
+    row = next(sch.get_loops(b)[depth - 1] for n, b in _stages(sch) if n.startswith("softmax"))
     for name, block in _stages(sch):
-        src = sch.get(block).reads[0].source
-        if name.startswith("stats") and src.scope() == "global":
-            # registers hold the thread's slice of the source for all its stats and folds
-            readers = [b for _, b in _stages(sch) if any(r.source.same_as(src) for r in sch.get(b).reads)]
+        src = sch.get(block).reads[0].source if name.startswith("stats") else None
+        if src is not None and src.scope() == "global":
+            # registers hold the thread's slice of the source for all its stats and elementwise uses
+            readers = [b for n, b in _stages(sch) if n != "dw" and any(r.source.same_as(src) for r in sch.get(b).reads)]
             cache = sch.cache_read(block, 0, "local", consumer_blocks=readers)
             sch.compute_at(cache, row)
     stages = _stages(sch)
-    size = next(int(sch.get(sch.get_loops(b)[-1]).extent) for _, b in stages if len(sch.get_loops(b)) > 1)
+    size = next(int(sch.get(sch.get_loops(b)[-1]).extent) for n, b in stages
+                if len(sch.get_loops(b)) > depth and n != "dw")
     bits = min(tvm.DataType(str(p.dtype)).bits for p in func.params)
     per_thread = max(1, min(128 // bits, _ceil_div(size, 32)))  # 16-byte loads when D allows
     threads = min(max_threads, _ceil_div(_ceil_div(size, per_thread), 32) * 32)
     per_thread = _ceil_div(size, threads)
+    allocated = list(sch.get(sch.get_sblock("root")).alloc_buffers)
     for name, block in stages:
         loops = sch.get_loops(block)
-        if len(loops) == 1:  # per-row scalar stage: computed by every thread
-            if name.startswith("softmax"):
-                for i in range(len(sch.get(block).writes)):
+        if name == "dw":  # the sum of the partials: its own kernel, a thread per feature
+            bx, tx = sch.split(loops[-1], [None, min(max_threads, size)])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            continue
+        if name.startswith("softmax"):  # per-row scalar stage: computed by every thread
+            for i, region in enumerate(sch.get(block).writes):
+                if any(region.source.same_as(b) for b in allocated):  # not an output parameter
                     sch.set_scope(block, i, "local")
             continue
         tx, inner = sch.split(loops[-1], [threads, per_thread])
@@ -104,15 +186,16 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
         if name.startswith("stats"):
             for i in range(len(sch.get(block).writes)):
                 sch.set_scope(block, i, "shared")
-        else:
-            if name.startswith("fold"):
-                sch.set_scope(block, 0, "local")
+        elif name != "dw_rf":
             # 16-byte source loads; float32 math at most 4 wide (TVM's CUDA codegen mis-emits
             # float32x8 broadcasts and has no wider vector types)
             lanes = min(per_thread, 128 // bits if name.endswith("_local") else 4)
             if threads * per_thread == size and per_thread % lanes == 0:
                 sch.vectorize(sch.split(inner, [None, lanes])[1])
     sch.bind(sch.get_loops(stages[0][1])[0], "blockIdx.x")
+    if chunked:  # each thread zeroes its features of the chunk's partial once
+        init = sch.decompose_reduction(sch.get_sblock("dw_rf"), row)
+        sch.bind(sch.split(sch.get_loops(init)[-1], [threads, per_thread])[0], "threadIdx.x")
     return sch.mod["main"]
 
 

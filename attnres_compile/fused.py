@@ -1,0 +1,127 @@
+"""The depth-attention op's fused TVM kernels, called on torch tensors (DLPack, zero-copy).
+
+`forward` and `backward` return None where the fused kernels do not apply, and the op then runs
+its eager reference: storage dtypes other than float32/float16/bfloat16, a feature axis other
+than the last, rank-1 sources, devices other than the CPU and CUDA, or (mode "auto") no usable
+TVM. Kernels come from kernel_cache (built on first use). The per-call path is kept to a dict
+lookup, an output allocation and the kernel call: the tensors go to the kernel as they are
+(its row dims are symbolic, no reshape), made contiguous only if they are not.
+
+Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
+keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU
+count (the pool cannot grow later) and TVM_BIND_THREADS to 0 (no pinning of a torch process's
+threads). A child forked after that (a DataLoader worker) runs the kernels on one thread.
+CUDA calls run on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from . import kernel_cache
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_KERNELS: dict[tuple, object] = {}  # (kind, count, dtype, device, rank, size, dim, eps, scale, threads) -> fn | False
+_local = threading.local()
+_ffi = None  # tvm_ffi with TVM's runtime loaded; False if TVM is not usable
+_forked = False  # in a child forked after TVM's pool started: its workers are gone
+
+
+def _after_fork() -> None:
+    """A forked child inherits TVM's thread pool without its threads: a parallel kernel would wait
+    for them forever. With one thread TVM runs the kernels inline (it reads TVM_NUM_THREADS per
+    launch), and the pool is never reconfigured."""
+    global _forked
+    os.environ["TVM_NUM_THREADS"] = "1"
+    _forked = True
+
+
+def available() -> bool:
+    """Whether TVM is installed and its runtime loads (checked once per process)."""
+    global _ffi
+    if _ffi is None:
+        os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
+        try:
+            _ffi = kernel_cache.runtime() if kernel_cache.installed() else False
+        except (ImportError, OSError):
+            _ffi = False
+        if _ffi:
+            os.register_at_fork(after_in_child=_after_fork)
+    return _ffi is not False
+
+
+def _cuda_ready(device: torch.device) -> bool:
+    import tvm
+
+    return bool(tvm.cuda(device.index or 0).exist)
+
+
+def _kernel(key: tuple):
+    """The compiled kernel for a call's key, or False where the fused kernels do not apply."""
+    kind, count, dtype, device, rank, size, dim, eps, scale, threads = key
+    if (dtype not in _DTYPES or device.type not in ("cpu", "cuda") or rank < 2 or dim not in (-1, rank - 1)
+            or not available() or (device.type == "cuda" and not _cuda_ready(device))):
+        return False
+    threads = threads if device.type == "cpu" else 1
+    spec = kernel_cache.Spec(kind, count, rank, size, _DTYPES[dtype], float(eps), float(scale), device.type, threads)
+    return kernel_cache.get(spec)
+
+
+def _run(fn, device: torch.device, args: list) -> None:
+    """Call the kernel on torch tensors; a strided or wrongly typed argument (which the kernel's
+    argument checks reject before running) is retried as a contiguous float copy. Never on the
+    common path: that is the kernel call alone."""
+    if device.type == "cpu":
+        n = torch.get_num_threads()
+        if _local.__dict__.get("threads") != n and not _forked:
+            _ffi.get_global_func("runtime.config_threadpool")(1, n)
+            _local.threads = n
+        try:
+            fn(*args)
+        except (ValueError, TypeError):
+            fn(*_dense(args))
+        return
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream():
+        fn(*_dense(args))
+
+
+def _dense(args: list) -> list:
+    return [t.contiguous() if t.dim() > 1 or t.dtype == torch.float32 else t.float().contiguous() for t in args]
+
+
+def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
+    """The fused forward's output, or None if it does not apply."""
+    s0 = sources[0]
+    key = ("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, 1)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = _kernel(key)
+    if fn is False:
+        return None
+    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0.device, [*sources, query, out])
+    return out
+
+
+def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float, scale: float,
+             dim: int):
+    """(source gradients, query gradient) from the fused backward, or None if it does not apply."""
+    s0 = sources[0]
+    # the CPU kernel keeps a partial query gradient per thread: built per thread count
+    key = ("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale,
+           torch.get_num_threads())
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = _kernel(key)
+    if fn is False:
+        return None
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    grad_query = query.new_empty(query.shape, dtype=torch.float32)
+    _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query])
+    return grads, grad_query.to(query.dtype)

@@ -1,8 +1,8 @@
 """PyTorch -> ONNX: export a rewritten GraphModule with `torch.onnx.export(dynamo=True)`.
 
 `torch.ops.attnres.depth_attention` is translated (custom_translation_table) into the same
-`attnres.DepthAttention` site node the ONNX rewrite emits, and onnx_function.attach_functions
-then defines it. The exporter's optimizer would merge every all-zero initializer into one
+`attnres.DepthAttention` site node the ONNX rewrite emits, and onnx_grouping.finalize_sites
+then regroups and defines it exactly as the ONNX rewrite does. The exporter's optimizer would merge every all-zero initializer into one
 (pseudo-queries start at zero, like most biases), so it runs with the queries held as graph
 inputs, which it leaves alone, and they are initializers again afterwards.
 """
@@ -22,7 +22,10 @@ from onnx.defs import OpSchema
 from onnxscript import ir
 
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
-from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, attach_functions, negative_axis
+from ..errors import first_line
+from . import dynamic_dims
+from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
+from .onnx_grouping import finalize_sites
 from .onnx_rewrite import PREFIX
 
 # The signature the exporter's tracer needs to record the node; never registered globally.
@@ -47,23 +50,40 @@ def _translate(sources, query, eps: float, scale: float, dim: int):
 TRANSLATION_TABLE = {torch.ops.attnres.depth_attention.default: _translate}
 
 
-def auto_dynamic_shapes(args: tuple, kwargs: dict) -> tuple | dict:
-    """Dim.AUTO for every dim of every tensor input (a tuple for args, a dict for kwargs-only
-    inputs): torch.export keeps dynamic whatever the model does not specialise."""
-    def spec(x: Any):
-        return {i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) and x.dim() else None
-    if kwargs and not args:
-        return {k: spec(v) for k, v in kwargs.items()}
-    return tuple(spec(a) for a in args)
+def auto_dynamic_shapes(args: tuple, kwargs: dict) -> tuple | dict | None:
+    """Dim.AUTO for every dim of every tensor input (`--dynamic all`)."""
+    return dynamic_dims.export_spec(dynamic_dims.parse("all"), None, args, kwargs)
+
+
+def export_or_static(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, what: str,
+                     notes: list[str]) -> onnx.ModelProto:
+    """`export` with `dynamic_shapes`; when that fails, with static shapes and a one-line note in `notes`."""
+    try:
+        return export(module, args, kwargs, dynamic_shapes)
+    except Exception as exc:  # noqa: BLE001 - any exporter failure with symbolic dims is retried static
+        if dynamic_shapes is None:
+            raise
+        model = export(module, args, kwargs, None)
+        cause = exc
+        while cause.__cause__ is not None:  # the exporter wraps the reason in "step 2/3 ... Next steps:"
+            cause = cause.__cause__
+        notes.append(f"ONNX export with {what} failed ({first_line(cause, 160)}); exported with static shapes")
+        return model
 
 
 def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes: Any = None) -> onnx.ModelProto:
-    """The ONNX model of `module` (a rewritten GraphModule or any module) with its sites as function nodes."""
+    """The ONNX model of `module` (a rewritten GraphModule or any module) with its sites as function nodes.
+
+    `contiguous()` calls are recorded as clones first: the exporter's decomposition drops them
+    and then cannot `view` the transposed attention output (T5, Swin).
+    """
     kwargs = kwargs or {}
     with contextlib.redirect_stdout(io.StringIO()), _quiet_loggers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
-        program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes,
-                                    custom_translation_table=TRANSLATION_TABLE, optimize=False, verbose=False)
+        exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        _contiguous_as_clone(exported.graph_module)
+        program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
+                                    verbose=False)
         graph = program.model.graph
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]
         graph.inputs.extend(queries)
@@ -71,8 +91,17 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         for q in queries:
             graph.inputs.remove(q)
     model = ir.to_proto(program.model)
-    attach_functions(model)
+    finalize_sites(model)
     return model
+
+
+def _contiguous_as_clone(gm: torch.fx.GraphModule) -> None:
+    """`aten.contiguous(x)` -> `aten.clone(x, memory_format=contiguous_format)`: the same value and strides."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.contiguous.default:
+            node.target = torch.ops.aten.clone.default
+            node.kwargs = {"memory_format": torch.contiguous_format}
+    gm.recompile()
 
 
 @contextlib.contextmanager

@@ -1,43 +1,61 @@
-"""The ONNX form of a depth-attention site, shared by the ONNX rewrite and the PyTorch export.
+"""The ONNX form of depth-attention sites, shared by the ONNX rewrite and the PyTorch export.
 
-Each site is ONE node `attnres.DepthAttention(s_1, ..., s_n, query)` with attributes
-`eps` (float), `scale` (float) and `axis` (int, the feature axis, always negative: counted
-from the end, so it means the same for every rank). It is defined by a model-local function
-whose body is standard ops only, in float32:
+Three node types of the `attnres` domain, each defined by a model-local function whose body is
+standard ops only, in float32 (`onnx_grouping.finalize_sites` chooses between them):
 
-    x_i = Cast(s_i, float32);  k_i = x_i / Sqrt(ReduceMean(Pow(x_i, 2), axis) + eps)
-    z_i = ReduceSum(k_i * query, axis)                      (keepdims: [.., 1, ..])
-    p   = Softmax(Concat(z_1..z_n, axis), axis)             (over the sources, max-subtracted)
-    out = CastLike(scale * Sum_i(Split(p)_i * x_i), s_1)
+    attnres.DepthAttention(s_1..s_n, query) -> out                       one site
+        attributes eps, scale, axis (negative: counted from the end, the same for every rank).
+        x_i = Cast(s_i, float32);  z_i = ReduceSum(query * x_i / Sqrt(ReduceMean(Pow(x_i, 2)) + eps))
+        out = CastLike(Sum_i(scale * softmax_i(z) * x_i), s_1)
+    attnres.DepthAttentionPartial([history, rms,] h_new_1..h_new_K, q_1..q_B)
+            -> (history_out, rms_out, lse, acc)                          one per group of sites
+        phase 1 for B sites whose source lists start with the same history h_0..h_(J-1)
+        (Block: a block's sites; Full: ~sqrt(L) consecutive sites). history_out [.., J, D] is the
+        history stacked before the feature axis and rms_out [.., J, 1] the entries' RMS: with
+        carry = 1 the previous Partial's two outputs with the K new entries appended, so each
+        source is named once in the file and its RMS computed once. lse [.., 1, B] and
+        acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history.
+        attributes eps, axis (-1), queries (B), carry (0 or 1).
+    attnres.DepthAttentionMerge(lse, acc, e_1..e_E, query) -> out        one per site
+        phase 2: row `index` of a Partial's state as one more term beside the site's own
+        extras e (Block: its partial block sum; Full: the group's sources up to the site):
+        out = CastLike(scale * (w_0 * acc_index + Sum_i w_i * e_i), e_1), w = softmax([lse, z]).
+        attributes index, eps, scale, axis (-1); `query` repeats the Partial's query at `index`.
 
-Why a function node rather than inlined ops with metadata: the site stays one node that a
-backend matches by (domain, op_type) and reads its sources, query and attributes from,
-without pattern-matching ~10n ops; onnxruntime runs it by inlining the body.
-Why Pow(x, 2) rather than x * x: onnxruntime's optimizer fuses Pow, ReduceMean, Add, Sqrt, Div
-and the Mul by the (initializer) query into one SimplifiedLayerNormalization per source, which
-makes a lone site 1.6-1.8x faster there. In whole models onnxruntime's common-subexpression pass
-already shares each source's norm between the sites that read it (the fusion then applies to
-some sources only), and the difference is within noise (GPT-2, 12 sublayers: +24% -> +23%).
-Why one function per (arity, axis, scale, eps) with those values written into the body
-(overload "n<arity>_axis<a>_scale<c>_eps<e>"; in practice one per arity, since preserve
-scale = arity) rather than one per arity reading the attributes through references: after
-`onnx.inliner.inline_local_functions` a referenced float becomes `Constant(value_float=...)`
-and the feature size would come from Shape arithmetic, neither of which
-tvm.relax.frontend.onnx imports; baked in, the inlined body is tensor Constants and static
-axes only. Overloads need IR version 10, so models are raised to it.
+Why function nodes rather than inlined ops with metadata: a site stays one node (or one Merge)
+that a backend matches by (domain, op_type) and reads its sources, query and attributes from,
+without pattern-matching ~10n ops; onnxruntime runs them by inlining the bodies.
+Why these bodies (onnxruntime runs each op as a pass over its tensors, at ~10 GB/s here):
+a term's logit is the RMSNorm pattern Pow/ReduceMean/Add/Sqrt/Div/Mul-by-query, which
+onnxruntime fuses into one SimplifiedLayerNormalization, then ReduceSum; two terms are weighted
+by a Sigmoid (a two-way softmax in elementwise ops, no per-row Concat/Softmax/Split); the scale
+goes on the small weights, and a function ends in Sum, never Add, which onnxruntime would fuse
+with a following LayerNorm into its slow SkipLayerNormalization. A Partial reads its history in
+two MatMuls (logits of all B queries; the weighted means of all B sites, batched over the rows),
+which is where grouping saves: the history is read once per group instead of once per site.
+Why DepthAttention bakes its values into one function per (arity, axis, scale, eps) (overload
+"n<arity>_axis<a>_scale<c>_eps<e>"): inlined, its body is then tensor Constants and static axes
+only, which tvm.relax.frontend.onnx imports. The Partial and Merge functions are one per structure
+(overloads "c<carry>_k<K>_q<B>", "e<E>") and read eps, scale and index through attribute
+references, so their number stays bounded at any depth. Overloads need IR version 10, so models
+are raised to it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper
 
 DOMAIN = "attnres"
 OP_TYPE = "DepthAttention"
 DOMAIN_VERSION = 1
 MIN_OPSET = 15  # CastLike
 IR_VERSION = 10
+PARTIAL = "DepthAttentionPartial"
+MERGE = "DepthAttentionMerge"
 
 
 def site_node(inputs: list[str], query: str, output: str, *, eps: float, scale: float, axis: int, rank: int,
@@ -65,7 +83,7 @@ def overload(sig: tuple[int, int, float, float]) -> str:
     return f"n{arity}_axis{axis}_scale{str(np.float32(scale))}_eps{str(np.float32(eps))}"
 
 
-class _Body:
+class Body:
     """Collects the nodes of a function body; `op` returns the output name(s)."""
 
     def __init__(self) -> None:
@@ -84,30 +102,14 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     """The model-local function for sites with signature `sig`, for default-domain `opset`."""
     n, axis, scale, eps = sig
     fn_name = overload(sig)
-    b = _Body()
+    b = Body()
     axes = b.const("axes", TensorProto.INT64, [axis])
     eps_c = b.const("eps", TensorProto.FLOAT, [eps], [])
-    two = b.const("two", TensorProto.FLOAT, [2.0], [])
     scale_c = b.const("scale", TensorProto.FLOAT, [scale], [])
     qshape = b.const("qshape", TensorProto.INT64, [-1] + [1] * (-axis - 1))  # [D, 1, .., 1]: broadcast on the axis
     query = b.op("Reshape", [b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT), qshape], "qb")
-    xs, zs = [], []
-    for i in range(n):
-        x = b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT)
-        square = b.op("Pow", [x, two], f"sq{i}")
-        if opset >= 18:
-            mean_sq = b.op("ReduceMean", [square, axes], f"ms{i}", keepdims=1)
-        else:
-            mean_sq = b.op("ReduceMean", [square], f"ms{i}", axes=[axis], keepdims=1)
-        rms = b.op("Sqrt", [b.op("Add", [mean_sq, eps_c], f"mse{i}")], f"rms{i}")
-        normed = b.op("Div", [x, rms], f"k{i}")
-        zs.append(b.op("ReduceSum", [b.op("Mul", [normed, query], f"kq{i}"), axes], f"z{i}", keepdims=1))
-        xs.append(x)
-    p = b.op("Softmax", [b.op("Concat", zs, "z", axis=axis)], "p", axis=axis)
-    ps = b.op("Split", [p, b.const("splits", TensorProto.INT64, [1] * n)], [f"p{i}" for i in range(n)], axis=axis)
-    weighted = [b.op("Mul", [pi, x], f"px{i}") for i, (pi, x) in enumerate(zip(ps, xs))]
-    acc = weighted[0] if n == 1 else b.op("Sum", weighted, "acc")
-    b.op("CastLike", [b.op("Mul", [acc, scale_c], "scaled"), "s0"], "output")
+    xs = [b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT) for i in range(n)]
+    b.op("CastLike", [_attend(b, xs, query, eps_c, scale_c, axes, axis, opset), "s0"], "output")
     fn = helper.make_function(DOMAIN, OP_TYPE, [f"s{i}" for i in range(n)] + ["query"], ["output"], b.nodes,
                               [helper.make_opsetid("", opset)], attributes=["eps", "scale", "axis"],
                               doc_string=f"AttnRes depth attention over {n} sources (attnres-compile): {fn_name}")
@@ -115,28 +117,175 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     return fn
 
 
+def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str, axis: int, opset: int,
+            state: tuple[str, str] | None = None) -> str:
+    """scale * sum_i softmax_i(z_i) x_i over float32 terms `xs`, z_i = query . RMSNorm(x_i) along `axis`;
+    `state` (lse, acc) is one more term, a history already reduced to its logsumexp and weighted mean.
+
+    Per term the RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which
+    onnxruntime fuses into one SimplifiedLayerNormalization, then ReduceSum; the scale goes on
+    the (small) weights, and the sum of the weighted terms is the last op: a Sum, never an Add."""
+    two = b.const("two", TensorProto.FLOAT, [2.0], [])
+    zs = [state[0]] if state else []
+    for i, x in enumerate(xs):
+        mean_sq = _reduce(b, "ReduceMean", b.op("Pow", [x, two], f"sq{i}"), axes, axis, f"ms{i}", opset)
+        normed = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")], f"k{i}")
+        zs.append(_reduce(b, "ReduceSum", b.op("Mul", [normed, query], f"kq{i}"), axes, axis, f"z{i}", opset))
+    terms = ([state[1]] if state else []) + xs
+    if len(terms) == 2:  # a two-way softmax is a sigmoid: elementwise ops, no per-row Concat/Softmax/Split
+        second = b.op("Mul", [b.op("Sigmoid", [b.op("Sub", [zs[1], zs[0]], "gap")], "t"), scale], "p1")
+        ps = [b.op("Sub", [scale, second], "p0"), second]
+    else:
+        p = b.op("Mul", [b.op("Softmax", [b.op("Concat", zs, "z", axis=axis)], "p", axis=axis), scale], "ps")
+        ps = b.op("Split", [p, b.const("splits", TensorProto.INT64, [1] * len(terms))],
+                  [f"p{i}" for i in range(len(terms))], axis=axis)
+    weighted = [b.op("Mul", [pi, x], f"px{i}") for i, (pi, x) in enumerate(zip(ps, terms))]
+    return weighted[0] if len(weighted) == 1 else b.op("Sum", weighted, "total")
+
+
 def default_opset(model: onnx.ModelProto) -> int | None:
     """The model's default-domain (ai.onnx) opset version, or None if it imports none."""
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
-def attach_functions(model: onnx.ModelProto) -> int:
-    """Give every DepthAttention node of `model.graph` its overload and function definition.
+def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.FunctionProto]]:
+    """(overload, build(opset) -> function) of an attnres node: what its function is specialised on."""
+    if node.op_type == OP_TYPE:
+        sig = signature(node)
+        return overload(sig), lambda opset: function_proto(sig, opset)
+    if node.op_type == PARTIAL:
+        structure = partial_structure(node)
+        return partial_overload(*structure), lambda opset: partial_function(*structure, opset)
+    extras = len(node.input) - 3
+    return merge_overload(extras), lambda opset: merge_function(extras, opset)
 
+
+def attach_functions(model: onnx.ModelProto) -> int:
+    """Give every attnres node of `model.graph` its overload and function definition.
+
+    The attnres functions are (re)generated from the nodes: definitions already in the model
+    under our domain are replaced, so the file holds exactly the bodies this module writes.
     Also imports the `attnres` domain and raises the IR version to one with overloads.
-    Returns the number of site nodes.
+    Returns the number of sites (DepthAttention and Merge nodes).
     """
     opset = default_opset(model)
-    sites = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    defined = {(f.domain, f.name, f.overload) for f in model.functions}
-    for node in sites:
-        sig = signature(node)
-        node.overload = overload(sig)
-        if (DOMAIN, OP_TYPE, node.overload) not in defined:
-            model.functions.append(function_proto(sig, opset))
-            defined.add((DOMAIN, OP_TYPE, node.overload))
-    if sites and not any(o.domain == DOMAIN for o in model.opset_import):
+    ours = [n for n in model.graph.node if n.domain == DOMAIN]
+    functions: dict[tuple[str, str], onnx.FunctionProto] = {}
+    for node in ours:
+        node.overload, build = definition(node)
+        if (node.op_type, node.overload) not in functions:
+            functions[node.op_type, node.overload] = build(opset)
+    kept = [f for f in model.functions if f.domain != DOMAIN]
+    model.ClearField("functions")
+    model.functions.extend(kept + list(functions.values()))
+    if ours and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
-    if sites:
+    if ours:
         model.ir_version = max(model.ir_version, IR_VERSION)
-    return len(sites)
+    return sum(n.op_type in (OP_TYPE, MERGE) for n in ours)
+
+
+# ---- the two-phase pair ---------------------------------------------------------------------------
+
+
+def partial_node(carried: list[str], new: list[str], queries: list[str], outputs: list[str], *, eps: float,
+                 name: str) -> onnx.NodeProto:
+    """A Partial over `carried` (a previous Partial's (history_out, rms_out), or []) plus `new` entries,
+    for `queries`; `outputs` are (history_out, rms_out, lse, acc)."""
+    carry = int(bool(carried))
+    node = helper.make_node(PARTIAL, [*carried, *new, *queries], outputs, name=name, domain=DOMAIN, eps=float(eps),
+                            axis=-1, queries=len(queries), carry=carry)
+    node.overload = partial_overload(carry, len(new), len(queries))
+    return node
+
+def merge_node(lse: str, acc: str, extras: list[str], query: str, output: str, *, index: int, eps: float,
+               scale: float, name: str) -> onnx.NodeProto:
+    """The Merge of one site: row `index` of a Partial's state (lse, acc) with the site's `extras`."""
+    node = helper.make_node(MERGE, [lse, acc, *extras, query], [output], name=name, domain=DOMAIN,
+                            index=int(index), eps=float(eps), scale=float(scale), axis=-1)
+    node.overload = merge_overload(len(extras))
+    return node
+
+def partial_structure(node: onnx.NodeProto) -> tuple[int, int, int]:
+    """(carry, new entries, queries) of a Partial node: what its function body is specialised on."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    carry, queries = int(attrs["carry"]), int(attrs["queries"])
+    return carry, len(node.input) - 2 * carry - queries, queries
+
+
+def partial_overload(carry: int, new: int, queries: int) -> str:
+    return f"c{carry}_k{new}_q{queries}"
+
+def merge_overload(extras: int) -> str:
+    return f"e{extras}"
+
+def _ref(b: Body, out: str, attr: str, kind: int) -> str:
+    """A Constant holding the node's attribute `attr` (an attribute reference)."""
+    field = {AttributeProto.FLOAT: "value_float", AttributeProto.INT: "value_int"}[kind]
+    ref = AttributeProto(name=field, ref_attr_name=attr, type=kind)
+    node = helper.make_node("Constant", [], [out])
+    node.attribute.append(ref)
+    b.nodes.append(node)
+    return out
+
+def _reduce(b: Body, op: str, x: str, axes: str, axis: int, out: str, opset: int) -> str:
+    """A keepdims reduction over one axis: axes as an input from opset 18 (ReduceSum: 13), else an attribute."""
+    if opset >= (13 if op == "ReduceSum" else 18):
+        return b.op(op, [x, axes], out, keepdims=1)
+    return b.op(op, [x], out, axes=[axis], keepdims=1)
+
+def _stack(b: Body, names: list[str], axes: str, prefix: str) -> list[str]:
+    """Each input cast to float32 and given a unit axis before the feature axis."""
+    return [b.op("Unsqueeze", [b.op("Cast", [n], f"{prefix}f{i}", to=TensorProto.FLOAT), axes], f"{prefix}u{i}")
+            for i, n in enumerate(names)]
+
+def _function(op_type: str, overload: str, inputs: list[str], outputs: list[str], b: Body, opset: int,
+              attributes: list[str], doc: str) -> onnx.FunctionProto:
+    fn = helper.make_function(DOMAIN, op_type, inputs, outputs, b.nodes, [helper.make_opsetid("", opset)],
+                              attributes=attributes, doc_string=f"{doc} (attnres-compile): {overload}")
+    fn.overload = overload
+    return fn
+
+def partial_function(carry: int, new: int, queries: int, opset: int) -> onnx.FunctionProto:
+    """The function of Partial nodes with this structure, for default-domain `opset`."""
+    b = Body()
+    m1, m2 = b.const("m1", TensorProto.INT64, [-1]), b.const("m2", TensorProto.INT64, [-2])
+    zero = b.const("zero", TensorProto.INT64, [0])
+    eps = _ref(b, "eps", "eps", AttributeProto.FLOAT)
+    carried = ["history", "rms"] if carry else []
+    inputs = carried + [f"h{i}" for i in range(new)] + [f"q{i}" for i in range(queries)]
+    entries = _stack(b, inputs[len(carried):len(carried) + new], m2, "h")
+    rms = [b.op("Sqrt", [b.op("Add", [_reduce(b, "ReduceMean", b.op("Mul", [h, h], f"hh{i}"), m1, -1, f"ms{i}", opset),
+                                       eps], f"mse{i}")], f"rms{i}") for i, h in enumerate(entries)]
+    stacked = _concat(b, carried[:1] + entries, "history_out", -2)
+    norms = _concat(b, carried[1:] + rms, "rms_out", -2)                              # [.., J, 1]
+    qs = [b.op("Unsqueeze", [b.op("Cast", [q], f"qf{i}", to=TensorProto.FLOAT), zero], f"qu{i}")
+          for i, q in enumerate(inputs[len(carried) + new:])]
+    q_cols = b.op("Transpose", [_concat(b, qs, "qrows", 0)], "qcols", perm=[1, 0])    # [D, B]
+    z = b.op("Div", [b.op("MatMul", [stacked, q_cols], "dots"), norms], "z")           # [.., J, B]
+    _reduce(b, "ReduceLogSumExp", z, m2, -2, "lse", opset)
+    p = b.op("Einsum", [b.op("Softmax", [z], "p", axis=-2)], "pt", equation="...jb->...bj")
+    b.op("MatMul", [p, stacked], "acc")
+    return _function(PARTIAL, partial_overload(carry, new, queries), inputs, ["history_out", "rms_out", "lse", "acc"],
+                     b, opset, ["eps", "axis", "queries", "carry"], "AttnRes phase 1 over a shared history")
+
+
+def _concat(b: Body, parts: list[str], out: str, axis: int) -> str:
+    return b.op("Concat", parts, out, axis=axis) if len(parts) > 1 else b.op("Identity", parts, out)
+
+
+def merge_function(extras: int, opset: int) -> onnx.FunctionProto:
+    """The function of Merge nodes with `extras` extra terms, for default-domain `opset`."""
+    b = Body()
+    m1 = b.const("m1", TensorProto.INT64, [-1])
+    eps = _ref(b, "eps_c", "eps", AttributeProto.FLOAT)
+    scale = _ref(b, "scale_c", "scale", AttributeProto.FLOAT)
+    index = _ref(b, "index", "index", AttributeProto.INT)
+    inputs = ["lse", "acc"] + [f"e{i}" for i in range(extras)] + ["query"]
+    lse = b.op("Gather", ["lse", index], "lse_i", axis=-1)           # [.., 1]
+    acc = b.op("Gather", ["acc", index], "acc_i", axis=-2)           # [.., D]
+    xs = [b.op("Cast", [e], f"x{i}", to=TensorProto.FLOAT) for i, e in enumerate(inputs[2:-1])]
+    query = b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT)
+    b.op("CastLike", [_attend(b, xs, query, eps, scale, m1, -1, opset, (lse, acc)), "e0"], "output")
+    return _function(MERGE, merge_overload(extras), inputs, ["output"], b, opset, ["index", "eps", "scale", "axis"],
+                     "AttnRes phase 2 of one site")

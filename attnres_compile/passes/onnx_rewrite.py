@@ -1,4 +1,5 @@
-"""Apply a `Plan` to an ONNX model: one `attnres.DepthAttention` node per site (onnx_function.py).
+"""Apply a `Plan` to an ONNX model: one `attnres.DepthAttention` node per site (onnx_function.py),
+then regrouped into the two-phase form where sites share a history (onnx_grouping.py).
 
 The site node takes over the value name of the site's sum, so every reader of h_k (the next
 branches, the next skip, the final norm, graph outputs) reads the AttnRes output without any
@@ -19,7 +20,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..config import AttnResConfig
-from .onnx_function import attach_functions, site_node
+from .onnx_function import site_node
+from .onnx_grouping import FreshNames, finalize_sites
 from .onnx_view import STANDARD_DOMAINS, subgraph_reads
 from .plan import Chain, Plan, RewrittenSite
 
@@ -45,7 +47,7 @@ def apply_plan(model: onnx.ModelProto, plan: Plan, config: AttnResConfig, view: 
     graph.ClearField("node")
     graph.node.extend(nodes)
     _prune_value_info(graph)
-    attach_functions(model)
+    finalize_sites(model)
     return sites
 
 
@@ -54,21 +56,14 @@ class _Rewriter:
 
     def __init__(self, graph: onnx.GraphProto, view: nx.DiGraph, config: AttnResConfig):
         self.graph, self.view, self.config = graph, view, config
-        self.taken = {i.name for i in graph.initializer} | {v.name for v in graph.input}
-        self.taken |= {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
+        self.names = FreshNames(graph)
+        self.fresh = self.names.fresh
         self.removed: set[str] = set()               # output names of the residual Adds
         self.inserts: dict[str, list[onnx.NodeProto]] = {}  # site value -> nodes replacing its Add
         self.next_chain = 0
 
-    def fresh(self, name: str) -> str:
-        candidate, i = name, 1
-        while candidate in self.taken:
-            candidate, i = f"{name}_{i}", i + 1
-        self.taken.add(candidate)
-        return candidate
-
     def chain(self, chain: Chain) -> list[RewrittenSite]:
-        while any(t.startswith(f"{PREFIX}.chain{self.next_chain}.") for t in self.taken):
+        while any(t.startswith(f"{PREFIX}.chain{self.next_chain}.") for t in self.names.taken):
             self.next_chain += 1
         tag = f"chain{self.next_chain}"
         self.next_chain += 1

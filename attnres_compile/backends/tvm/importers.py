@@ -23,26 +23,45 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ...errors import CompileError, InputError, first_line
+from ...errors import CompileError, first_line
 from ...passes import onnx_io
-from ...passes.onnx_function import DOMAIN, OP_TYPE, default_opset
+from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, default_opset
+from ...passes.onnx_grouping import sites as onnx_sites
+from ...passes.onnx_site_check import check_sites
+from ...passes.onnx_view import value_types
+from .onnx_prepare import ConverterFixes, simplify
+from .program_prepare import convertible
 from .sites import site_call
 
 TORCH_OP_NAME = "depth_attention.default"
 
 
-class _OnnxImporter(onnx_frontend.ONNXGraphImporter):
-    """The stock importer plus `attnres.DepthAttention`."""
+class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
+    """The stock importer plus the attnres nodes, each site back to one placeholder over its S_k.
+
+    A DepthAttentionPartial computes nothing here: its outputs become the (unbound) tuple of its
+    history entries, the previous Partial's when it carries them, plus its new ones; each
+    DepthAttentionMerge is the placeholder over those entries and its extras. The lowering
+    (lower.py) regroups placeholders that share a history into its own two-phase kernels, the
+    same way for models that come through torch.export."""
 
     def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
         rest = onnx.GraphProto()
-        rest.node.extend(n for n in graph.node if not _is_site(n))
+        rest.node.extend(n for n in graph.node if not _is_attnres(n))
         super()._check_for_unsupported_ops(rest)
 
     def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
         if op_name == OP_TYPE:
             *sources, query = [self.bb.normalize(x) for x in inputs]
             return self.bb.normalize(site_call(sources, query, attrs["eps"], attrs["scale"], attrs["axis"]))
+        if op_name == PARTIAL:
+            inputs = list(inputs)  # onnx_input slices mishandle negative bounds
+            carried = list(inputs[0].fields) if attrs["carry"] else []
+            entries = relax.Tuple(carried + [self.bb.normalize(x) for x in inputs[2 * attrs["carry"]:-attrs["queries"]]])
+            return relax.Tuple([entries] * 4)
+        if op_name == MERGE:
+            *extras, query = [self.bb.normalize(x) for x in list(inputs)[2:]]
+            return self.bb.normalize(site_call([*inputs[0].fields, *extras], query, attrs["eps"], attrs["scale"], attrs["axis"]))
         if op_name == "Range":
             bounds = [_int_scalar(x, [self._nodes, self._params]) for x in inputs]
             if all(b is not None for b in bounds):
@@ -72,12 +91,14 @@ def _dtype(value) -> str:
     return str(ty.dtype) if isinstance(ty, relax.TensorType) else str(getattr(ty, "dtype", ty))
 
 
-def _is_site(node: onnx.NodeProto) -> bool:
-    return node.domain == DOMAIN and node.op_type == OP_TYPE
+def _is_attnres(node: onnx.NodeProto) -> bool:
+    return node.domain == DOMAIN and node.op_type in (OP_TYPE, PARTIAL, MERGE)
 
 
-def from_onnx(model: onnx.ModelProto) -> tvm.IRModule:
-    """The Relax module of an AttnRes ONNX model: weights bound as constants, symbolic dims kept."""
+def from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tvm.IRModule:
+    """The Relax module of an AttnRes ONNX model: weights bound as constants, the dims in
+    `input_shapes` fixed and the others kept symbolic, constants folded first (onnx_prepare)."""
+    model = simplify(model, input_shapes)
     others = {n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
     if others:
         raise CompileError(f"ONNX model uses custom ops TVM cannot import: {sorted(others)}")
@@ -86,6 +107,8 @@ def from_onnx(model: onnx.ModelProto) -> tvm.IRModule:
         warnings.simplefilter("ignore")  # per-input "unknown dimension" and renaming notices
         try:
             return importer.from_onnx(model.graph, default_opset(model))
+        except CompileError:
+            raise
         except Exception as exc:  # noqa: BLE001 - OpNotImplemented, ValueError, InternalError of converters
             raise CompileError(f"TVM's ONNX frontend cannot import this model: {first_line(exc)}") from None
 
@@ -117,29 +140,33 @@ class ImportedModel:
     sites: list[dict] = field(default_factory=list)
 
 
-def import_model(model: str | os.PathLike | torch.export.ExportedProgram) -> ImportedModel:
-    """Import an AttnRes ONNX file, a .pt2 file or an ExportedProgram into Relax."""
+def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
+                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> ImportedModel:
+    """Import an AttnRes ONNX file, a .pt2 file or an ExportedProgram into Relax; an ONNX file's
+    inputs named in `input_shapes` get those dims before import (pipeline.bind_shapes fixes
+    them for the other formats)."""
     if isinstance(model, torch.export.ExportedProgram):
         return _import_program(model)
     path = Path(model)
     if path.suffix.lower() == ".pt2":
-        if not path.is_file():
-            raise InputError(f"{path}: no such file")
-        try:
-            program = torch.export.load(str(path))
-        except Exception as exc:  # noqa: BLE001
-            raise InputError(f"{path}: not a torch.export program ({first_line(exc)})") from None
-        return _import_program(program)
+        from ...pt2 import load  # validated: never runs code stored in the archive
+
+        loaded = load(path)
+        imported = _import_program(loaded.program)
+        if len(loaded.outputs) == len(imported.outputs):
+            imported.outputs = loaded.outputs
+        return imported
     proto = onnx_io.load(path)
+    check_sites(proto, value_types(proto.graph))
     initializers = {i.name for i in proto.graph.initializer}
-    sites = [{"name": n.name, "query": n.input[-1], "sources": len(n.input) - 1,
-              **{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}}
-             for n in proto.graph.node if _is_site(n)]
-    return ImportedModel(from_onnx(proto), "onnx", [i.name for i in proto.graph.input if i.name not in initializers],
+    sites = [{"name": s.node.name, "query": s.query, "sources": len(s.sources), "eps": s.eps, "scale": s.scale,
+              "axis": s.axis} for s in onnx_sites(proto.graph)]
+    return ImportedModel(from_onnx(proto, input_shapes), "onnx", [i.name for i in proto.graph.input if i.name not in initializers],
                          [o.name for o in proto.graph.output], sites)
 
 
 def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
+    program = convertible(program)  # a copy TVM's frontend can convert (program_prepare.py)
     signature = program.graph_signature
     params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     sites = []

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -26,16 +27,17 @@ from onnx import TensorProto, helper
 
 import attnres_compile as ac
 from attnres_compile.backends import onnxruntime as ort_backend
-from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
+from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load, lower
 from attnres_compile.backends.tvm.cli import add_commands
 from attnres_compile.backends.tvm.importers import from_onnx, import_model
-from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, calls
+from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, PARTIAL_PREFIX, calls
 from attnres_compile.backends.tvm.pipeline import make_target
 from attnres_compile.errors import ArtifactError, ConfigError, InputError
 from attnres_compile.onnx_api import export_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
 from attnres_compile.passes.onnx_export import auto_dynamic_shapes
-from attnres_compile.passes.onnx_function import DOMAIN, OP_TYPE, attach_functions, site_node
+from attnres_compile.passes.onnx_function import attach_functions, site_node
+from attnres_compile.passes.onnx_grouping import sites as onnx_sites
 from samples import hf_models, models
 
 ATOL = 1e-4
@@ -64,6 +66,15 @@ def _randomize_queries(path: Path, seed: int = 0) -> None:
             init.CopyFrom(onnx.numpy_helper.from_array((rng.standard_normal(w.shape) / np.sqrt(w.size)).astype(np.float32),
                                                        init.name))
     onnx.save(model, str(path))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_phase_on_short_histories():
+    """The samples are short (histories of at most 7 sources): lower them two-phase wherever it moves
+    fewer bytes, so these tests run the partial + merge kernels (production waits for MIN_HISTORY)."""
+    default, lower.MIN_HISTORY = lower.MIN_HISTORY, 0
+    yield
+    lower.MIN_HISTORY = default
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +119,9 @@ def _feeds(path: Path, size: tuple[int, int], seed: int = 1) -> dict[str, np.nda
     return ort_backend.make_inputs(sess, onnx.load(str(path), load_external_data=False), shapes, seed)
 
 
-def _sites(path: Path) -> list[onnx.NodeProto]:
-    return [n for n in onnx.load(str(path)).graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+def _sites(path: Path):
+    """The sites of the file (DepthAttention or Merge nodes) with their full source lists."""
+    return onnx_sites(onnx.load(str(path)).graph)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -135,32 +147,46 @@ def test_one_kernel_call_per_site_and_no_unfused_copy(exported, artifact, name):
     attention_softmaxes = sum(n.op_type == "Softmax" for n in onnx.load(str(path)).graph.node)
     imported = import_model(path).mod
     assert calls(imported)[PLACEHOLDER] == len(sites)
-    lowered = LowerDepthAttention(make_target("llvm"))(imported)
-    counted = calls(lowered)
-    kernel_calls = {k: v for k, v in counted.items() if k.startswith(KERNEL_PREFIX)}
-    assert sum(kernel_calls.values()) == len(sites) and counted[PLACEHOLDER] == 0
+    lowering = LowerDepthAttention(make_target("llvm"))
+    counted = calls(lowering(imported))
+    site_calls = {k: v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and not k.startswith(PARTIAL_PREFIX)}
+    assert sum(site_calls.values()) == len(sites) and counted[PLACEHOLDER] == 0
     # the only softmaxes left are the model's attention ones: none over the sources
     assert counted["relax.nn.softmax"] == attention_softmaxes
-    arities = sorted(len(n.input) - 1 for n in sites)
-    assert sorted(int(k.split("_n")[1].split("_")[0]) for k, v in kernel_calls.items() for _ in range(v)) == arities
+    assert [r["sources"] for r in lowering.lowered] == [len(s.sources) for s in sites]
+    assert Counter(r["kernel"] for r in lowering.lowered) == site_calls
+    # Full's later groups read their history once, in one partial call per group (Block's sample is too short)
+    partials = Counter(r["partial"] for r in lowering.lowered if "partial" in r)
+    assert {k: v for k, v in counted.items() if k.startswith(PARTIAL_PREFIX)} == {k: 1 for k in partials}
+    assert sorted(partials.values()) == ([2, 3] if name == "gpt_full" else [])
     manifest = load(artifact(name)).manifest
-    assert [s["sources"] for s in manifest["sites"]] == [len(n.input) - 1 for n in sites]
+    assert [s["sources"] for s in manifest["sites"]] == [len(s.sources) for s in sites]
     assert all(s["kernel"].startswith(KERNEL_PREFIX) for s in manifest["sites"])
 
 
 def test_the_softmax_count_sees_an_unfused_site(exported):
-    """Control for the check above: the inlined function bodies import as one softmax per site."""
+    """Control for the check above: the sites as one DepthAttention node each (the two-phase pair undone)
+    with their function bodies inlined import as one softmax per site of three or more sources."""
     path = exported("gpt_full")
     model = onnx.load(str(path))
     attention_softmaxes = sum(n.op_type == "Softmax" for n in model.graph.node)
+    sites = {s.node.output[0]: s for s in _sites(path)}
+    nodes = [site_node(sites[n.output[0]].sources, n.input[-1], n.output[0], eps=1e-6, scale=sites[n.output[0]].scale,
+                       axis=-1, rank=3, name=n.name) if n.output[0] in sites else n
+             for n in model.graph.node if n.op_type != "DepthAttentionPartial"]
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    attach_functions(model)
     inlined = from_onnx(onnx.inliner.inline_local_functions(model))
-    assert calls(inlined)["relax.nn.softmax"] == attention_softmaxes + len(_sites(path))
+    assert calls(inlined)["relax.nn.softmax"] == attention_softmaxes + sum(len(s.sources) >= 3 for s in sites.values())
 
 
 def test_exported_program_through_from_exported_program(folder):
+    """The torch.export route: single depth_attention ops, grouped by the lowering into partial + merges
+    (Full: the groups of sites 4-6 and 7-8 read their history once), numerics against torch."""
     model, args = models.gpt_factory()
     dynamic = auto_dynamic_shapes(args, {})
-    gm = ac.rewrite(model, args, ac.AttnResConfig(variant="block", num_blocks=2), dynamic_shapes=dynamic).graph_module
+    gm = ac.rewrite(model, args, ac.AttnResConfig(), dynamic_shapes=dynamic).graph_module
     with torch.no_grad():
         for p in gm.attnres.parameters():
             p.copy_(torch.randn(p.shape) / p.numel() ** 0.5)
@@ -170,12 +196,14 @@ def test_exported_program_through_from_exported_program(folder):
     assert calls(mod)[PLACEHOLDER] == sites == 8
     manifest = compile_model(program, folder / "gpt_program")
     assert len(manifest["sites"]) == sites and all(s["query"].startswith("attnres.") for s in manifest["sites"])
+    assert Counter(s.get("partial") for s in manifest["sites"] if s.get("partial")).most_common() == [
+        ("attnres_depth_attention_partial_j4_q3_d64_float32", 3), ("attnres_depth_attention_partial_j7_q2_d64_float32", 2)]
     tokens = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = gm(tokens).numpy()
     (actual,) = load(folder / "gpt_program")({"idx": tokens.numpy()}).values()
     err = float(np.abs(actual - expected).max())
-    print(f"gpt block (from_exported_program): max abs error vs torch {err:.2e}")
+    print(f"gpt full (from_exported_program): max abs error vs torch {err:.2e}")
     assert err <= ATOL
 
 
@@ -214,13 +242,27 @@ def test_round_trip_in_a_fresh_process(exported, artifact, tmp_path):
             np.testing.assert_array_equal(there[key], here[key])
 
 
+def _gained_relus(source: str, outputs: tuple[str, str]) -> tuple[list, list]:
+    """Nodes and initializers of h1 = source + relu(source) * g0, h2 = h1 + relu(h1) * g1: two residual
+    links, each branch with a learned per-feature gain (a link needs a learned op on its branch)."""
+    h1, h2 = outputs
+    gains = [onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 16, dtype=np.float32) * (i + 1), f"gain{i}")
+             for i in range(2)]
+    nodes = []
+    for i, (x, h) in enumerate([(source, h1), (h1, h2)]):
+        nodes += [helper.make_node("Relu", [x], [f"relu{i}"]),
+                  helper.make_node("Mul", [f"relu{i}", f"gain{i}"], [f"branch{i}"]),
+                  helper.make_node("Add", [x, f"branch{i}"], [h])]
+    return nodes, gains
+
+
 def _chain_onnx(folder: Path) -> Path:
-    """x -> h1 = x + relu(x) -> h2 = h1 + relu(h1), rewritten: two sites, one tunable task (relu)."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
-             helper.make_node("Relu", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["h2"]),
-             helper.make_node("Identity", ["h2"], ["y"])]
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])])
+    """x -> h1 = x + relu(x) * g0 -> h2 = h1 + relu(h1) * g1, rewritten: two sites, one tunable task
+    (the fused relu-multiply, the same for both branches)."""
+    nodes, gains = _gained_relus("x", ("h1", "h2"))
+    graph = helper.make_graph(nodes + [helper.make_node("Identity", ["h2"], ["y"])], "chain",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])], initializer=gains)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "chain.onnx"))
     rewrite_onnx(folder / "chain.onnx", folder / "chain_attnres.onnx", force=True)
     _randomize_queries(folder / "chain_attnres.onnx")
@@ -241,7 +283,7 @@ def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
     records = _records(database)
     assert records >= 1
     progress = capfd.readouterr().err
-    assert "tune [1/1] relu" in progress  # the kernels themselves are never tuned
+    assert "tune [1/1] fused_relu_multiply" in progress  # the kernels themselves are never tuned
     second = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database,
                            input_shapes={"x": (4, 16)}, force=True)
     assert second["tuning"] == {**first["tuning"], "reused": 1, "tuned": 0, "measured": 0}
@@ -257,11 +299,10 @@ def test_a_task_no_trial_can_run_is_recorded_and_not_retried(tmp_path, capfd):
     trial fails. It keeps the default schedule, is listed in untunable.json, and the next compile
     spends no trials on it."""
     table = helper.make_tensor("table", TensorProto.FLOAT, [10, 16], np.linspace(-1, 1, 160, dtype=np.float32))
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"]),
-             helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
-             helper.make_node("Relu", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["y"])]
-    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])], initializer=[table])
+    nodes, gains = _gained_relus("x", ("h1", "y"))
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["x"]), *nodes], "embed",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])], initializer=[table, *gains])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "embed.onnx"))
     rewrite_onnx(tmp_path / "embed.onnx", tmp_path / "embed_attnres.onnx")
     database = tmp_path / "db"

@@ -1,8 +1,14 @@
-"""TVM (TensorIR) backend: the fused depth-attention kernel and its schedules, whole-model lowering
-(every AttnRes site one kernel call), and deployable artifacts (`compile_model`, `load`)."""
+"""TVM (TensorIR) backend: the fused depth-attention kernels (forward, backward, two-phase pair) and
+their schedules, whole-model lowering (every AttnRes site one kernel call), and deployable
+artifacts (`compile_model`, `load`)."""
 
 from .artifact import compile_model
-from .kernel import depth_attention_func, depth_attention_merge_func, depth_attention_partial_func
+from .kernel import (
+    depth_attention_backward_func,
+    depth_attention_func,
+    depth_attention_merge_func,
+    depth_attention_partial_func,
+)
 from .lower import LowerDepthAttention
 from .runtime import Artifact, load
 from .schedule import build, host_target, schedule_cpu, schedule_cuda
@@ -12,6 +18,7 @@ __all__ = [
     "LowerDepthAttention",
     "build",
     "compile_model",
+    "depth_attention_backward_func",
     "depth_attention_func",
     "depth_attention_merge_func",
     "depth_attention_partial_func",

@@ -9,26 +9,21 @@ Layout (docs/tvm.md):
     OUT_DIR/manifest.json   inputs/outputs (names, shapes with symbolic dims as names, dtypes),
                             sites and their kernels, target, device code, tuning, versions
 
-The folder is written in a temporary folder beside OUT_DIR and renamed into place when
-complete, so a failed compile leaves nothing (and an existing artifact intact).
+The folder is written in a staging folder beside OUT_DIR and swapped into place when complete
+(outputs.staged_folder), so a failed compile leaves nothing (and an existing artifact intact).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import tvm
 from tvm import relax
 
-from ... import __version__
+from ... import __version__, outputs
 from ...errors import CompileError, InputError, first_line
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
@@ -39,26 +34,27 @@ LIBRARY = "model.so"
 
 
 def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, target: str = "llvm",
-                  arch: str | None = None, tune: bool = False, trials: int = 8,
+                  arch: str | None = None, tune: bool = False, trials: int | None = None,
                   tuning_db: str | os.PathLike | None = None, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                  force: bool = False, progress: TextIO | None = None) -> dict:
+                  force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None) -> dict:
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
 
-    `input_shapes` ({input: dims}) fixes symbolic dims (needed to tune); `tune` runs
-    meta_schedule for `trials` trials per task, keeping records in `tuning_db` and reusing
-    them on the next compile. An existing `out_dir` is replaced only with `force`.
-    Returns the manifest.
+    Every operator gets a default schedule (no tuning). `input_shapes` ({input: dims}) fixes
+    symbolic dims (needed to tune); `tune` runs meta_schedule from the default schedules for
+    `trials` trials per task (default 8) and/or `tune_minutes` minutes in all, keeping records
+    in `tuning_db` and reusing them on the next compile. An existing `out_dir` is replaced
+    only with `force`. Returns the manifest.
     """
     out = Path(out_dir)
     _check_output(out, force)
     tvm_target = make_target(target, arch)
-    imported = import_model(model)
+    imported = import_model(model, input_shapes)
     if not imported.sites:
         raise InputError("the model has no depth-attention sites: rewrite it first (attnres-compile rewrite)")
-    built = build(imported, tvm_target, input_shapes=input_shapes, tune=tune, trials=trials, tuning_db=tuning_db,
-                  progress=progress)
+    built = build(imported, tvm_target, input_shapes=input_shapes, tune=tune, trials=trials,
+                  tune_minutes=tune_minutes, tuning_db=tuning_db, progress=progress)
     manifest = _manifest(imported, built, model, input_shapes)
-    with _staged_dir(out) as stage:
+    with outputs.staged_folder(out) as stage:
         try:
             built.executable.export_library(str(stage / LIBRARY))
         except Exception as exc:  # noqa: BLE001
@@ -97,11 +93,39 @@ def _describe(ty) -> dict:
         return {"shape": None, "dtype": None}
     shape = None
     if isinstance(ty.shape, relax.ShapeExpr):
-        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else d.name if isinstance(d, tvm.tirx.Var) else str(d)
-                 for d in ty.shape.values]
+        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else dim_text(d) for d in ty.shape.values]
     elif ty.ndim >= 0:
         shape = [None] * ty.ndim
     return {"shape": shape, "dtype": str(ty.dtype)}
+
+
+_OPERATORS = ((tvm.tirx.Add, "+", 1), (tvm.tirx.Sub, "-", 1), (tvm.tirx.Mul, "*", 2), (tvm.tirx.FloorDiv, "//", 2),
+              (tvm.tirx.FloorMod, "%", 2), (tvm.tirx.Div, "/", 2), (tvm.tirx.Mod, "%", 2))
+
+
+def dim_text(expr) -> str:
+    """A symbolic dim as a person writes it: `(height - 1) // 32 + 1`, `2 * seq`, not TVM's
+    `T.int64(...)`-laden script form; casts are transparent."""
+    return _text(expr)[0]
+
+
+def _text(expr) -> tuple[str, int]:
+    """(text, precedence): 1 for + and -, 2 for * / // %, 3 for atoms."""
+    if isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+        return str(expr.value), 3
+    if isinstance(expr, tvm.tirx.Var):
+        return expr.name, 3
+    if isinstance(expr, tvm.tirx.Cast):
+        return _text(expr.value)
+    if isinstance(expr, (tvm.tirx.Min, tvm.tirx.Max)):
+        return f"{type(expr).__name__.lower()}({dim_text(expr.a)}, {dim_text(expr.b)})", 3
+    for kind, symbol, level in _OPERATORS:
+        if isinstance(expr, kind):
+            (a, pa), (b, pb) = _text(expr.a), _text(expr.b)
+            a = a if pa >= level else f"({a})"
+            b = b if pb > level or (pb == level and symbol in "+*") else f"({b})"
+            return f"{a} {symbol} {b}", level
+    return str(expr), 3
 
 
 def _check_output(out: Path, force: bool) -> None:
@@ -109,28 +133,3 @@ def _check_output(out: Path, force: bool) -> None:
         raise InputError(f"output {out} exists and is not a folder")
     if out.exists() and any(out.iterdir()) and not force:
         raise InputError(f"output {out} exists: pass --force to replace it")
-
-
-@contextlib.contextmanager
-def _staged_dir(out: Path) -> Iterator[Path]:
-    """A temporary folder beside `out`, renamed to `out` (replacing it) on a clean exit, else removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        yield stage
-        os.chmod(stage, 0o777 & ~_umask())
-        if out.exists():
-            old = out.parent / f".{out.name}.{uuid.uuid4().hex}.old"
-            os.rename(out, old)
-            os.rename(stage, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

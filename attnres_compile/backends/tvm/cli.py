@@ -8,12 +8,12 @@ AttnResError and turned into one line and their exit code by the main CLI).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from ... import isolate, outputs
 from ...errors import InputError, first_line
+from ...file_kind import describe
 
 
 def add_commands(subparsers) -> None:
@@ -24,8 +24,13 @@ def add_commands(subparsers) -> None:
     comp.add_argument("--target", choices=["llvm", "cuda"], default="llvm",
                       help="llvm: this machine's CPU; cuda: NVIDIA GPUs (builds without one)")
     comp.add_argument("--arch", help="CUDA architecture, e.g. sm_90 (default sm_90; --target cuda only)")
-    comp.add_argument("--tune", action="store_true", help="tune the other operators with meta_schedule (CPU, static shapes)")
-    comp.add_argument("--trials", type=int, default=8, help="tuning trials per operator (default 8)")
+    comp.add_argument("--tune", action="store_true",
+                      help="tune the operators around the kernels with meta_schedule, starting from the default "
+                           "schedules (CPU, static shapes: see --input-shape)")
+    comp.add_argument("--trials", type=int, help="tuning trials per operator (default 8; implies --tune)")
+    comp.add_argument("--tune-minutes", type=float, metavar="N",
+                      help="tuning time budget in minutes for the whole model (implies --tune; with --trials, "
+                           "whichever ends first)")
     comp.add_argument("--tuning-db", help="folder keeping tuning records; a later compile reuses them")
     comp.add_argument("--input-shape", action="append", metavar="NAME:1x128",
                       help="fix an input's symbolic dims (repeatable); needed to tune")
@@ -36,6 +41,9 @@ def add_commands(subparsers) -> None:
     run.add_argument("artifact", help="artifact folder written by `attnres-compile compile`")
     run.add_argument("--inputs", required=True, help=".npz file with one array per model input, by name")
     run.add_argument("-o", "--output", required=True, help=".npz file to write the outputs to, by name")
+    run.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
+    run.add_argument("--profile", action="store_true",
+                     help="also print the time of each kernel per forward (VM instrumentation, process CPU clock)")
     run.set_defaults(handler=run_command)
     for sp in (comp, run):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -45,20 +53,28 @@ def compile_command(args) -> int:
     from ..onnxruntime import parse_input_shapes
     from .artifact import compile_model
 
-    # sys.__stderr__: the main CLI hides sys.stderr without --debug; progress stays visible
-    manifest = compile_model(args.model, args.output, target=args.target, arch=args.arch, tune=args.tune,
-                             trials=args.trials, tuning_db=args.tuning_db,
-                             input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                             progress=sys.__stderr__)
+    # sys.__stderr__: the main CLI hides sys.stderr without --debug; progress stays visible.
+    # In an isolated child (isolate.py): TVM's importers and builder run the user's graph and can crash.
+    try:
+        tune = args.tune or args.trials is not None or args.tune_minutes is not None
+        manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
+                               tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
+                               input_shapes=parse_input_shapes(args.input_shape), force=args.force,
+                               progress=sys.__stderr__, what="TVM", action="compiling", timeout=None,
+                               consequence="nothing written")
+    finally:
+        outputs.clean_stale(Path(args.output))  # the staging folder of a child that crashed
     kernels = len(manifest["kernels"])
     print(f"compiled {len(manifest['sites'])} depth-attention sites ({kernels} fused kernels) for "
           f"{manifest['target']['kind']} into {args.output}")
     for io in ("inputs", "outputs"):
-        print(f"  {io}: " + ", ".join(f"{x['name']} {x['shape']} {x['dtype']}" for x in manifest[io]))
+        print(f"  {io}: " + ", ".join(f"{x['name']} {x['dtype']}[{dims(x['shape'])}]" for x in manifest[io]))
     if manifest["tuning"]:
         t = manifest["tuning"]
+        gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""
         print(f"  tuning: {t['tuned']} tasks tuned ({t['measured']} trials), {t['reused']} reused from {t['database']}"
-              + (f", {t['untunable']} left at the default schedule (no trial ran)" if t.get("untunable") else ""))
+              + (f", {t['untunable']} left at the default schedule (no trial ran)" if t.get("untunable") else "")
+              + gain)
     return 0
 
 
@@ -70,21 +86,29 @@ def run_command(args) -> int:
     path = Path(args.inputs)
     if not path.is_file():
         raise InputError(f"{path}: no such file")
+    kind = describe(path)
+    if kind != "an .npz archive of arrays":
+        raise InputError(f"{path} is {kind}, not an .npz of input arrays (numpy.savez(path, name=array, ...))")
     try:
         with np.load(path, allow_pickle=False) as data:
             inputs = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: not an .npz file ({first_line(exc)})") from None
-    outputs = load(args.artifact)(inputs)
+    artifact = load(args.artifact)
+    results = artifact(inputs)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp.npz")
-    os.close(fd)
-    try:
-        np.savez(tmp, **outputs)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    print("wrote " + str(out) + ": " + ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in outputs.items()))
+    with outputs.staged(out) as stage, open(stage.path, "wb") as f:
+        np.savez(f, **results)
+    print("wrote " + str(out) + ": " + ", ".join(f"{k} {v.dtype}[{dims(v.shape)}]" for k, v in results.items()))
+    if args.profile:
+        from .profile import format_table, profile
+
+        print(format_table(profile(args.artifact, artifact.checked(inputs), device=artifact.manifest["device"])))
     return 0
+
+
+def dims(shape) -> str:
+    """A shape as `1, 128` or `batch, seq` (symbolic dims by name; `?` unknown), not a Python list."""
+    if shape is None:
+        return "?"
+    return ", ".join("?" if d is None else str(d) for d in shape)

@@ -1,8 +1,14 @@
-"""Imported model -> executable: bind shapes, lower the sites, optionally tune, `tvm.compile`.
+"""Imported model -> executable: bind shapes, lower the sites, optimize, optionally tune, compile.
 
-The lowering runs first, on the imported module, so the standard pipeline (LegalizeOps,
-FuseOps, and for CUDA dlight's default schedules) sees the kernels as already scheduled,
-opaque call_tir targets and compiles everything around them as usual.
+The lowering runs first, on the imported module, so everything after it sees the kernels as
+already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
+multiplications (no scalar powf, no TVM warning), on CPU `FastMathTransform` swaps exp, tanh,
+erf and softmax for their vectorisable forms (it only acts before legalization), and the
+module is legalized and fused. Then (`schedule`) every operator gets a default schedule:
+cpu_rules.py's on CPU (register-tiled GEMMs with pre-packed weights, dlight's GEMV and
+Reduction, parallel/vectorised injective operators), dlight's GPU rules on CUDA. With
+tuning, meta_schedule tunes the prepared operators first (tune.py) and the default schedules
+fill in whatever it did not schedule. The rest is TVM's standard lowering.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from tvm import relax
 from tvm.target import Target
 
 from ...errors import CompileError, ConfigError, first_line
+from .cpu_rules import default_rules
 from .importers import ImportedModel
-from .lower import KERNEL_PREFIX, LowerDepthAttention, calls
+from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
+from .rewrites import ExpandSigmoid, RewritePowers, ScalarsIntoTirVars
 from .schedule import host_target
 from .sites import PACKED_NAME
 
@@ -81,30 +89,74 @@ def lower(mod: tvm.IRModule, target: Target, expected_sites: int) -> tuple[tvm.I
     mod = lowering(mod)
     counted = calls(mod)
     left = counted[f"packed:{PACKED_NAME}"]
-    kernel_calls = sum(n for name, n in counted.items() if name.startswith(KERNEL_PREFIX))
+    kernel_calls = sum(n for name, n in counted.items()  # one site kernel per site, partials aside
+                       if name.startswith(KERNEL_PREFIX) and not name.startswith(PARTIAL_PREFIX))
     if left or kernel_calls != expected_sites or len(lowering.lowered) != expected_sites:
         raise CompileError(f"lowering left {left} depth-attention placeholder(s) and made {kernel_calls} kernel "
                            f"call(s) for {expected_sites} site(s)")
     return mod, lowering.lowered
 
 
+def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """Relax rewrites, legalization and fusion: the fused operators the schedules (or the tuner) see.
+    Constants and weights are marked layout-free, so a schedule may pre-pack them."""
+    cpu = target.kind.name == "llvm"
+    passes = [RewritePowers(), *([ExpandSigmoid(), relax.transform.FastMathTransform()] if cpu else []),
+              *relax.pipeline.library_dispatch_passes(target),
+              relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
+              relax.transform.FuseOps(), ScalarsIntoTirVars(), relax.transform.FuseTIR(),
+              relax.transform.RewriteDataflowReshape(), relax.transform.DeadCodeElimination()]
+    if cpu:
+        passes += [relax.transform.CanonicalizeBindings(), relax.transform.AttachAttrLayoutFreeBuffers()]
+    with target:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def schedule(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """Default schedules for every operator not scheduled yet; on CPU, weights pre-packed at compile time."""
+    from tvm.s_tir import dlight
+
+    if target.kind.name == "llvm":
+        passes = [dlight.ApplyDefaultSchedule(*default_rules()), relax.transform.SplitLayoutRewritePreproc(),
+                  relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()]
+    else:
+        passes = [dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
+                                              dlight.gpu.GeneralReduction(), dlight.gpu.Fallback())]
+    with target:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def finish(target: Target) -> tvm.transform.Pass:
+    """TVM's standard lowering of a scheduled module to VM code (tvm.compile's relax_pipeline; TVM 0.27's
+    `relax.pipeline.dataflow_lower_passes` fails for llvm, so its four passes are listed here)."""
+    return tvm.transform.Sequential([relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
+                                     relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
+                                     *relax.pipeline.finalize_passes(target)])
+
+
 def build(model: ImportedModel, target: Target, *, input_shapes: dict | None = None, tune: bool = False,
-          trials: int = 8, tuning_db: str | os.PathLike | None = None, progress: TextIO | None = None) -> Built:
-    """Compile `model` for `target`; with `tune`, meta_schedule first (CPU, static shapes) into
-    `tuning_db` (a temporary folder, dropped afterwards, when None)."""
+          trials: int | None = None, tune_minutes: float | None = None, tuning_db: str | os.PathLike | None = None,
+          progress: TextIO | None = None) -> Built:
+    """Compile `model` for `target` with the default schedules; with `tune`, meta_schedule first
+    (CPU, static shapes) for `trials` trials per operator and/or `tune_minutes` minutes in all,
+    starting from the default schedules, into `tuning_db` (a temporary folder when None)."""
     mod = bind_shapes(model, input_shapes)
     mod, sites = lower(mod, target, len(model.sites))
     summary = None
+    try:
+        mod = prepare(mod, target)
+    except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
+        raise CompileError(f"TVM could not legalize the model for {target.kind.name}: {first_line(exc)}") from None
     if tune:
         from . import tune as tuning  # meta_schedule's runner needs psutil and cloudpickle
 
         with contextlib.ExitStack() as stack:
             db = tuning_db if tuning_db is not None else stack.enter_context(tempfile.TemporaryDirectory())
-            mod = tuning.prepare(mod, target)
-            summary = tuning.tune(mod, target, trials, db, progress).to_dict()
+            summary = tuning.tune(mod, target, db, trials=trials, minutes=tune_minutes, progress=progress).to_dict()
             mod = tuning.apply(mod, target, db)
     try:
-        executable = tvm.compile(mod, target)
+        mod = schedule(mod, target)
+        executable = tvm.compile(mod, target, relax_pipeline=finish(target))
     except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
         raise CompileError(f"TVM could not build the model for {target.kind.name}: {first_line(exc)}") from None
     return Built(executable, mod, target, sites, summary)

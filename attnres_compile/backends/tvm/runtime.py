@@ -50,12 +50,13 @@ class Artifact:
 
     def __call__(self, inputs: Mapping[str, np.ndarray] | None = None, **kwargs: np.ndarray) -> dict[str, np.ndarray]:
         given = {**(inputs or {}), **kwargs}
-        arrays = self._check(given)
+        arrays = self.checked(given)
         result = self.vm["main"](*[tvm.runtime.tensor(a, self.device) for a in arrays])
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
         return {name: r.numpy() for name, r in zip(self.output_names, results)}
 
-    def _check(self, given: dict[str, Any]) -> list[np.ndarray]:
+    def checked(self, given: Mapping[str, Any]) -> list[np.ndarray]:
+        """The inputs in the model's order, checked against the manifest and safely cast (InputError if not)."""
         missing = [n for n in self.input_names if n not in given]
         extra = sorted(set(given) - set(self.input_names))
         if missing or extra:

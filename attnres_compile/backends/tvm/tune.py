@@ -1,12 +1,18 @@
 """Optional meta_schedule tuning (CPU) of the operators around the kernels, kept in a database folder.
 
-The module is legalized and fused first (the zero pipeline) and reshapes become views, so the
-tasks are the fused operators the build will compile. Tasks whose function is already
+Tuning starts from the default schedules: the tasks are the fused operators of the prepared
+module (pipeline.prepare); each task's default schedule (cpu_rules.py) is measured first, on
+the same runner as the trials (defaults.json in the folder), and when the module is built a
+task takes its best tuned schedule only where that beat its default one. (The default
+schedules are not fed to the search itself: meta_schedule's layout-rewrite postprocessor
+cannot re-apply itself to their pre-packed weights.) Tasks whose function is already
 scheduled (the depth-attention kernels, marked by lower.py) are never tuned, and neither are
-tasks the database already holds records for: a second compile of the same model against
-the same folder measures nothing. Tasks none of whose trials ran (a gather or take fed the
+tasks the database already holds trials for: a second compile of the same model against the
+same folder measures nothing. Tasks none of whose trials ran (a gather or take fed the
 runner's random indices reads out of bounds) are listed in the folder's untunable.json and not
-retried; they keep the default schedule. Tuning measures real runs, so shapes must be static.
+retried; they keep the default schedule. The budget is trials per task and/or minutes in all
+(checked after each measured batch, once every task has had its first batch). Tuning measures
+real runs, so shapes must be static.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -31,18 +38,23 @@ from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 from tvm.target import Target
 
 from ...errors import ConfigError
+from .cpu_rules import default_schedule
 
-# Each build batch starts fresh worker processes, and their first build imports
-# tvm.s_tir.tensor_intrin (about 15-25 s of TVMScript parsing on a busy 2-core machine): far
-# beyond meta_schedule's 30 s default once the machine is loaded, so every build timed out.
+# Each build batch starts fresh worker processes (importing tvm: a few seconds, far more on a
+# loaded machine): beyond meta_schedule's 30 s default once the machine is busy.
 BUILD_TIMEOUT_S = 300.0
 UNTUNABLE = "untunable.json"  # structural hashes of tasks whose every trial failed
+DEFAULTS = "defaults.json"  # per task hash: its name and the measured time of its default schedule
+DEFAULT_TRIALS = 8
+UNBOUNDED_TRIALS = 10_000  # trials per task when only a time budget is given
+BATCH = 16  # trials per batch under a time budget, which is checked after each batch
 
 
 @dataclass
 class TuningSummary:
     """What a tuning run did: tasks found, reused from the database, tuned now, trials measured,
-    and tasks left at the default schedule because no trial of theirs ever ran."""
+    tasks left at the default schedule because no trial of theirs ever ran, and the summed
+    best time of the tuned tasks against their default schedules (from the database)."""
 
     tasks: int
     reused: int
@@ -51,25 +63,24 @@ class TuningSummary:
     untunable: int
     database: str
     cost_model: str
+    default_us: float | None = None
+    best_us: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    """Legalize and fuse (the zero pipeline) and turn reshapes into views: the tasks to tune."""
-    with target:
-        mod = relax.get_pipeline("zero")(mod)
-    return relax.transform.RewriteDataflowReshape()(mod)
-
-
-def tune(mod: tvm.IRModule, target: Target, trials: int, database_dir: str | Path,
-         progress: TextIO | None = None) -> TuningSummary:
-    """Tune each unscheduled task of a prepared module for `trials` trials into `database_dir`."""
+def tune(mod: tvm.IRModule, target: Target, database_dir: str | Path, *, trials: int | None = None,
+         minutes: float | None = None, progress: TextIO | None = None) -> TuningSummary:
+    """Tune each unscheduled task of a prepared module (pipeline.prepare) into `database_dir`, for
+    `trials` trials per task and/or `minutes` minutes in all, starting from its default schedule."""
     if target.kind.name != "llvm":
         raise ConfigError(f"tuning measures on this machine: only llvm (CPU) targets, not {target.kind.name}")
-    if trials < 1:
+    if trials is not None and trials < 1:
         raise ConfigError(f"--trials must be a positive integer, got {trials}")
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--tune-minutes must be positive, got {minutes:g}")
+    trials = trials or (UNBOUNDED_TRIALS if minutes else DEFAULT_TRIALS)
     _check_static(mod)
     stream = progress or sys.stderr
     database_dir = Path(database_dir)
@@ -77,42 +88,125 @@ def tune(mod: tvm.IRModule, target: Target, trials: int, database_dir: str | Pat
     database = ms.database.JSONDatabase(work_dir=str(database_dir))
     tasks = [t for t in ms.relax_integration.extract_tasks(mod, target)
              if not t.dispatched[0]["main"].attrs.get("tirx.is_scheduled", False)]
-    untunable = _read_untunable(database_dir)
-    todo = [t for t in tasks if not _has_record(database, t.dispatched[0]) and _key(t) not in untunable]
+    untunable, defaults = _read(database_dir / UNTUNABLE), _read(database_dir / DEFAULTS)
+    todo = [t for t in tasks if not _tuned(database, t) and _key(t) not in untunable]
     skipped = sum(_key(t) in untunable for t in tasks)
     reused = len(tasks) - len(todo) - skipped
     cost_model = _cost_model()
+    budget = " or ".join(([f"{trials} trials"] if trials < UNBOUNDED_TRIALS else [])
+                         + ([f"{minutes:g} min in all"] if minutes else []))
     print(f"tune: {len(tasks)} tasks, {reused} already in {database_dir}, {skipped} untunable, "
-          f"{len(todo)} to tune x {trials} trials (cost model {cost_model}; logs in {database_dir / 'logs'})",
+          f"{len(todo)} to tune x {budget} (cost model {cost_model}; logs in {database_dir / 'logs'})",
           file=stream, flush=True)
-    callback = _Progress([t.task_name for t in todo], trials, stream)
+    callback = _Progress([t.task_name for t in todo], trials, stream, minutes)
     if todo:
         logger = logging.getLogger("tvm.s_tir.meta_schedule")
         # the console handler meta_schedule adds takes this logger's level: its tables go to the logs only
         logger.setLevel(logging.WARNING)
         cores = _cores(target)
+        builder = _builder(cores)
+        runner = ms.runner.LocalRunner()
         with _only_named_handlers(logger):
+            defaults.update(_measure_defaults([t for t in todo if _key(t) not in defaults], target, builder, runner))
+            (database_dir / DEFAULTS).write_text(json.dumps(defaults, indent=1, sort_keys=True) + "\n")
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                 todo, str(database_dir), num_threads=cores)
             ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(database_dir),
                           max_trials_global=trials * len(todo), max_trials_per_task=trials,
-                          num_trials_per_iter=min(trials, 64), database=database, cost_model=cost_model,
-                          builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=BUILD_TIMEOUT_S),
+                          num_trials_per_iter=min(trials, BATCH if minutes else 64), database=database,
+                          cost_model=cost_model, builder=builder, runner=runner,
                           measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
-    failed = [t for t in todo if not _has_record(database, t.dispatched[0])]
+    failed = [t for t in todo if not _tuned(database, t)]
     if failed:
         untunable.update({_key(t): t.task_name for t in failed})
         (database_dir / UNTUNABLE).write_text(json.dumps(untunable, indent=1, sort_keys=True) + "\n")
         print(f"tune: no trial ran for {', '.join(t.task_name for t in failed)}: default schedule, "
               f"not retried (listed in {database_dir / UNTUNABLE})", file=stream, flush=True)
+    default_us, best_us = _gain(database, [t for t in tasks if _key(t) not in untunable], defaults)
+    if best_us is not None:
+        print(f"tune: tuned operators {best_us:.0f} us per forward, {default_us:.0f} us with the default "
+              "schedules", file=stream, flush=True)
     return TuningSummary(len(tasks), reused, len(todo) - len(failed), callback.total, skipped + len(failed),
-                         str(database_dir), cost_model)
+                         str(database_dir), cost_model, default_us, best_us)
+
+
+def _builder(cores: int) -> ms.builder.LocalBuilder:
+    """meta_schedule's local builder without its import of every tensor intrinsic in each worker
+    (TVMScript parsing: 15-25 s per batch of trials, minutes on a loaded machine); the CPU
+    schedules here tensorize nothing. The build function is a closure, so the worker receives
+    it by value and need not import this package."""
+
+    def build_without_intrinsics(mod, target, _params):
+        from tvm.driver import build
+        from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+        return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+    return ms.builder.LocalBuilder(max_workers=cores, timeout_sec=BUILD_TIMEOUT_S, f_build=build_without_intrinsics)
+
+
+def _measure_defaults(tasks, target: Target, builder, runner) -> dict[str, dict]:
+    """{task hash: {"name", "us"}}: each task's default schedule measured like a trial (those that ran)."""
+    candidates = [(task, sch) for task in tasks
+                  if (sch := default_schedule(task.dispatched[0]["main"], target)) is not None]
+    if not candidates:
+        return {}
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in candidates])
+    ready = [(task, sch, b) for (task, sch), b in zip(candidates, built) if b.error_msg is None]
+    futures = runner.run([ms.runner.RunnerInput(b.artifact_path, "cpu",
+                                                ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))
+                          for _, sch, b in ready])
+    measured = {}
+    for (task, _, b), future in zip(ready, futures):
+        result = future.result()
+        if result.error_msg is None and result.run_secs:
+            measured[_key(task)] = {"name": task.task_name, "us": _us(result.run_secs)}
+        Path(b.artifact_path).unlink(missing_ok=True)
+    return measured
+
+
+def _best(database: ms.database.Database, task) -> ms.database.TuningRecord | None:
+    """The task's fastest measured trial in the database, or None."""
+    mod = task.dispatched[0]
+    if not database.has_workload(mod):
+        return None
+    top = database.get_top_k(database.commit_workload(mod), 1)
+    return top[0] if top else None
+
+
+def _us(run_secs) -> float:
+    return float(np.mean([float(x) for x in run_secs])) * 1e6
+
+
+def _gain(database, tasks, defaults: dict[str, dict]) -> tuple[float | None, float | None]:
+    """Summed time per forward (task weight x time) of the tasks' default schedules and of what
+    the build uses (the better of best trial and default), in us, over the tasks whose default
+    schedule was measured; None when none was."""
+    default = best = 0.0
+    for task in tasks:
+        if _key(task) not in defaults:
+            continue
+        record = _best(database, task)
+        ours = defaults[_key(task)]["us"]
+        default += task.weight * ours
+        best += task.weight * (min(ours, _us(record.run_secs)) if record is not None else ours)
+    return (default, best) if default else (None, None)
 
 
 def apply(mod: tvm.IRModule, target: Target, database_dir: str | Path) -> tvm.IRModule:
-    """Replace every task's function by its best schedule in the database (others unchanged)."""
+    """Replace each task's function by its best tuned schedule where that beat its default
+    schedule (others unchanged: the default schedules fill them in)."""
     database = ms.database.JSONDatabase(work_dir=str(database_dir))
-    with target, database:
+    defaults = _read(Path(database_dir) / DEFAULTS)
+    winners = ms.database.MemoryDatabase()
+    for task in ms.relax_integration.extract_tasks(mod, target):
+        record = _best(database, task)
+        default = defaults.get(_key(task))
+        if record is not None and (default is None or _us(record.run_secs) < default["us"]):
+            winners.commit_tuning_record(ms.database.TuningRecord(
+                record.trace, winners.commit_workload(task.dispatched[0]), record.run_secs, record.target,
+                record.args_info))
+    with target, winners:
         return relax.transform.MetaScheduleApplyDatabase()(mod)
 
 
@@ -143,16 +237,17 @@ def _key(task) -> str:
     return str(tvm_ffi.structural_hash(task.dispatched[0]))
 
 
-def _read_untunable(database_dir: Path) -> dict[str, str]:
-    """{task hash: task name} of the tasks no trial ever ran for, from earlier runs on this folder."""
+def _read(path: Path) -> dict:
+    """A {task hash: ...} file of the database folder (untunable tasks, default-schedule times); {} if absent."""
     try:
-        return dict(json.loads((database_dir / UNTUNABLE).read_text()))
+        return dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return {}
 
 
-def _has_record(database: ms.database.Database, mod: tvm.IRModule) -> bool:
-    return database.has_workload(mod) and bool(database.get_top_k(database.commit_workload(mod), 1))
+def _tuned(database: ms.database.Database, task) -> bool:
+    """Whether the database holds a measured trial for the task."""
+    return _best(database, task) is not None
 
 
 def _cost_model() -> str:
@@ -170,14 +265,18 @@ def _cores(target: Target) -> int:
 
 @derived_object
 class _Progress(PyMeasureCallback):
-    """One stderr line per measured batch: task i/n, trials done, best time so far."""
+    """One stderr line per measured batch (task i/n, trials done, best time so far); stops every
+    task once `minutes` have passed and each task has had its first batch (meta_schedule's
+    scheduler hands out the first batches round-robin and cannot skip one)."""
 
-    def __init__(self, names: list[str], trials: int, stream: TextIO):
+    def __init__(self, names: list[str], trials: int, stream: TextIO, minutes: float | None = None):
         self.names, self.trials, self.stream = names, trials, stream
         self.done = [0] * len(names)
         self.best = [float("inf")] * len(names)
         self.total = 0
         self.start = time.monotonic()
+        self.deadline = self.start + minutes * 60 if minutes else None
+        self.stopped = False
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
         if not runner_results:  # the scheduler polls tasks whose search space is used up
@@ -188,5 +287,12 @@ class _Progress(PyMeasureCallback):
             if result.error_msg is None and result.run_secs:
                 self.best[task_id] = min(self.best[task_id], min(float(s) for s in result.run_secs))
         best = f"best {self.best[task_id] * 1e6:.3g} us" if self.best[task_id] < float("inf") else "no valid run yet"
-        print(f"tune [{task_id + 1}/{len(self.names)}] {self.names[task_id]}: {self.done[task_id]}/{self.trials} trials, "
+        of = f"/{self.trials}" if self.trials < UNBOUNDED_TRIALS else ""
+        print(f"tune [{task_id + 1}/{len(self.names)}] {self.names[task_id]}: {self.done[task_id]}{of} trials, "
               f"{best} ({time.monotonic() - self.start:.0f} s)", file=self.stream, flush=True)
+        if self.deadline and not self.stopped and time.monotonic() > self.deadline and all(self.done):
+            self.stopped = True
+            print(f"tune: time budget reached after {self.total} trials: stopping", file=self.stream, flush=True)
+            for i, record in enumerate(task_scheduler.tasks_):
+                if not record.is_terminated:
+                    task_scheduler.terminate_task(i)

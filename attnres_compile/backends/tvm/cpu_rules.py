@@ -1,0 +1,266 @@
+"""Default CPU schedules (no tuning) for the fused operators around the depth-attention kernels.
+
+dlight ships CPU rules for GEMV and for norm/softmax-like reductions only; this module adds
+the rest, in the order `default_rules` applies them (the first rule that returns a schedule
+wins; the kernels, already scheduled, are never touched):
+
+- `Matmul`: C[s, i, j] = sum_k A[s, i, k] * B[s, k, j] with an injective epilogue (bias,
+  residual add, activation) computed per register tile. Tile: 4 rows x 4 vectors of the
+  target's width (4 x 64 float32 on AVX-512, 16 accumulator registers), K unrolled by 4; the
+  column tile is the outer (parallel) loop and the row tiles run inside it, so the K x 64
+  panel of B stays in cache across row tiles. Long K is split into blocks of ~512 so that
+  the panel and a block of A stay in L2. A weight B (a constant, `layout_free_buffers`) is
+  pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
+  a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
+  `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
+- dlight's `GEMV` and `Reduction` (layer/RMS norm, softmax).
+- `Injective`: everything inlined into the output blocks, outer loops fused and run in
+  parallel when the operator is large enough, the innermost loop vectorised.
+- `Fallback`: any other operator gets its outermost spatial loop in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits, make_iter_fusion_index_map
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_vector_width
+
+ROWS = 4  # rows of the register tile
+VECTORS = 4  # vectors per row of the register tile
+K_UNROLL = 4
+K_BLOCK = 512  # K beyond 2 * K_BLOCK is split into blocks of about this size
+PARALLEL_MIN = 1 << 14  # elements an injective operator needs before it runs in parallel
+PREPROC = "meta_schedule.layout_rewrite_preproc"
+
+
+def default_rules() -> list[dlight.ScheduleRule]:
+    """The CPU rules in the order they are tried."""
+    return [Matmul(), dlight.cpu.GEMV(), dlight.cpu.Reduction(), Injective(), Fallback()]
+
+
+def default_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    """The schedule of the first rule that applies to `func` (what ApplyDefaultSchedule does per function)."""
+    with target:
+        for rule in default_rules():
+            sch = rule.apply(func, target, False)
+            if sch is not None:
+                return sch[0] if isinstance(sch, list) else sch
+    return None
+
+
+def lanes(target: Target, bits: int) -> int:
+    """Elements of `bits` bits per vector register of the target (at least 4 bytes' worth)."""
+    width = llvm_get_vector_width(target)
+    return max((width if width > 0 else 128) // bits, 1)
+
+
+def _extent(sch: s_tir.Schedule, loop) -> int | None:
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def _largest_divisor(n: int | None, candidates) -> int:
+    return next((c for c in candidates if n is not None and n % c == 0), 1)
+
+
+class _SafeRule(CPUScheduleRule):
+    """A CPU rule whose schedule primitives may refuse an unusual operator: then it does not
+    apply, and the next rule schedules the operator."""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            sch = s_tir.Schedule(func)
+            infos = normalize_prim_func(sch)
+            return None if infos is None else self.schedule(sch, infos, func, target)
+        except Exception:  # noqa: BLE001 - ScheduleError, and InternalErrors of layout transforms
+            return None
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+                 target: Target) -> s_tir.Schedule | None:
+        """`sch`, a schedule of `func` whose blocks are `infos`, scheduled; None where the rule does not apply."""
+        raise NotImplementedError
+
+
+class Matmul(_SafeRule):
+    """A register-tiled GEMM with its fused epilogue (see the module docstring)."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+                 target: Target) -> s_tir.Schedule | None:
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1:
+            return None
+        main = reductions[0].block_rv
+        position = [b.block_rv for b in infos].index(main)
+        for producer in infos[:position]:  # casts, reshapes, transposes feeding the GEMM
+            sch.compute_inline(producer.block_rv)
+        block = sch.get(main)
+        traits = detect_iter_traits(block)
+        if traits is None or not block.writes[0].source.dtype.is_float:
+            return None
+        rows_kind, cols_kind = _roles(block, traits[3])
+        # loops [batch, rows, cols, K]; the accumulators in that layout (a tile is a box there,
+        # whatever axes of the output a fused row or column index spans)
+        sch.transform_block_layout(main, make_iter_fusion_index_map(
+            traits[3], [IterKind.kIter_S, rows_kind, cols_kind, IterKind.kIter_K]))
+        writer = sch.reindex(main, ("write", 0))
+        s, i, j, k = sch.get_loops(main)
+        m, n, kdim = _extent(sch, i), _extent(sch, j), _extent(sch, k)
+        lane = lanes(target, block.writes[0].source.dtype.bits)
+        vec = n if n is not None and n < lane else lane  # one short vector for narrow outputs
+        cols = vec * (VECTORS if n is None else min(VECTORS, math.ceil(n / vec)))
+        rows = ROWS if m is None else min(ROWS, m)
+        _pack_weight(sch, main, func, cols, 1 if cols_kind == IterKind.kIter_J else 0)
+        _fuse_epilogue(sch, main, writer)
+        k_block = _k_block(kdim)
+        if k_block is None:  # the accumulators live in registers; else the output accumulates over K blocks
+            sch.set_scope(main, 0, "local")
+        jo, jv, jl = sch.split(j, [None, cols // vec, vec])
+        io, ii = sch.split(i, [None, rows])
+        unroll = _largest_divisor(k_block or kdim, (K_UNROLL, 2))
+        if k_block is None:
+            ko, ki = sch.split(k, [None, unroll])
+            sch.reorder(s, jo, io, ko, ki, ii, jv, jl)
+            init_at = ko
+        else:
+            kb, ko, ki = sch.split(k, [None, k_block // unroll, unroll])
+            sch.reorder(s, jo, kb, io, ko, ki, ii, jv, jl)
+            init_at = kb
+        sch.reverse_compute_at(writer, io if k_block is None else jo)
+        sch.vectorize(jl)
+        for loop in (jv, ii, ki):
+            sch.unroll(loop)
+        _vectorize_innermost(sch, writer, lane)
+        sch.parallel(sch.fuse(s, jo))
+        sch.decompose_reduction(main, init_at)
+        return sch
+
+
+def _roles(block, block_traits) -> tuple[IterKind, IterKind]:
+    """(rows, cols): the vectorised columns are the GEMM axis that is the output's innermost one
+    (J for X @ W; I for the 1x1 convolutions of NCHW maps, W[f, c] @ X[c, h*w])."""
+    kinds = dict(zip((iv.var for iv in block.iter_vars), (t.kind for t in block_traits)))
+    for region in reversed(block.writes[0].region):
+        found = {kinds[v] for v in tirx.analysis.undefined_vars(region.min) if v in kinds} - {IterKind.kIter_T}
+        if found & {IterKind.kIter_I, IterKind.kIter_J}:
+            return (IterKind.kIter_J, IterKind.kIter_I) if IterKind.kIter_I in found else (
+                IterKind.kIter_I, IterKind.kIter_J)
+    return IterKind.kIter_I, IterKind.kIter_J
+
+
+def _k_block(k: int | None) -> int | None:
+    """The K block size when K is long enough to need blocks, else None."""
+    if k is None or k <= 2 * K_BLOCK:
+        return None
+    divisor = next((b for b in range(K_BLOCK, K_BLOCK // 2, -K_UNROLL) if k % b == 0), None)
+    return divisor or K_BLOCK
+
+
+def _fuse_epilogue(sch: s_tir.Schedule, main, writer) -> None:
+    """Everything after the GEMM computed by `writer`, the block copying the accumulators out:
+    padding removal and the injective epilogue (bias, residual add, activation) inlined into it."""
+    blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
+    names = [sch.get(b).name_hint for b in blocks]
+    after = blocks[names.index(sch.get(main).name_hint) + 1:]
+    position = [sch.get(b).name_hint for b in after].index(sch.get(writer).name_hint)
+    for block in after[:position]:  # pad_einsum's un-padding copy
+        sch.compute_inline(block)
+    epilogue = after[position + 1:]
+    for block in epilogue[:-1]:
+        sch.compute_inline(block)
+    if epilogue:
+        sch.reverse_compute_inline(epilogue[-1])
+
+
+def _pack_weight(sch: s_tir.Schedule, main, func: tirx.PrimFunc, cols: int, operand: int) -> None:
+    """Pre-pack a constant column operand ([K, N] or [N, K]) into [N/cols, K, cols] panels,
+    padded to whole tiles (the GEMM's columns padded likewise)."""
+    free = {int(x) for x in func.attrs.get("layout_free_buffers", [])} if func.attrs else set()
+    block = sch.get(main)
+    b = block.reads[operand].source
+    if not any(func.params[x].same_as(b) for x in free if x < len(func.params)):
+        return
+    if len(b.shape) != 2 or not all(isinstance(d, tirx.IntImm) for d in b.shape):
+        return
+    _, _, jvar, kvar = (iv.var for iv in block.iter_vars)
+    index = [r.min for r in block.reads[operand].region]
+    if index[0].same_as(kvar) and index[1].same_as(jvar):
+        j_axis = 1
+    elif index[0].same_as(jvar) and index[1].same_as(kvar):
+        j_axis = 0
+    else:
+        return
+    if int(b.shape[j_axis]) % cols:
+        sch.pad_einsum(main, [1, 1, cols, 1])
+        padded = sch.get(main).reads[operand].source
+        producer = next(p for p in sch.get_producers(main) if sch.get(p).writes[0].source.same_as(padded))
+    else:
+        producer = sch.cache_read(main, operand, "global")
+    sch.annotate(producer, PREPROC, True)
+
+    def panels(*dims):
+        kk, jj = (dims[0], dims[1]) if j_axis == 1 else (dims[1], dims[0])
+        return [jj // cols, kk, jj % cols]
+
+    sch.transform_layout(main, ("read", operand), panels)
+
+
+def _vectorize_innermost(sch: s_tir.Schedule, block, lane: int) -> None:
+    """Vectorise the block's innermost loop by the vector width (or whole, when shorter)."""
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    extent = _extent(sch, loops[-1])
+    if extent is None or extent < 2:
+        return
+    if extent > lane:
+        if extent % lane:
+            return
+        sch.vectorize(sch.split(loops[-1], [None, lane])[1])
+    else:
+        sch.vectorize(loops[-1])
+
+
+class Injective(_SafeRule):
+    """All-spatial operators: inlined into their outputs, parallel outer loop, vectorised inner loop."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+                 target: Target) -> s_tir.Schedule | None:
+        if not all(b.is_injective() for b in infos):
+            return None
+        for info in try_inline(sch, infos):
+            _parallel_vectorize(sch, info, target)
+        return sch
+
+
+def _parallel_vectorize(sch: s_tir.Schedule, info: SBlockInfo, target: Target) -> None:
+    loops = sch.get_loops(info.block_rv)
+    if not loops:
+        return
+    lane = lanes(target, sch.get(info.block_rv).writes[0].source.dtype.bits)
+    _vectorize_innermost(sch, info.block_rv, lane)
+    loops = sch.get_loops(info.block_rv)
+    outer = [lp for lp in loops if sch.get(lp).kind == tirx.ForKind.SERIAL]
+    size = math.prod(_extent(sch, lp) or PARALLEL_MIN for lp in loops)
+    if outer and size >= PARALLEL_MIN:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+
+
+class Fallback(_SafeRule):
+    """Any other operator: each block's outermost spatial loop in parallel, reductions decomposed."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+                 target: Target) -> s_tir.Schedule | None:
+        for info in try_inline(sch, infos):
+            kinds = info.dom_kind()
+            if kinds and kinds[0] == "S":
+                sch.parallel(sch.get_loops(info.block_rv)[0])
+        return sch

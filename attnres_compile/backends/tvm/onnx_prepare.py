@@ -1,0 +1,108 @@
+"""ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
+
+`simplify` fixes the input dims the user gave (`--input-shape`), then folds constants and
+infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
+whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
+-> Reshape / ConstantOfShape / Resize); TVM's importer loses the shapes on the way (a Swin's
+Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they are constants.
+
+`ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
+stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
+Qwen2/Llama/GPT-2), and every converter failure re-raised as one CompileError line naming the
+ONNX op and node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import warnings
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from ...errors import CompileError, ConfigError, first_line
+
+SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
+
+
+def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
+    """A copy of `model` with the given input dims fixed and constants folded (unchanged if folding fails)."""
+    model = fix_input_dims(model, input_shapes)
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            folded = ir.from_proto(model)
+            onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
+            return ir.to_proto(folded)
+    except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
+        return model
+
+
+def _fold_small_constant_of_shape(node) -> bool | None:
+    """Fold a ConstantOfShape of a constant, small shape too (onnxscript keeps them all, to keep
+    models small): legacy exports build the target shapes of Expand and Reshape from them."""
+    if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
+        shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
+        if shape is not None and int(np.prod(shape.numpy())) <= SMALL:
+            return True
+    return None
+
+
+def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None) -> onnx.ModelProto:
+    """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    inputs = {i.name: i for i in model.graph.input}
+    for name, dims in (input_shapes or {}).items():
+        if name not in inputs:
+            raise ConfigError(f"--input-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
+        shape = inputs[name].type.tensor_type.shape
+        if len(shape.dim) != len(dims):
+            raise ConfigError(f"--input-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
+        for dim, size in zip(shape.dim, dims):
+            if dim.HasField("dim_value") and dim.dim_value != size:
+                raise ConfigError(f"--input-shape {name}: dim {dim.dim_value} is static, got {size}")
+            dim.Clear()
+            dim.dim_value = size
+    return model
+
+
+class ConverterFixes:
+    """Mixin for `onnx_frontend.ONNXGraphImporter`: converters TVM 0.27 gets wrong, one-line failures."""
+
+    def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
+        if op_name == "ConstantOfShape":
+            return _constant_of_shape(inputs[0], attrs, [self._nodes, self._params])
+        try:
+            return super()._convert_operator(op_name, inputs, attrs, opset)
+        except CompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - converters raise ValueError, TVMError, AssertionError, ...
+            node = attrs.get("tvm_custom", {}).get("name") or "?"
+            raise CompileError(f"TVM's ONNX frontend cannot convert {op_name} (node {node}): {first_line(exc)}; "
+                               "if the model has symbolic dims, fixing them with --input-shape may help") from None
+
+    def _construct_nodes(self, graph):
+        with contextlib.redirect_stdout(io.StringIO()):  # the stock loop prints each failing node's inputs
+            return super()._construct_nodes(graph)
+
+
+def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:
+    """ConstantOfShape with its value as a scalar, so that any rank (0 included) works."""
+    value = attrs.get("value")
+    array = onnx_frontend.get_numpy(value) if value is not None else np.zeros(1, np.float32)
+    scalar = relax.const(array.reshape(()), str(array.dtype))
+    shape = onnx_frontend.get_constant(shape, params)
+    if isinstance(shape, tvm.ir.GenericConst):
+        dims = [int(d) for d in shape.value.numpy().reshape(-1)]
+        return scalar if not dims else relax.op.full(dims, scalar, str(array.dtype))
+    if not isinstance(shape, relax.ShapeExpr):
+        shape = relax.op.tensor_to_shape(shape)
+    return relax.op.broadcast_to(scalar, shape)

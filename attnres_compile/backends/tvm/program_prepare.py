@@ -1,0 +1,80 @@
+"""torch.export programs made convertible by TVM's PyTorch frontend (`from_exported_program`).
+
+`convertible(program)` returns a copy (the graph copied, the weights shared) with these fixes:
+- user inputs that are not tensors (HF models exported with `use_cache=False`) are dropped: the
+  frontend reads a shape and dtype off every user input (`'bool' object has no attribute
+  'shape'`); export already specialised the graph on their values, so nothing uses them;
+- `aten.contiguous` becomes `aten.clone(memory_format=contiguous)`, the same value and strides:
+  the frontend runs the core-ATen decompositions, whose `contiguous` of a transposed view is a
+  no-op for fake tensors, and a later `view` then fails ("Cannot view a tensor with shape ...
+  and strides ...", T5, Swin); the ONNX exporter (passes/onnx_export.py) does the same;
+- `aten.view` becomes `aten.reshape` (the same in a functional graph): decomposed, the attention
+  of HF GPT-2 gets other strides than at export and its `view` of the transposed output fails
+  the same way, while reshape copies when it must;
+- tensor indices of `aten.index` are taken modulo the indexed size: torch wraps negative ones,
+  TVM's converter reads out of bounds (HF Falcon's `fused_qkv[..., [-2], :]`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, InputKind
+
+from ...passes.onnx_export import _contiguous_as_clone
+
+
+def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of `program` without non-tensor user inputs and with explicit contiguous copies."""
+    graph_module = copy.deepcopy(program.graph_module)
+    placeholders = {n.name: n for n in graph_module.graph.nodes if n.op == "placeholder"}
+    specs, dropped, user = [], set(), 0
+    for spec in program.graph_signature.input_specs:
+        node = placeholders.get(spec.arg.name)
+        if spec.kind == InputKind.USER_INPUT:
+            user += 1
+            if isinstance(spec.arg, ConstantArgument) and node is not None and not node.users:
+                graph_module.graph.erase_node(node)
+                dropped.add(user - 1)
+                continue
+        specs.append(spec)
+    _contiguous_as_clone(graph_module)
+    for node in list(graph_module.graph.nodes):
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+        elif node.target is torch.ops.aten.index.Tensor:
+            _wrap_negative_indices(graph_module.graph, node)
+    graph_module.recompile()
+    signature = ExportGraphSignature(input_specs=specs, output_specs=list(program.graph_signature.output_specs))
+    converted = program._update(graph_module, signature)
+    if dropped:  # the calling convention (pytree of the user inputs) without them
+        call = converted._module_call_graph[0].signature
+        tree = pytree.tree_unflatten(list(range(call.in_spec.num_leaves)), call.in_spec)
+        call.in_spec = pytree.tree_structure(_drop(tree, dropped))
+    return converted
+
+
+def _wrap_negative_indices(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """`x[..., idx, :]` with idx -> idx mod size: torch wraps negative indices, TVM's `index`
+    converter reads out of bounds (Falcon splits its fused QKV with `[..., [-2], :]`)."""
+    source, indices = node.args[0], list(node.args[1])
+    shape = source.meta["val"].shape
+    for axis, index in enumerate(indices):
+        if index is None or not isinstance(shape[axis], int):
+            continue
+        with graph.inserting_before(node):
+            wrapped = graph.call_function(torch.ops.aten.remainder.Scalar, (index, shape[axis]))
+        wrapped.meta["val"] = index.meta["val"]
+        indices[axis] = wrapped
+    node.args = (source, indices)
+
+
+def _drop(tree, leaves: set[int]):
+    """The pytree of leaf indices without the given leaves (dict entries or sequence elements)."""
+    if isinstance(tree, dict):
+        return {k: _drop(v, leaves) for k, v in tree.items() if not (isinstance(v, int) and v in leaves)}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_drop(v, leaves) for v in tree if not (isinstance(v, int) and v in leaves))
+    return tree

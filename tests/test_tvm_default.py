@@ -1,0 +1,222 @@
+"""The default TVM build (no tuning): the CPU GEMM rule against numpy, whole models against
+onnxruntime and torch, the import pre-pass on exports TVM's importer could not read, profiling.
+
+Models are tiny HF configs (samples/hf_models.py, samples/hf_zoo.py); legacy exports are
+`torch.onnx.export(dynamo=False)`, which compute every shape at run time. Each model is
+exported and built once per module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import tvm
+from tvm import relax, te
+
+from attnres_compile import AttnResConfig
+from attnres_compile.backends.tvm import compile_model, load
+from attnres_compile.backends.tvm.artifact import dim_text
+from attnres_compile.backends.tvm.cli import add_commands
+from attnres_compile.backends.tvm.cpu_rules import Matmul, default_schedule
+from attnres_compile.backends.tvm.importers import import_model
+from attnres_compile.backends.tvm.pipeline import build, make_target
+from attnres_compile.backends.tvm.profile import format_table, profile
+from attnres_compile.errors import CompileError
+from attnres_compile.onnx_api import export_onnx
+from samples import hf_models, hf_zoo
+
+RTOL = 1e-4  # against onnxruntime / torch, relative to the output's largest magnitude
+
+
+def _close(expected: np.ndarray, actual: np.ndarray) -> float:
+    err = float(np.abs(expected - actual).max() / np.abs(expected).max())
+    assert err <= RTOL, err
+    return err
+
+
+# ---------------------------------------------------------------- the GEMM rule, operator by operator
+
+def _gemm(kind: str):
+    """(prim func, numpy reference of its output from its inputs) for one GEMM shape family."""
+    m = te.var("m", "int64") if kind == "symbolic_rows" else 5
+    if kind == "conv1x1_nchw":  # W[f, c] @ X[c, h*w]: columns are the output's fused h, w
+        x, w, b = te.placeholder((6, 3, 5), name="x"), te.placeholder((20, 6), name="w"), te.placeholder((20,), name="b")
+        c = te.reduce_axis((0, 6), name="c")
+        y = te.compute((20, 3, 5), lambda f, i, j: te.sum(w[f, c] * x[c, i, j], axis=c), name="conv")
+        out = te.compute((20, 3, 5), lambda f, i, j: te.max(y[f, i, j] + b[f], 0.0), name="relu")
+        return te.create_prim_func([x, w, b, out]), lambda x, w, b: np.maximum(
+            np.einsum("fc,chw->fhw", w, x) + b[:, None, None], 0)
+    if kind == "batched":  # attention: both operands activations, a batch axis
+        a, bm = te.placeholder((2, 5, 8), name="a"), te.placeholder((2, 8, 24), name="bm")
+        k = te.reduce_axis((0, 8), name="k")
+        out = te.compute((2, 5, 24), lambda s, i, j: te.sum(a[s, i, k] * bm[s, k, j], axis=k), name="bmm")
+        return te.create_prim_func([a, bm, out]), lambda a, b: a @ b
+    n, kdim = {"packed_padded": (40, 6), "packed": (64, 12), "k_blocked": (16, 1100),
+               "symbolic_rows": (24, 8)}[kind]
+    if kind == "symbolic_rows":  # int64 dims, as legalized Relax operators have
+        n, kdim = tvm.tirx.IntImm("int64", n), tvm.tirx.IntImm("int64", kdim)
+    a, w, bias = te.placeholder((m, kdim), name="a"), te.placeholder((kdim, n), name="w"), te.placeholder((n,), name="b")
+    k = te.reduce_axis((0 * kdim, kdim), name="k")
+    mm = te.compute((m, n), lambda i, j: te.sum(a[i, k] * w[k, j], axis=k), name="matmul")
+    out = te.compute((m, n), lambda i, j: te.sigmoid(mm[i, j] + bias[j]) * mm[i, j], name="epilogue")
+    func = te.create_prim_func([a, w, bias, out]).with_attr("layout_free_buffers", [1])  # w pre-packed
+    return func, lambda a, w, b: (a @ w) / (1 + np.exp(-(a @ w + b)))
+
+
+@pytest.mark.parametrize("kind", ["packed_padded", "packed", "k_blocked", "symbolic_rows", "batched", "conv1x1_nchw"])
+def test_gemm_rule_matches_numpy(kind):
+    func, reference = _gemm(kind)
+    target = make_target("llvm")
+    with target:
+        assert Matmul().apply(func, target, False) is not None  # the GEMM rule, not a fallback
+    scheduled = default_schedule(func, target).mod["main"]
+    rng = np.random.default_rng(0)
+    shapes = [[int(d) if isinstance(d, tvm.tirx.IntImm) else 7 for d in p.shape] for p in func.params]
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    args = [tvm.runtime.tensor(a) for a in arrays]
+    tvm.compile(scheduled.with_attr("global_symbol", "main"), target)(*args)
+    expected = reference(*arrays[:-1])
+    np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+# ---------------------------------------------------------------- legacy exports and the pre-pass
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model, keys):
+        super().__init__()
+        self.model, self.keys = model, keys
+
+    def forward(self, *args):
+        out = self.model(**dict(zip(self.keys, args)), **({"use_cache": False} if "input_ids" in self.keys else {}))
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _factory(name: str):
+    return getattr(hf_zoo, f"{name}_factory", None) or getattr(hf_models, f"{name}_factory")
+
+
+def _build_and_run(path: Path, feeds: dict, shapes: dict | None):
+    imported = import_model(path, shapes)
+    built = build(imported, make_target("llvm"), input_shapes=shapes)
+    vm = relax.VirtualMachine(built.executable, tvm.cpu())
+    return built, vm["main"](*[tvm.runtime.tensor(feeds[n]) for n in imported.inputs]).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "swin"])
+def test_legacy_exports_compile_and_match(name, tmp_path, capfd):
+    """Legacy Qwen2 failed in TVM's ConstantOfShape converter (here with its batch left
+    symbolic), legacy Swin in Reshape (shapes lost through run-time shape arithmetic; here at a
+    fixed input shape, folded first). TVM's pow warning is never provoked (pow is rewritten)."""
+    model, inputs = _factory(name)()
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    path = tmp_path / f"{name}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Logits(model, list(tensors)), tuple(tensors.values()), str(path), dynamo=False,
+                          input_names=list(tensors), opset_version=17, dynamic_axes={k: {0: "batch"} for k in tensors})
+    feeds = {k: v.numpy() for k, v in tensors.items()}
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    capfd.readouterr()
+    built, actual = _build_and_run(path, feeds, {k: v.shape for k, v in feeds.items()} if name == "swin" else None)
+    _close(expected, actual)
+    assert all(f.attrs["tirx.is_scheduled"] for f in built.mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    assert "pow(x, y)" not in capfd.readouterr().err  # TVM's take warning is the CLI's to hide (cli.py)
+
+
+def test_yolov8n_resize_imports_at_a_fixed_size():
+    """YOLOv8n (nudenet 3.4.2's 320n.onnx, symbolic image size): its upsampling Resize followed
+    by a Concat lost every shape in TVM's importer; with the size fixed and folded it imports.
+    Without a size, the failure is one line naming the op and the way out."""
+    spec = importlib.util.find_spec("nudenet")
+    if spec is None:
+        pytest.skip("nudenet is not installed: pip install --no-deps nudenet==3.4.2")
+    path = Path(spec.submodule_search_locations[0]) / "320n.onnx"
+    imported = import_model(path, {"images": (1, 3, 64, 64)})
+    image = np.zeros((1, 3, 64, 64), np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"images": image})[0]
+    assert [int(d) for d in imported.mod["main"].ret_ty.shape.values] == list(expected.shape)
+    with pytest.raises(CompileError, match=r"cannot convert \w+ \(node .*--input-shape"):
+        import_model(path)
+
+
+# ---------------------------------------------------------------- a rewritten model: artifact, profile, CLI
+
+@pytest.fixture(scope="module")
+def gpt_block(tmp_path_factory):
+    """Tiny HF GPT-2, Block(2) AttnRes ONNX (dynamic batch and sequence), compiled with the default schedules."""
+    folder = tmp_path_factory.mktemp("gpt_block")
+    model, inputs = hf_models.gpt2_factory(layers=1)
+    export_onnx(model, inputs, folder / "gpt.onnx", AttnResConfig(variant="block", num_blocks=2), verify_outputs=False)
+    manifest = compile_model(folder / "gpt.onnx", folder / "art")
+    feeds = {k: v.numpy() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return folder, manifest, feeds
+
+
+def test_rewritten_model_default_build_matches_onnxruntime(gpt_block):
+    folder, manifest, feeds = gpt_block
+    expected = ort.InferenceSession(str(folder / "gpt.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    actual = load(folder / "art")(feeds)
+    for e, (name, a) in zip(expected, actual.items()):
+        _close(e, a)
+    assert manifest["tuning"] is None and len(manifest["sites"]) == 2  # one layer: attention and MLP sites
+    dims = [d for io in ("inputs", "outputs") for x in manifest[io] for d in x["shape"]]
+    assert all(isinstance(d, int) or "T." not in d for d in dims), dims  # readable symbolic dims
+
+
+def test_profile_times_every_kernel(gpt_block):
+    folder, manifest, feeds = gpt_block
+    result = profile(folder / "art", feeds, repeat=2, warmup=1)
+    rows = result["rows"]
+    assert sum(r["calls"] for r in rows if r["kind"] == "depth-attention") >= len(manifest["sites"])
+    assert any(r["kind"] == "operator" and "matmul" in r["name"] for r in rows)
+    assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and result["forward_ms"] > 0
+    assert "depth-attention" in format_table(result)
+
+
+def test_run_profile_prints_the_table(gpt_block, tmp_path, capsys):
+    folder, _, feeds = gpt_block
+    np.savez(tmp_path / "in.npz", **feeds)
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(["run", str(folder / "art"), "--inputs", str(tmp_path / "in.npz"), "-o",
+                              str(tmp_path / "out.npz"), "--profile"])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "per-kernel time" in out and " float32[2, 8, 100]" in out and "depth-attention" in out
+
+
+def test_dims_read_as_written():
+    h, s = tvm.tirx.Var("height", "int64"), tvm.tirx.Var("seq", "int64")
+    assert dim_text(tvm.tirx.floordiv(h - 1, 32) + 1) == "(height - 1) // 32 + 1"
+    assert dim_text((h - (s - 1)) * 2) == "(height - (seq - 1)) * 2"
+
+
+# ---------------------------------------------------------------- the torch.export route
+
+@pytest.mark.slow
+def test_rewritten_program_with_a_constant_input_compiles(tmp_path):
+    """A rewritten HF Llama exported with `use_cache=False` (a non-tensor input TVM's frontend
+    cannot read) and HF's `view` of a transposed attention output (fails in the frontend's
+    decompositions) compiles through from_exported_program and matches torch."""
+    from attnres_compile import rewrite
+
+    model, inputs = hf_models.gpt2_factory(layers=1)
+    result = rewrite(model, inputs, AttnResConfig(variant="block", num_blocks=2), verify_outputs=False)
+    program = torch.export.export(result.graph_module, (), inputs)
+    manifest = compile_model(program, tmp_path / "art")
+    assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "attention_mask"]
+    with torch.no_grad():
+        expected = result.graph_module(**inputs)
+    expected = torch.utils._pytree.tree_leaves(expected)[0].numpy()
+    _close(expected, next(iter(load(tmp_path / "art")({k: v.numpy() for k, v in inputs.items()
+                                                        if isinstance(v, torch.Tensor)}).values())))
+    assert json.loads((tmp_path / "art" / "manifest.json").read_text())["source"]["kind"] == "torch"

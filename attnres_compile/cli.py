@@ -2,13 +2,10 @@
 compile rewritten ONNX to TVM artifacts and run them (backends/tvm/cli.py).
 
 A model is an ONNX file (a path ending in .onnx, or any existing file) or a
-`package.module:factory` returning (model, example_inputs). Exit codes (docs/cli.md):
-0 ok, 1 other error, 2 bad arguments or config, 3 the model could not be traced, 4 no residual
-chain, 5 dynamic feature axis, 6 bad input (missing file, bad factory, output exists without
---force), 7 preserve-mode verification failed, 8 not an ONNX file, 9 truncated or corrupt ONNX
-model, 10 external data missing, truncated, malformed or outside the model's folder (refused, never
-read), 11 output would replace the input or its data (without --force), 12 unsupported ONNX opset,
-13 TVM import, lowering or build failed, 14 not a usable TVM artifact folder.
+`package.module:factory` returning (model, example_inputs). Every failure is one stderr line
+and a documented exit code (docs/cli.md, errors.py); every path a command writes is checked
+before any work and written through a staging folder (outputs.py); library log lines, Python
+and native, are hidden unless --debug.
 """
 
 from __future__ import annotations
@@ -16,22 +13,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import logging
 import os
+import re
+import signal
 import sys
 import tempfile
 import traceback
 import warnings
 from pathlib import Path
 
-from .errors import AttnResError, ConfigError, InputError, VerificationError, first_line
+from . import outputs
+from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
+                     VerificationError, cli_words, first_line)
+from .outputs import Output
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line in our format (exit code 2)."""
+
+    def error(self, message: str):
+        print(f"attnres-compile: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnres-compile", description="Rewrite residual connections into Attention Residuals.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p = _Parser(prog="attnres-compile", description="Rewrite residual connections into Attention Residuals.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and library log lines")
     sub = p.add_subparsers(dest="command", required=True)
     model_help = "MODEL.onnx, or package.module:factory (a callable returning (model, example_inputs))"
 
@@ -42,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="instead: depth-attention weights of a saved rewritten model (heatmap, collapse flags)")
     ins.add_argument("--heatmap", metavar="OUT.png", help="with --weights: where to write the heatmap "
                      "(default: beside the checkpoint, .png)")
+    ins.add_argument("--force", action="store_true", help="with --weights: overwrite an existing heatmap")
     _config_args(ins)
 
     rw = sub.add_parser("rewrite", help="rewrite a model to AttnRes and verify it")
@@ -49,13 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("-o", "--output", required=True,
                     help="output file: .onnx (ONNX model; from an ONNX file or a factory) or .pt2 (torch.export program)")
     rw.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
+    rw.add_argument("--verify-timeout", type=_seconds, metavar="SECONDS",
+                    help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
     rw.add_argument("--report", help="also write the report as JSON to this file")
-    rw.add_argument("--force", action="store_true", help="overwrite the output if it exists, even if it is the input")
+    rw.add_argument("--force", action="store_true",
+                    help="overwrite existing outputs (-o, its .data, --report); lets -o replace the input")
     rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
                     help="ONNX input shape for verification (repeatable); symbolic dims default to 2 (leading) and 16")
     _config_args(rw)
     for sp in (ins, rw):
-        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")
     from .backends.tvm.cli import add_commands
     from .bench.cli import add_commands as add_bench_commands
 
@@ -64,17 +79,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variant", choices=["full", "block"], default="full")
+    p.add_argument("--variant", choices=["full", "block"], default="full",
+                   help="full: every site attends over all earlier sources (default); block: over block sums")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--blocks", type=int, help="number of blocks N (variant block)")
-    g.add_argument("--block-size", type=int, help="sources per block B (variant block)")
-    p.add_argument("--scale", choices=["preserve", "paper"], default="preserve")
-    p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--min-chain", type=int, default=2)
-    p.add_argument("--feature-axis", type=int)
+    g.add_argument("--blocks", type=int, help="number of blocks N (implies --variant block)")
+    g.add_argument("--block-size", type=int, help="sources per block B (implies --variant block)")
+    p.add_argument("--scale", choices=["preserve", "paper"], default="preserve",
+                   help="preserve: output scaled by |S_k|, exact at init (default); paper: unscaled, as published")
+    p.add_argument("--eps", type=float, default=1e-6, help="epsilon of the keys' RMSNorm (default 1e-6)")
+    p.add_argument("--min-chain", type=int, default=2, help="shortest chain rewritten, in residual links (default 2)")
+    p.add_argument("--feature-axis", type=int,
+                   help="axis of the features (default -1, or 1 for rank-4 NCHW streams)")
     p.add_argument("--allow-nonlinear", action="store_true",
                    help="also rewrite post-norm / post-activation streams (changes the function)")
+    p.add_argument("--dynamic", metavar="DIMS",
+                   help="factory models: input dims the trace keeps dynamic: none, batch, batch,seq (default), all, "
+                        "or INPUT.AXIS (e.g. pixel_values.2), comma-separated")
 
 
 def _config(args):
@@ -91,37 +122,130 @@ def is_onnx_path(model: str) -> bool:
     return model.lower().endswith(".onnx") or os.path.isfile(model)
 
 
-def load_factory(spec: str):
-    """(model, example_inputs) from `package.module:factory`, importable from the working directory."""
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ATTR = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def _factory_parts(spec: str) -> tuple[str, str]:
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise InputError(f"model {spec!r} is neither an existing file nor of the form package.module:factory")
+    if not sep or not _MODULE.match(module_name) or not _ATTR.match(attr):
+        raise InputError(f"model {spec!r} is neither an existing file nor of the form package.module:factory "
+                         "(an importable module path and a function name)")
+    return module_name, attr
+
+
+def factory_file(spec: str) -> Path | None:
+    """The source file of a factory's module, found without running the module (None if unknown)."""
+    module_name, _ = _factory_parts(spec)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module_name)
+    except BaseException:  # noqa: BLE001 - a parent package that fails to import: load_factory reports it
+        return None
+    return Path(found.origin) if found is not None and found.origin and os.path.isfile(found.origin) else None
+
+
+def load_factory(spec: str):
+    """(model, example_inputs) from `package.module:factory`, importable from the working directory.
+
+    Any failure of the module or the factory (an exception, a SyntaxError, sys.exit) is a bad
+    factory (InputError); Ctrl-C and SIGTERM still interrupt."""
+    module_name, attr = _factory_parts(spec)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(f"cannot load factory {spec!r}: {first_line(exc)}") from None
+    except (KeyboardInterrupt, Interrupted):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - ImportError, SyntaxError, SystemExit, errors at import time
+        raise InputError(f"cannot load factory {spec!r}: {_why(exc)}") from None
+    if not callable(factory):
+        raise InputError(f"factory {spec!r} is a {type(factory).__name__}, not a function")
     try:
         made = factory()
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(f"factory {spec!r} raised {first_line(exc)}") from None
+    except (KeyboardInterrupt, Interrupted):
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        raise InputError(f"factory {spec!r} raised {_why(exc)}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise InputError(f"factory {spec!r} must return (model, example_inputs), got {type(made).__name__}")
     return made
 
 
-def atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` on a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: it called sys.exit({exc.code!r})"
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
+    return first_line(exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# what each command writes and reads: checked together before any work (outputs.check)
+
+
+def _onnx_input_files(model: str) -> list[Path]:
+    """The ONNX file and the external data files it names (a light parse; load() checks them)."""
+    path = Path(model)
+    files = [path]
+    with contextlib.suppress(Exception):
+        import onnx
+
+        from .passes import onnx_io
+
+        proto = onnx.load(str(path), load_external_data=False)
+        files += [path.parent / loc for loc in _locations(proto, onnx_io)]
+    return files
+
+
+def _locations(proto, onnx_io) -> list[str]:
+    from onnx.external_data_helper import ExternalDataInfo
+
+    found = []
+    for tensor in onnx_io.external_tensors(proto):
+        with contextlib.suppress(Exception):
+            location = ExternalDataInfo(tensor).location
+            if location and "\0" not in location:  # load() refuses the others before reading anything
+                found.append(location)
+    return found
+
+
+def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
+    """(outputs, inputs, force) of the command in `args`, for outputs.check."""
+    if args.command == "rewrite":
+        out = _rewrite_output(args)
+        if is_onnx_path(args.model):
+            inputs = _onnx_input_files(args.model)
+        else:
+            inputs = [f for f in [factory_file(args.model)] if f]
+        if out.suffix.lower() == ".onnx":
+            from .onnx_api import onnx_outputs
+
+            planned = onnx_outputs(out, "-o")
+        else:
+            planned = [Output(out, "-o", primary=True)]
+        if args.report:
+            planned.append(Output(Path(args.report), "--report"))
+        return planned, inputs, args.force
+    if args.command == "inspect" and args.weights:
+        checkpoint = Path(args.weights)
+        heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
+        return [Output(heatmap, "--heatmap")], [checkpoint], args.force
+    if args.command == "compile":
+        inputs = _onnx_input_files(args.model) if args.model.lower().endswith(".onnx") else [Path(args.model)]
+        return [Output(Path(args.output), "-o", folder=True)], inputs, args.force
+    if args.command == "run":
+        artifact = Path(args.artifact)
+        inputs = [Path(args.inputs), artifact]
+        with contextlib.suppress(OSError):
+            inputs += [p for p in artifact.rglob("*") if p.is_file()]
+        return [Output(Path(args.output), "-o")], inputs, getattr(args, "force", False)
+    return [], [], False
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
 
 
 def _inspect(args) -> int:
@@ -132,13 +256,16 @@ def _inspect(args) -> int:
     if is_onnx_path(args.model):
         from .onnx_api import inspect_onnx
 
+        _no_dynamic_for_onnx(args)
         report = inspect_onnx(args.model, _config(args))
     else:
         from .api import inspect
+        from .passes.dynamic_dims import parse
 
+        parse(args.dynamic)
         model, example = load_factory(args.model)
-        report = inspect(model, example, _config(args))
-    print(report.to_json() if args.json else report)
+        report = inspect(model, example, _config(args), dynamic=args.dynamic)
+    print(report.to_json() if args.json else cli_words(str(report)))
     return 0
 
 
@@ -149,7 +276,10 @@ def _inspect_weights(args) -> int:
     checkpoint = Path(args.weights)
     if not checkpoint.is_file():
         raise InputError(f"checkpoint {checkpoint} does not exist: pass a .pt2 written by `attnres-compile rewrite -o X.pt2`")
-    result = inspect_weights(checkpoint, out=args.heatmap or checkpoint.with_suffix(".png"))
+    heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
+    with outputs.staged(heatmap) as stage:
+        result = inspect_weights(checkpoint, out=stage.path)
+    result["heatmap"] = str(heatmap)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -158,22 +288,33 @@ def _inspect_weights(args) -> int:
     return 0
 
 
-def _check_output(args, suffixes: tuple[str, ...]) -> Path:
-    """The output path, with a known suffix; an existing one is refused without --force
-    (for ONNX input files rewrite_onnx checks, first, that the output is not the input)."""
+def _rewrite_output(args) -> Path:
+    """-o, checked against the model kind (and --input-shape against it)."""
+    onnx_input = is_onnx_path(args.model)
     out = Path(args.output)
+    suffixes = (".onnx",) if onnx_input else (".onnx", ".pt2")
     if out.suffix.lower() not in suffixes:
         raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
-    if not is_onnx_path(args.model) and out.exists() and not args.force:
-        raise InputError(f"output {out} exists: pass --force to overwrite it")
+    if args.input_shape and not onnx_input:
+        raise ConfigError("--input-shape applies to ONNX input files; a factory's example inputs fix the shapes")
+    if onnx_input:
+        _no_dynamic_for_onnx(args)
+    else:
+        from .passes.dynamic_dims import parse
+
+        parse(args.dynamic)
     return out
+
+
+def _no_dynamic_for_onnx(args) -> None:
+    if args.dynamic is not None:
+        raise ConfigError("--dynamic applies to package.module:factory models; an ONNX file's dims are the ones it "
+                          "declares (--input-shape NAME:1x128 fixes them for verification)")
 
 
 def _rewrite(args) -> int:
     onnx_input = is_onnx_path(args.model)
-    out = _check_output(args, (".onnx",) if onnx_input else (".onnx", ".pt2"))
-    if args.input_shape and not onnx_input:
-        raise ConfigError("--input-shape applies to ONNX input files; a factory's example inputs fix the shapes")
+    out = _rewrite_output(args)
     if onnx_input:
         report, written = _rewrite_onnx(args, out)
     elif out.suffix.lower() == ".onnx":
@@ -181,16 +322,19 @@ def _rewrite(args) -> int:
     else:
         report, written = _rewrite_pt2(args, out)
     if args.report:
-        atomic_write(Path(args.report), lambda tmp: tmp.write_text(report.to_json()))
-    print(report)
+        with outputs.staged(args.report) as stage:
+            stage.path.write_text(report.to_json())
+    print(cli_words(str(report)))
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
     failed = [r for r in report["verification"] or [] if r.get("ok") is False]
     if failed and args.scale == "paper":
         print(f"note: paper scale differs from the original on {len(failed)} output(s); it is exact only up to the "
               "norms' eps on PreNorm models (not an error)")
     elif failed:
-        raise VerificationError(f"{args.scale}-mode verification failed on {len(failed)} output(s), e.g. {failed[0]['output']} "
-                                f"(max abs {failed[0].get('max_abs', float('nan')):.2e}, tol {failed[0].get('tol', float('nan')):.1e})")
+        from .passes.verify import describe
+
+        raise VerificationError(f"{args.scale}-mode verification failed on {len(failed)} output(s), e.g. "
+                                f"{' '.join(describe(failed[0]).split()[1:])}")
     return 0
 
 
@@ -200,7 +344,7 @@ def _rewrite_onnx(args, out: Path):
 
     shapes = parse_input_shapes(args.input_shape)
     result = rewrite_onnx(args.model, out, _config(args), verify_outputs=not args.no_verify, input_shapes=shapes,
-                          force=args.force)
+                          force=args.force, verify_timeout=args.verify_timeout)
     return result.report, result.written
 
 
@@ -209,54 +353,157 @@ def _export_onnx(args, out: Path):
 
     config = _config(args)
     model, example = load_factory(args.model)
-    result = export_onnx(model, example, out, config, verify_outputs=not args.no_verify)
+    result = export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
+                         verify_timeout=args.verify_timeout, dynamic=args.dynamic)
     return result.report, result.written
 
 
 def _rewrite_pt2(args, out: Path):
-    import torch
-
+    from . import pt2
     from .api import rewrite
+    from .passes import dynamic_dims
     from .plan_checks import split_inputs
 
     config = _config(args)
     model, example = load_factory(args.model)
-    result = rewrite(model, example, config, verify_outputs=not args.no_verify)
+    result = rewrite(model, example, config, verify_outputs=not args.no_verify, dynamic=args.dynamic)
     ex_args, ex_kwargs = split_inputs(example)
-    ep = torch.export.export(result.graph_module, ex_args, ex_kwargs, strict=False)
-    atomic_write(out, lambda tmp: torch.export.save(ep, str(tmp)))
-    return result.report, [out]
+    dims = dynamic_dims.parse(args.dynamic)
+    spec = dynamic_dims.export_spec(dims, model, ex_args, ex_kwargs) if result.report["dynamic_dims"] else None
+    module, tensor_kwargs = pt2.bind_constants(result.graph_module, ex_args, ex_kwargs, like=model)
+    if isinstance(spec, dict):  # use_cache=False and other constants are bound, not inputs
+        spec = {k: v for k, v in spec.items() if k not in ex_kwargs or k in tensor_kwargs}
+    ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
+                                     result.report.data["notes"])
+    with outputs.staged(out) as stage:
+        pt2.save(ep, stage.path)
+    return result.report, stage.written
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; errors become one stderr line and their exit code (with --debug, also the traceback)."""
-    args = _parser().parse_args(argv)
-    command = getattr(args, "handler", None) or {"inspect": _inspect, "rewrite": _rewrite}[args.command]
+    """Run one command; errors become one stderr line and their exit code (with --debug, also the
+    traceback and the library log lines). Ctrl-C exits 130, SIGTERM 143, after cleaning up."""
+    received = outputs.SIGNALS
+    received.clear()
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        with _signals_as_exceptions(received, debug):
+            code = _main(argv, received, debug)
+            handled = len(received)
+    except (KeyboardInterrupt, Interrupted) as exc:  # a signal after the command, while the handlers are restored
+        return _interrupted(received, exc, debug)
+    else:
+        return _interrupted(received, None, debug) if len(received) > handled else code
+    finally:
+        received.clear()  # the command is over: later calls in this process may commit again
+
+
+def _main(argv: list[str] | None, received: list[int], debug: bool) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        command = getattr(args, "handler", None) or {"inspect": _inspect, "rewrite": _rewrite}[args.command]
         with contextlib.nullcontext() if args.debug else _quiet():
-            return command(args)
-    except Exception as exc:  # noqa: BLE001 - never a bare traceback without --debug
-        if args.debug:
-            traceback.print_exc()
+            planned, inputs, force = _plan_outputs(args)
+            outputs.check(planned, inputs, force)
+            code = command(args)
+        if not received:
+            return code
+        raise KeyboardInterrupt  # a signal whose exception a library swallowed: still an interruption
+    except BaseException as exc:  # noqa: BLE001 - never a bare traceback without --debug
+        if isinstance(exc, SystemExit):  # argparse (--help, usage errors), after its one line
+            raise
+        if received or isinstance(exc, (KeyboardInterrupt, Interrupted)):
+            return _interrupted(received, exc, debug)
         if isinstance(exc, AttnResError):  # one line even when a name from the model holds a newline
-            print(f"attnres-compile: error: {' '.join(str(exc).split())}", file=sys.stderr)
-            return exc.exit_code
-        print(f"attnres-compile: error: {first_line(exc)} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1
+            return _fail(debug, cli_words(str(exc)), exc.exit_code)
+        if not isinstance(exc, Exception):
+            raise
+        return _fail(debug, f"{first_line(exc)} (rerun with --debug for the traceback)", 1)
+
+
+def _interrupted(received: list[int], exc: BaseException, debug: bool) -> int:
+    """Exit 143 after SIGTERM, else 130 (Ctrl-C), with one line."""
+    term = signal.SIGTERM in received or (isinstance(exc, Interrupted) and signal.SIGINT not in received)
+    what, code = ("terminated (SIGTERM)", TERMINATED_EXIT) if term else ("interrupted (Ctrl-C)", INTERRUPTED_EXIT)
+    return _fail(debug, f"{what}; no partial output was left", code)
+
+
+def _fail(debug: bool, message: str, code: int) -> int:
+    if debug:
+        traceback.print_exc()
+    line = f"attnres-compile: error: {' '.join(message.split())}\n"
+    if _REAL_STDERR:  # a signal cut _quiet's restore short: fd 2 may still be its scratch file
+        os.write(_REAL_STDERR[-1], line.encode())
+    else:
+        sys.stderr.write(line)
+    return code
+
+
+@contextlib.contextmanager
+def _signals_as_exceptions(received: list[int], debug: bool):
+    """The first Ctrl-C raises KeyboardInterrupt and SIGTERM Interrupted, so that staging folders
+    are removed; later ones are only recorded, so that the cleanup and the error line finish. All
+    are recorded in `received` (outputs.SIGNALS, which stops any commit), because an exception
+    raised inside a library's callback (a weakref finalizer during garbage collection) can be
+    swallowed; Python's "Exception ignored in" report of that is shown only with --debug."""
+    armed = True
+
+    def handler(signum, frame):
+        first = not received
+        received.append(signum)
+        if first and armed:
+            raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted()
+
+    def unraisable(report):
+        if debug:
+            previous_hook(report)
+
+    try:
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a caller may have blocked them
+        yield
+    finally:  # disarmed first: a signal while the handlers are put back is recorded (main reports it), not raised
+        armed = False
+        sys.unraisablehook = previous_hook
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+_REAL_STDERR: list[int] = []  # the terminal's stderr, duplicated, while _quiet has fd 2 on a scratch file
 
 
 @contextlib.contextmanager
 def _quiet():
-    """Keep stderr to the one-line error: library warnings, log lines and partial graphs
-    (torch.export prints one on failure) only with --debug."""
+    """Keep stderr to the one-line error: library warnings, log lines and partial graphs (Python's
+    sys.stderr) and native libraries' lines written to file descriptor 2 (TVM, onnxruntime) go to
+    a scratch file that is dropped; progress written to sys.__stderr__ stays visible."""
     import torch
 
     torch._logging.set_logs(all=logging.CRITICAL)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    _REAL_STDERR.append(saved)
+    scratch = tempfile.TemporaryFile()
+    real_stderr = sys.__stderr__
+    os.dup2(scratch.fileno(), 2)
+    sys.__stderr__ = os.fdopen(os.dup(saved), "w", buffering=1)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
+        with contextlib.suppress(Exception):
+            sys.__stderr__.close()
+        sys.__stderr__ = real_stderr
+        os.dup2(saved, 2)
+        _REAL_STDERR.pop()
+        os.close(saved)
+        scratch.close()
         torch._logging.set_logs()  # back to torch's defaults
 
 

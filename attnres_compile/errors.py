@@ -1,8 +1,11 @@
 """Errors with one-line messages that name the problem and what to do about it.
 
-Each class carries the CLI exit code documented in README.md, so every front door
-(Python API, CLI) reports the same failure the same way.
+Each class carries the CLI exit code documented in docs/cli.md, so every front door
+(Python API, CLI) reports the same failure the same way. Messages name options in the
+Python API's spelling (`verify_outputs=False`); the CLI prints them in its own (`cli_words`).
 """
+
+import re
 
 
 class AttnResError(Exception):
@@ -48,8 +51,8 @@ class VerificationError(AttnResError):
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first non-empty line of an exception message, shortened, for one-line errors."""
-    text = str(exc).strip() or type(exc).__name__
+    """The first non-empty line of an exception message, without terminal colour codes, shortened, for one-line errors."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip() or type(exc).__name__
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
     line = f"{type(exc).__name__}: {line}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -95,3 +98,72 @@ class ArtifactError(InputError):
     """A compiled artifact folder is missing, incomplete, or needs a device this machine lacks."""
 
     exit_code = 14
+
+
+class ModelRunError(AttnResError):
+    """onnxruntime (or TVM) cannot run the model for verification: it refuses it, an input of its
+    type cannot be generated, or a generated input would be absurdly large."""
+
+    exit_code = 15
+
+
+class CrashError(AttnResError):
+    """A library crashed (a signal) while running the model in the isolated child process."""
+
+    exit_code = 16
+
+
+class TimeLimitError(AttnResError):
+    """Running the model in the isolated child took longer than its time limit."""
+
+    exit_code = 17
+
+
+class MemoryLimitError(AttnResError):
+    """Running the model in the isolated child needed more memory than its limit."""
+
+    exit_code = 18
+
+
+class OutputWriteError(AttnResError):
+    """An output could not be written (disk full, I/O error, permission denied); nothing was replaced."""
+
+    exit_code = 19
+
+
+class UnsafeArchiveError(InputError):
+    """A .pt2 archive holds something loading it would execute (pickled objects, code); refused."""
+
+    exit_code = 20
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that cleanup (`finally`) runs; exit 143."""
+
+
+INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT), as shells report it
+TERMINATED_EXIT = 143   # SIGTERM
+
+_CLI_WORDS = [
+    (r"verify_outputs=False \(--no-verify\)", "--no-verify"),
+    (r"\bverify_outputs=False\b", "--no-verify"),
+    (r"\ballow_nonlinear=True\b", "--allow-nonlinear"),
+    (r"\bset variant='block'", "pass --variant block"),
+    (r"\bvariant 'block'", "--variant block"),
+    (r"\bmin_chain=(\d+)", r"--min-chain \1"),
+    (r"\bnum_blocks\b", "--blocks"),
+    (r"\bblock_size\b", "--block-size"),
+    (r"\bmin_chain\b", "--min-chain"),
+    (r"\bfeature_axis\b", "--feature-axis"),
+    (r"\ballow_nonlinear\b", "--allow-nonlinear"),
+    (r"\binput_shapes=\{'(.*?)': \(([\d, ]*)\)\}", lambda m: f"--input-shape {m[1]}:{'x'.join(m[2].replace(',', ' ').split())}"),
+    (r"\binput_shapes\b", "--input-shape"),
+    (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+]
+
+
+def cli_words(message: str) -> str:
+    """`message` with the Python API's option spellings replaced by the CLI's (`--no-verify`)."""
+    for pattern, replacement in _CLI_WORDS:
+        message = re.sub(pattern, replacement, message)
+    return message

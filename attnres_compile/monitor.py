@@ -24,6 +24,7 @@ from torch.fx._pytree import tree_flatten_spec
 
 from . import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from .config import AttnResConfig
+from .errors import InputError, first_line
 
 DEPTH_ATTENTION = torch.ops.attnres.depth_attention.default
 _QUERY_NAME = re.compile(r"(chain\d+)\.site(\d+)$")
@@ -202,8 +203,11 @@ def log_stats(writer, stats: dict, step: int, prefix: str = "attnres") -> None:
 
 
 def load_checkpoint(path: str | Path) -> tuple[fx.GraphModule, tuple, dict]:
-    """The rewritten GraphModule of a `.pt2` torch.export program and the example (args, kwargs) stored with it."""
-    ep = torch.export.load(str(path))
+    """The rewritten GraphModule of a `.pt2` torch.export program and the example (args, kwargs) stored
+    with it, read without running anything stored in the archive (pt2.load)."""
+    from .pt2 import load
+
+    ep = load(path).program
     args, kwargs = ep.example_inputs if ep.example_inputs is not None else (None, None)
     return ep.module(), args, kwargs or {}
 
@@ -219,9 +223,16 @@ def inspect_weights(checkpoint: str | Path, out: str | Path | None = None, input
     if inputs is not None:
         args, kwargs = tuple(inputs), {}
     if args is None:
-        raise ValueError(f"{checkpoint} stores no example inputs: pass inputs")
+        raise InputError(f"{checkpoint} stores no example inputs to measure the weights on: pass inputs, or write "
+                         "it with `attnres-compile rewrite -o X.pt2`")
+    if not any(n.op == "call_function" and n.target is DEPTH_ATTENTION for n in gm.graph.nodes):
+        raise InputError(f"{checkpoint} holds no depth-attention site: rewrite the model first "
+                         "(`attnres-compile rewrite -o X.pt2`)")
     monitor = DepthMonitor(gm)
-    monitor(*args, **kwargs)
+    try:
+        monitor(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a damaged archive whose program fails on its own inputs
+        raise InputError(f"the program in {checkpoint} fails on its example inputs ({first_line(exc)})") from None
     stats = monitor.stats()
     result = {"checkpoint": str(checkpoint), "stats": stats, "collapse": find_collapse(stats, min_entropy, dead_weight)}
     if out is not None:

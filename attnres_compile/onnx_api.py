@@ -17,7 +17,8 @@ from torch.utils import _pytree as pytree
 
 from .api import rewrite
 from .config import AttnResConfig
-from .errors import AttnResError, InputError, OutputPathError, first_line
+from . import outputs
+from .errors import AttnResError, ModelRunError
 from .passes import onnx_io, verify
 from .passes.chain_analysis import analyze
 from .passes.onnx_function import default_opset
@@ -52,18 +53,20 @@ def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None) -
 
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
                  verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 force: bool = False) -> OnnxRewriteResult:
+                 force: bool = False, verify_timeout: float | None = None) -> OnnxRewriteResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
     Weights stay external (`<output>.data`) when the input kept them external, or when large.
-    With `verify_outputs`, the staged output and the input run in onnxruntime before the
-    output is put in place: preserve mode must match to 1e-5. An existing output, or one that
-    would replace a file of the input, is refused unless `force`.
+    The staged output must pass the same checks as an input (onnx_io.load). With
+    `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
+    with `verify_timeout` seconds (default sized to the model), before the output is put in
+    place: preserve mode must match to 1e-5. An existing output, or one that would replace a
+    file of the input, is refused unless `force`.
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
-    _check_output(onnx_io.input_files(model, path), output, force)
+    outputs.check(onnx_outputs(output), onnx_io.input_files(model, path), force)
     notes = _notes(model, path)
     view = view_from_onnx(model)
     plan = analyze(view, config)
@@ -76,20 +79,32 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     sites = apply_plan(model, plan, config, view)
     verification = None
     with onnx_io.staged(output) as stage:
-        onnx_io.write(model, stage.path, external)
+        onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
+        check_written(stage.path)
         if verify_outputs:
             from .backends import onnxruntime as ort_backend
 
             tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
-            try:
-                verification, shapes = ort_backend.compare_files(path, stage.path, tolerance, input_shapes)
-            except AttnResError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - an onnxruntime failure, reported in one line
-                raise AttnResError(f"onnxruntime could not run the original and rewritten models ({first_line(exc)}); "
-                                   "nothing written; verify_outputs=False (--no-verify) skips the check") from None
+            verification, shapes = ort_backend.compare_files(path, stage.path, tolerance, input_shapes,
+                                                             timeout=verify_timeout,
+                                                             consequence="the rewritten model was not written")
             notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
     return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
+
+
+def onnx_outputs(output: Path, option: str = "output") -> list[outputs.Output]:
+    """The files an ONNX output may write: the model and its `.data` (both may replace the input with force)."""
+    return [outputs.Output(output, option, primary=True),
+            outputs.Output(output.parent / onnx_io.data_file_name(output), f"{option}'s data", primary=True)]
+
+
+def check_written(path: Path) -> None:
+    """What we write must load as an input would (our own checks and the ONNX checker)."""
+    try:
+        onnx_io.load(path, with_data=False)
+    except AttnResError as exc:
+        raise AttnResError(f"internal error: the rewritten model fails its own checks ({exc}); nothing written; "
+                           "please report this with the input model") from None
 
 
 MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB while drawn as float64
@@ -111,61 +126,49 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
                                            for d in declared]
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
-            raise AttnResError(f"input {inp.name!r} of shape {list(dims)} has {count} elements, too many to generate "
-                               "a verification input; nothing written; verify_outputs=False (--no-verify) skips the check")
-
-
-def _check_output(inputs: list[Path], output: Path, force: bool) -> None:
-    """Refuse, unless `force`, an output that replaces a file of the input (11) or any existing file (6)."""
-    if force:
-        return
-    targets = [output, output.parent / onnx_io.data_file_name(output)]
-    clash = next(((t, i) for t in targets for i in inputs if _same_file(t, i)), None)
-    if clash:
-        raise OutputPathError(f"output {output} would replace the input's {clash[1]}: choose another path, "
-                              "or pass --force to replace it")
-    if output.exists():
-        raise InputError(f"output {output} exists: pass --force to overwrite it")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)
-    return a.resolve() == b.resolve()
+            raise ModelRunError(f"input {inp.name!r} of shape {list(dims)} has {count} elements, too many to generate "
+                                "a verification input; nothing written; verify_outputs=False skips verification")
 
 
 def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
-                verify_outputs: bool = True) -> OnnxRewriteResult:
+                verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None) -> OnnxRewriteResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
-    Inputs are traced with every dim dynamic where torch.export allows (Dim.AUTO). With
-    `verify_outputs`, the torch comparison of api.rewrite is followed by rows "onnxruntime:<output>":
-    the exported file in onnxruntime against the original PyTorch model on the example inputs.
+    `dynamic` picks the input dims that stay symbolic (passes/dynamic_dims.py; default batch
+    and sequence); when the dynamic trace or export fails, both fall back to static shapes with a
+    note. With `verify_outputs`, the torch comparison of api.rewrite is followed by rows
+    "onnxruntime:<output>": the exported file in onnxruntime against the original PyTorch
+    model on the example inputs.
     """
-    from .passes.onnx_export import auto_dynamic_shapes, export
+    from .passes import dynamic_dims
+    from .passes.onnx_export import export_or_static
 
     config = as_config(config)
     args, kwargs = split_inputs(example_inputs)
-    dynamic = auto_dynamic_shapes(args, kwargs) if args is not None else None
-    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=dynamic)
+    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+    dims = dynamic_dims.parse(dynamic)
+    spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
+    notes = result.report.data["notes"]
     with onnx_io.staged(output) as stage:
-        onnx_io.write(export(result.graph_module, args or (), kwargs, dynamic), stage.path)
+        proto = export_or_static(result.graph_module, args or (), kwargs, spec, f"dynamic {dims.text}", notes)
+        onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
+        check_written(stage.path)
         if verify_outputs and args is not None:
             tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
-            rows = _verify_export(model, args, kwargs, stage.path, tolerance)
+            rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
             result.report.data["verification"] = (result.report.data["verification"] or []) + rows
     return OnnxRewriteResult(result.report, stage.written)
 
 
-def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple) -> list[dict]:
-    """The exported file in onnxruntime against the original PyTorch model, output by output."""
+def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,
+                   timeout: float | None) -> list[dict]:
+    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by output."""
     from .backends import onnxruntime as ort_backend
 
     original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
     with torch.no_grad():
         expected = [t for t in pytree.tree_leaves(original(*args, **kwargs)) if isinstance(t, torch.Tensor)]
-    sess = ort_backend.session(output)
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    actual = ort_backend.run(sess, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), tensors)})
+    tensors = [t.numpy() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
     names = [f"onnxruntime:{n}" for n in actual]
     return ort_backend.compare_outputs(dict(zip(names, (e.numpy() for e in expected))), dict(zip(names, actual.values())), tolerance)

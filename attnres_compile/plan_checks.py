@@ -8,6 +8,7 @@ import torch
 
 from .config import AttnResConfig
 from .errors import ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError
+from .passes.graph_view import format_shape
 from .passes.plan import Plan
 
 
@@ -40,7 +41,8 @@ def has_work(plan: Plan, config: AttnResConfig) -> bool:
     dynamic = [c for c in plan.chains if isinstance(c.feature_size, str) and len(c.links) >= config.min_chain]
     if dynamic:
         raise DynamicFeatureAxisError(
-            f"chain {dynamic[0].index} (root {dynamic[0].root}) has a dynamic feature axis ({dynamic[0].feature_size}): "
+            f"chain {dynamic[0].index} (root {dynamic[0].root}) has a dynamic feature axis "
+            f"({format_shape((dynamic[0].feature_size,))[1:-1]}): "
             "export with a static feature size or set feature_axis"
         )
     if plan.to_rewrite:

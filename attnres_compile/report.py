@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 
 import networkx as nx
 
 from . import __version__
 from .config import AttnResConfig
+from .passes.graph_view import format_shape
 from .passes.plan import Plan
+from .passes.verify import describe
 
 
 class Report:
@@ -21,7 +24,8 @@ class Report:
         return self.data[key]
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.data, indent=indent, default=str)
+        """Strict JSON: non-finite numbers (an infinite min_rtol) are written as strings ("inf", "nan")."""
+        return json.dumps(_finite(self.data), indent=indent, default=str, allow_nan=False)
 
     def __str__(self) -> str:
         return format_table(self.data)
@@ -29,9 +33,21 @@ class Report:
     __repr__ = __str__
 
 
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, sites=None,
-          verification: list[dict] | None = None, notes: list[str] | None = None) -> Report:
-    """The report for one analysis (and rewrite, when `sites` is given)."""
+          verification: list[dict] | None = None, notes: list[str] | None = None,
+          dynamic_dims: dict[str, list[int]] | None = None) -> Report:
+    """The report for one analysis (and rewrite, when `sites` is given); `dynamic_dims`: the
+    traced module's symbolic input axes ({input: [axis, ...]})."""
     sites = sites or []
     by_chain: dict[int, list] = {}
     for s in sites:
@@ -50,7 +66,7 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
             "root": c.root,
             "feature_axis": c.feature_axis,
             "feature_size": c.feature_size,
-            "shape": [str(d) for d in c.links[0].shape],
+            "shape": format_shape(c.links[0].shape),
             "block_size": block,
             "detail": [{"site": k, "result": link.result, "skip": link.skip, "branches": link.branches, "adds": link.adds}
                        for k, link in enumerate(c.links, start=1)],
@@ -78,6 +94,7 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
         "chains": chains,
         "skipped_adds": [{"node": s.node, "target": s.target, "reason": s.reason} for s in plan.skipped_adds],
         "verification": verification,
+        "dynamic_dims": dynamic_dims or {},
         "notes": notes or [],
     }
     return Report(data)
@@ -113,12 +130,9 @@ def format_table(data: dict) -> str:
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
     if data["verification"]:
         lines += ["", "verification (original vs rewritten, same inputs):"]
-        for row in data["verification"]:
-            if "error" in row:
-                lines.append(f"  ✗ {row['output']}: {row['error']}")
-                continue
-            mark = "·" if "ok" not in row else ("✓" if row["ok"] else "✗")
-            tol = f" tol {row['tol']:.1e}" if "tol" in row else " (function changed: no tolerance)"
-            lines.append(f"  {mark} {row['output']:<28} max abs {row['max_abs']:.2e}  max rel {row['max_rel']:.2e}{tol}")
+        lines += [f"  {describe(row)}" for row in data["verification"]]
+    if data.get("dynamic_dims"):
+        dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
+        lines.append(f"dynamic input dims: {dims}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)

@@ -75,23 +75,18 @@ def _save(path: Path, nodes, feature, opset=17) -> Path:
 
 
 def chain_model(path: Path, feature="D", opset=17) -> Path:
-    """h1 = x + relu(x), h2 = h1 + sigmoid(h1): a two-link residual chain that is not PreNorm."""
-    return _save(path, [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
-                        helper.make_node("Sigmoid", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["y"])],
+    """h1 = x + x*relu(x), h2 = h1 + h1*sigmoid(h1) (the products as Einsum, a learned-op kind): a
+    two-link residual chain that is not PreNorm and whose feature size may be symbolic."""
+    return _save(path, [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Einsum", ["x", "r"], ["xr"], equation="bd,bd->bd"),
+                        helper.make_node("Add", ["x", "xr"], ["h1"]),
+                        helper.make_node("Sigmoid", ["h1"], ["s"]), helper.make_node("Einsum", ["h1", "s"], ["hs"], equation="bd,bd->bd"),
+                        helper.make_node("Add", ["h1", "hs"], ["y"])],
                  feature, opset)
 
 
-def cancelling_model(path: Path) -> Path:
-    """h1 = x + 1e8*x, y = h1 - 0.999999*h1 ~ 100x: the sum cancels catastrophically, so
-    reassociating it (softmax-weighted, then scaled) changes what fp32 rounding loses."""
-    big = helper.make_tensor("big", TensorProto.FLOAT, [], [1e8])
-    neg = helper.make_tensor("neg", TensorProto.FLOAT, [], [-0.999999])
-    nodes = [helper.make_node("Mul", ["x", "big"], ["b1"]), helper.make_node("Add", ["x", "b1"], ["h1"]),
-             helper.make_node("Mul", ["h1", "neg"], ["b2"]), helper.make_node("Add", ["h1", "b2"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 8])], [big, neg])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
+def sites(model: onnx.ModelProto) -> int:
+    """Depth-attention sites of a rewritten model: one DepthAttention or DepthAttentionMerge node each."""
+    return sum(n.domain == "attnres" and n.op_type in ("DepthAttention", "DepthAttentionMerge") for n in model.graph.node)
 
 
 def test_inspect_table_and_json(gpt_onnx):
@@ -153,7 +148,7 @@ def test_factory_to_onnx_and_pt2(tmp_path, capsys):
     assert run.returncode == 0, run.stderr
     assert "✓ onnxruntime:" in run.stdout
     model = onnx.load(str(tmp_path / "gpt.onnx"))
-    assert sum(n.op_type == "DepthAttention" for n in model.graph.node) == 8
+    assert sites(model) == 8
     assert all(d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim)
     assert main(["rewrite", "samples.models:parallel_gpt_factory", "-o", str(tmp_path / "p.pt2")]) == 0
     assert (tmp_path / "p.pt2").is_file() and "✓" in capsys.readouterr().out
@@ -172,14 +167,15 @@ def test_output_equal_to_input_needs_force(gpt_onnx, tmp_path):
     assert refused.returncode == 11 and hashlib.sha256(src.read_bytes()).hexdigest() == digest
     replaced = cli("rewrite", src, "-o", src, "--force")
     assert replaced.returncode == 0, replaced.stderr
-    assert sum(n.op_type == "DepthAttention" for n in onnx.load(str(src)).graph.node) == 8
+    assert sites(onnx.load(str(src))) == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
-def test_failed_write_leaves_no_partial_file(gpt_onnx, tmp_path):
-    (tmp_path / "out.onnx").mkdir()  # the rename onto a directory fails after the model is written
+def test_output_folder_is_refused_before_any_work(gpt_onnx, tmp_path):
+    """-o naming a folder is refused first, even with --force (it used to fail after writing the .data)."""
+    (tmp_path / "out.onnx").mkdir()
     run = cli("rewrite", gpt_onnx, "-o", tmp_path / "out.onnx", "--force")
-    assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert run.returncode == 2 and "is a folder" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"] and not any((tmp_path / "out.onnx").iterdir())
 
 
@@ -194,16 +190,15 @@ def _bad_inputs(tmp: Path, gpt_onnx: Path) -> dict:
     no_chain = _save(tmp / "mlp.onnx", [helper.make_node("Relu", ["x"], ["y"])], 8)
     out = tmp / "out.onnx"
     return {
-        2: (["rewrite", gpt_onnx, "-o", out, "--blocks", "0"], "num_blocks must be a positive integer"),
+        2: (["rewrite", gpt_onnx, "-o", out, "--blocks", "0"], "--blocks must be a positive integer"),
         3: (["inspect", "tests.test_cli:untraceable_factory"], "could not trace"),
         4: (["rewrite", no_chain, "-o", out], "no residual chain to rewrite"),
         5: (["rewrite", chain_model(tmp / "dyn.onnx"), "-o", out], "dynamic feature axis"),
         6: (["rewrite", tmp / "missing.onnx", "-o", out], "no such file"),
-        7: (["rewrite", cancelling_model(tmp / "c.onnx"), "-o", tmp / "kept.onnx"], "verification failed"),
         8: (["inspect", tmp / "text.onnx"], "not an ONNX model"),
         9: (["rewrite", tmp / "cut.onnx", "-o", out], "truncated or corrupt"),
         10: (["rewrite", external, "-o", out], "external data file"),
-        11: (["rewrite", gpt_onnx, "-o", gpt_onnx], "would replace the input's"),
+        11: (["rewrite", gpt_onnx, "-o", gpt_onnx], "would replace the input"),
         12: (["inspect", chain_model(tmp / "old.onnx", feature=8, opset=11)], "opset 11 is not supported"),
     }
 
@@ -216,7 +211,6 @@ def test_every_error_code_through_a_subprocess(gpt_onnx, tmp_path):
         assert run.returncode == code, (code, run.stderr)
         assert len(lines) == 1 and lines[0].startswith("attnres-compile: error:") and message in lines[0], (code, lines)
         assert not any(tmp_path.glob("out.onnx*")) and not any(tmp_path.glob(".out.onnx*")), code
-    assert (tmp_path / "kept.onnx").is_file()  # a failed verdict keeps the complete file for inspection
     assert runs[-1].returncode == 8 and "Traceback" in runs[-1].stderr  # --debug shows it
 
 

@@ -22,7 +22,8 @@ from attnres_compile.errors import (CorruptModelError, DynamicFeatureAxisError, 
 from attnres_compile.onnx_api import export_onnx, inspect_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
 from attnres_compile.passes import onnx_export
-from attnres_compile.passes.onnx_function import DOMAIN, OP_TYPE, attach_functions, site_node
+from attnres_compile.passes.onnx_function import MERGE, OP_TYPE, PARTIAL, attach_functions, site_node
+from attnres_compile.passes.onnx_grouping import sites as onnx_sites
 from samples import hf_models, models
 
 
@@ -78,8 +79,9 @@ def exported(tmp_path_factory):
     return get
 
 
-def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+def _sites(model: onnx.ModelProto):
+    """The sites (DepthAttention or Merge nodes) with their full source lists."""
+    return onnx_sites(model.graph)
 
 
 def _dims(values) -> list[list]:
@@ -116,7 +118,7 @@ def test_preserve_mode_is_exact_in_onnxruntime(exported, tmp_path, name, way):
     assert all(q.dtype == np.float32 and not q.any() for q in queries.values())
     assert len(_sites(model)) == sites
     assert not [n for n in model.graph.node if n.op_type in ("Add", "Sum") and n.output[0] in
-                {s.output[0] for s in _sites(model)}]
+                {s.node.output[0] for s in _sites(model)}]
     assert (Path(f"{out}.data").exists()) == (way == "dynamo") == (len(result.written) == 2)
     assert _run_both(src, out, {names[0]: (3, 5)}) <= 1e-5
 
@@ -127,19 +129,26 @@ def test_block_variant_terms_and_scales(exported, tmp_path, way):
     out = tmp_path / "block.onnx"
     result = rewrite_onnx(src, out, ac.AttnResConfig(variant="block", block_size=3))
     assert all(r["ok"] for r in result.report["verification"])
-    sites = _sites(onnx.load(str(out), load_external_data=False))
-    terms = [len(n.input) - 1 for n in sites]
+    model = onnx.load(str(out), load_external_data=False)
+    sites = _sites(model)
+    terms = [len(s.sources) for s in sites]
     assert terms == [2, 2, 2, 3, 3, 3, 4, 4]
-    scales = [next(a.f for a in n.attribute if a.name == "scale") for n in sites]
-    assert scales == [float(t) for t in terms]
-    assert [n.overload for n in sites] == [f"n{t}_axis-1_scale{float(t)!r}_eps1e-06" for t in terms]
+    assert [s.scale for s in sites] == [float(t) for t in terms]
+    # one Partial per block over its completed history, one Merge per site over its partial block sum;
+    # the last block's two sites over a short history stay DepthAttention nodes
+    assert [s.node.op_type for s in sites] == [MERGE] * 6 + [OP_TYPE] * 2
+    assert [len(s.node.input) - 3 for s in sites[:6]] == [1] * 6
+    partials = [{a.name: a.i for a in n.attribute if a.name in ("carry", "queries")} | {"inputs": len(n.input)}
+                for n in model.graph.node if n.op_type == PARTIAL]
+    # the second appends one entry (b_1) to the history (v_0) the first stacked
+    assert partials == [{"carry": c, "queries": 3, "inputs": 2 * c + 1 + 3} for c in (0, 1)]
     onnx.checker.check_model(str(out), full_check=True)
 
 
 def test_paper_scale_on_prenorm(exported, tmp_path):
     result = rewrite_onnx(exported("gpt", "legacy"), tmp_path / "paper.onnx", ac.AttnResConfig(scale="paper"))
     sites = _sites(onnx.load(str(tmp_path / "paper.onnx")))
-    assert {next(a.f for a in n.attribute if a.name == "scale") for n in sites} == {1.0}
+    assert {s.scale for s in sites} == {1.0}
     assert all(r["ok"] for r in result.report["verification"])  # PreNorm: equal up to the norms' eps
 
 
@@ -265,10 +274,12 @@ def test_input_shape_overrides_bind_shared_symbols(exported):
 
 
 def _chain_model(path: Path, feature="D", opset: int = 17) -> Path:
-    """x -> h1 = x + relu(x) -> h2 = h1 + sigmoid(h1): a two-link chain, not PreNorm, built by hand."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["h1"]),
-             helper.make_node("Sigmoid", ["h1"], ["s"]), helper.make_node("Add", ["h1", "s"], ["h2"]),
-             helper.make_node("Identity", ["h2"], ["y"])]
+    """x -> h1 = x + x*relu(x) -> h2 = h1 + h1*sigmoid(h1): a two-link chain, not PreNorm, built by hand
+    (the products as Einsum, a learned-op kind: a branch without one is an activation, not a link)."""
+    nodes = [helper.make_node("Relu", ["x"], ["rx"]), helper.make_node("Einsum", ["x", "rx"], ["r"], equation="bd,bd->bd"),
+             helper.make_node("Add", ["x", "r"], ["h1"]),
+             helper.make_node("Sigmoid", ["h1"], ["sh"]), helper.make_node("Einsum", ["h1", "sh"], ["s"], equation="bd,bd->bd"),
+             helper.make_node("Add", ["h1", "s"], ["h2"]), helper.make_node("Identity", ["h2"], ["y"])]
     shape = ["b", feature]
     graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
@@ -316,7 +327,7 @@ def test_output_never_replaces_an_input_file(exported, tmp_path):
     (tmp_path / f"{src.name}.data").write_bytes(Path(f"{src}.data").read_bytes())
     before = sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir())
     for output in (tmp_path / "renamed.onnx", tmp_path / src.name):
-        with pytest.raises(OutputPathError, match="would replace the input's"):
+        with pytest.raises(OutputPathError, match="would replace the input"):
             rewrite_onnx(tmp_path / "renamed.onnx", output)
     assert sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir()) == before
     result = rewrite_onnx(tmp_path / "renamed.onnx", tmp_path / "renamed.onnx", force=True)
@@ -335,18 +346,21 @@ def test_passthrough_and_layout_ops_between_links(tmp_path):
     (removed with the residual sum: nothing else reads them); a three-term Sum as a parallel link;
     sources of the other layout are reshaped to the site's."""
     shape_2d = onnx.numpy_helper.from_array(np.array([-1, 8], np.int64), "flat")
+    gain = onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 8, dtype=np.float32), "gain")  # branches' learned op
     nodes = [
-        helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Add", ["x", "a"], ["h1"]),
+        helper.make_node("Relu", ["x"], ["ra"]), helper.make_node("Mul", ["ra", "gain"], ["a"]),
+        helper.make_node("Add", ["x", "a"], ["h1"]),
         helper.make_node("Cast", ["h1"], ["c"], to=TensorProto.FLOAT), helper.make_node("Identity", ["c"], ["i"]),
         helper.make_node("Dropout", ["i"], ["d"]), helper.make_node("Reshape", ["d", "flat"], ["r"]),
         helper.make_node("Reshape", ["h1", "flat"], ["r2"]),
-        helper.make_node("Sigmoid", ["r2"], ["s"]), helper.make_node("Tanh", ["r2"], ["t"]),
+        helper.make_node("Sigmoid", ["r2"], ["sg"]), helper.make_node("Mul", ["sg", "gain"], ["s"]),
+        helper.make_node("Tanh", ["r2"], ["th"]), helper.make_node("Mul", ["th", "gain"], ["t"]),
         helper.make_node("Sum", ["r", "s", "t"], ["y"]),
     ]
     src = _graph(tmp_path / "skip.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 8])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 8])])
     src_model = onnx.load(str(src))
-    src_model.graph.initializer.append(shape_2d)
+    src_model.graph.initializer.extend([shape_2d, gain])
     onnx.save(src_model, str(src))
     report = inspect_onnx(src)
     chain = report["chains"][0]

@@ -4,10 +4,14 @@ Inputs: symbolic dims get sizes (`--input-shape name:1x128` first, binding its s
 every input that shares them; then 2 for a leading dim, 16 for the others); float inputs are
 standard normal, integer inputs named like a mask are ones, integer inputs that index an
 embedding table (Gather on an initializer) are uniform below the table size, others zero.
+
+`compare_files` runs both models in a forked child (isolate.py) with a time and memory limit:
+onnxruntime executes the user's graph, and its crashes and endless loops must not be ours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -16,7 +20,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from ..errors import ConfigError
+from .. import isolate
+from ..errors import ConfigError, ModelRunError
 from ..passes import verify
 
 DEFAULT_BATCH = 2
@@ -93,7 +98,7 @@ def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: d
     shapes = input_shapes(sess, overrides)
     feeds = {}
     for inp in sess.get_inputs():
-        dtype = _np_type(inp.type)
+        dtype = _np_type(inp.type, repr(inp.name))
         shape = shapes[inp.name]
         if np.issubdtype(dtype, np.floating):
             feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
@@ -106,13 +111,15 @@ def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: d
     return feeds
 
 
-def _np_type(ort_type: str) -> np.dtype:
-    name = ort_type.removeprefix("tensor(").removesuffix(")")
+def _np_type(ort_type: str, name: str = "") -> np.dtype:
+    elem = ort_type.removeprefix("tensor(").removesuffix(")")
     table = {"float": np.float32, "double": np.float64, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-             "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "int16": np.int16}
-    if name not in table:
-        raise ConfigError(f"cannot build a test input of type {ort_type}")
-    return np.dtype(table[name])
+             "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "int16": np.int16, "uint16": np.uint16,
+             "uint32": np.uint32, "uint64": np.uint64}
+    if not ort_type.startswith("tensor(") or elem not in table:
+        raise ModelRunError(f"cannot generate a verification input for {name or 'an input'} of type {ort_type} "
+                            "(tensors of numeric types only); verify_outputs=False skips verification")
+    return np.dtype(table[elem])
 
 
 def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -121,26 +128,88 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, n
     return dict(zip(names, sess.run(names, feeds)))
 
 
-def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance: tuple) -> list[dict]:
-    """verify.compare per floating output with `tolerance` = (atol or None for no verdict, rtol); rows named by output."""
-    atol, rtol = tolerance
+def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance) -> list[dict]:
+    """verify.compare per floating output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
     rows = []
     for name, ref in expected.items():
         if name not in actual:
             rows.append({"output": name, "ok": False, "error": "missing from the rewritten model's outputs"})
             continue
-        for row in verify.compare(torch.from_numpy(np.asarray(ref)), torch.from_numpy(np.asarray(actual[name])), atol, rtol):
+        for row in verify.compare(torch.from_numpy(np.asarray(ref)), torch.from_numpy(np.asarray(actual[name])), tolerance):
             rows.append({**row, "output": name})
     return rows
 
 
-def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tolerance: tuple,
-                  overrides: dict | None = None, seed: int = 0) -> tuple[list[dict], dict[str, tuple]]:
-    """Run both models on the same generated inputs; per-output rows and the input shapes used."""
+def run_pair(original: str | os.PathLike, rewritten: str | os.PathLike, overrides: dict | None = None,
+             seed: int = 0) -> tuple[dict, dict, dict[str, tuple]]:
+    """Both models on the same generated inputs, in this process: (expected, actual, input shapes)."""
     ref_sess = session(original)
     model = onnx.load(str(original), load_external_data=False)
     feeds = make_inputs(ref_sess, model, overrides, seed)
     expected = run(ref_sess, feeds)
     del ref_sess
     actual = run(session(rewritten), feeds)
-    return compare_outputs(expected, actual, tolerance), {k: tuple(v.shape) for k, v in feeds.items()}
+    return expected, actual, {k: tuple(v.shape) for k, v in feeds.items()}
+
+
+def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tolerance: tuple,
+                  overrides: dict | None = None, seed: int = 0, timeout: float | None = None,
+                  consequence: str = "nothing written") -> tuple[list[dict], dict[str, tuple]]:
+    """Run both models (`run_pair`) in an isolated child with `timeout` seconds (default sized to the
+    models, `default_timeout`); per-output rows and the input shapes used. onnxruntime refusing
+    to run them is a ModelRunError whose hint names --input-shape with the model's own input."""
+    timeout = timeout or default_timeout(original)
+    hint = "Re-run with verify_outputs=False to skip verification"
+    try:
+        expected, actual, shapes = isolate.run(run_pair, original, rewritten, overrides, seed, what="onnxruntime",
+                                               action="verifying", timeout=timeout, consequence=consequence, hint=hint)
+    except isolate.ChildError as exc:
+        raise ModelRunError(f"{exc}{shape_hint(original)}") from None
+    return compare_outputs(expected, actual, tolerance), shapes
+
+
+def _run_inputs(path: str | os.PathLike, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+    sess = session(path)
+    return run(sess, {i.name: a for i, a in zip(sess.get_inputs(), arrays)})
+
+
+def run_file(path: str | os.PathLike, arrays: list[np.ndarray], timeout: float | None = None,
+             consequence: str = "nothing written") -> dict[str, np.ndarray]:
+    """The outputs of the model at `path` on `arrays` (its inputs in order), run in an isolated child."""
+    try:
+        return isolate.run(_run_inputs, path, arrays, what="onnxruntime", action="verifying",
+                           timeout=timeout or default_timeout(path), consequence=consequence,
+                           hint="Re-run with verify_outputs=False to skip verification")
+    except isolate.ChildError as exc:
+        raise ModelRunError(str(exc)) from None
+
+
+def shape_hint(path: str | os.PathLike) -> str:
+    """"; or give its input shape, e.g. --input-shape pixel_values:1x3x320x320" for a model with
+    symbolic input dims (the first such input, by its own name), else ""."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001
+        return ""
+    initializers = {i.name for i in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in initializers or not inp.type.HasField("tensor_type"):
+            continue
+        dims = list(inp.type.tensor_type.shape.dim)
+        if not any(d.HasField("dim_param") or not d.HasField("dim_value") for d in dims):
+            continue
+        sizes = [str(d.dim_value) if d.HasField("dim_value") else "1" if i == 0 else "320" if len(dims) == 4 else "128"
+                 for i, d in enumerate(dims)]
+        return f"; or fix its symbolic dims, e.g. input_shapes={{{inp.name!r}: ({', '.join(sizes)})}}"
+    return ""
+
+
+def default_timeout(path: str | os.PathLike) -> float:
+    """Seconds allowed for verifying the model at `path`: 120, plus 120 per GiB of model and weights."""
+    p = os.fspath(path)
+    folder = os.path.dirname(p) or "."
+    size = 0
+    with contextlib.suppress(OSError):
+        size = os.path.getsize(p) + sum(e.stat().st_size for e in os.scandir(folder)
+                                        if e.is_file() and e.name.startswith(os.path.basename(p)) and e.name.endswith(".data"))
+    return 120.0 + 120.0 * size / 2**30

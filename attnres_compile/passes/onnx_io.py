@@ -5,9 +5,10 @@ the ir_version field, byte 0x08), checks the opset and the external data before 
 external data must lie inside the model's folder (an absolute location, `..` or a symlink
 that leads out is refused before the file is touched) and hold exactly the tensor's bytes;
 embedded tensors must have a known data type and exactly the bytes their shape needs.
-`staged` / `save` write the model (and its `<name>.data` when weights go external) into a
-temporary folder beside the output and rename them into place only when everything done
-there succeeded, so a failed run leaves no partial file.
+`staged` / `save` write the model (and its `<name>.data` when weights go external) through
+outputs.staged: into a staging folder beside the output, renamed into place (weights first,
+under a name of their own while an older output's weights exist) only when everything done
+there succeeded, so a failed run leaves no partial file and no mismatched model/data pair.
 """
 
 from __future__ import annotations
@@ -15,16 +16,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import re
+import secrets
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
+from .. import outputs
 from ..errors import CorruptModelError, ExternalDataError, InputError, NotOnnxError, UnsupportedOpsetError, first_line
 from .onnx_function import MIN_OPSET, default_opset
 
@@ -32,6 +32,7 @@ ONNX_MAGIC = b"\x08"          # field 1 (ir_version, varint) comes first in ever
 EXTERNAL_LIMIT = 1 << 30      # weights above this many bytes are always written as external data
 EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the .onnx file
 EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}  # what onnx reads; others are refused
+MAX_SUBGRAPH_DEPTH = 16       # If/Loop/Scan bodies nested deeper are refused (protobuf's parser stops at 32)
 
 
 def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
@@ -44,6 +45,9 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     try:
         model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+        if "MaxDepth" in str(exc):
+            raise CorruptModelError(f"{p}: its messages nest deeper than protobuf reads (If/Loop/Scan subgraphs more "
+                                    f"than 32 deep; at most {MAX_SUBGRAPH_DEPTH} are supported)") from None
         if head == ONNX_MAGIC:
             raise CorruptModelError(f"{p}: truncated or corrupt ONNX model ({first_line(exc)})") from None
         raise NotOnnxError(f"{p}: not an ONNX model (it does not parse as an ONNX ModelProto)") from None
@@ -54,6 +58,10 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     if bad:  # protobuf hands such strings over as bytes, which every later name lookup trips on
         raise CorruptModelError(f"{p}: truncated or corrupt ONNX model (a string field, {bad}, is not valid UTF-8)")
     check_opset(model, p)
+    depth = subgraph_depth(model)
+    if depth > MAX_SUBGRAPH_DEPTH:
+        raise CorruptModelError(f"{p}: If/Loop/Scan subgraphs are nested {depth} deep; at most {MAX_SUBGRAPH_DEPTH} "
+                                "levels are supported")
     check_external_data(model, p.parent, p)
     try:  # by path: the checker resolves external data against the model's folder, not the cwd
         onnx.checker.check_model(str(p))
@@ -159,6 +167,13 @@ def check_types(model: onnx.ModelProto, path: Path) -> None:
 
 def check_opset(model: onnx.ModelProto, path: Path) -> int:
     """The default-domain opset of `model`, which must lie in MIN_OPSET..(the installed onnx's newest)."""
+    domains = [o.domain if o.domain != "ai.onnx" else "" for o in model.opset_import]
+    twice = next((d for d in domains if domains.count(d) > 1), None)
+    if twice is not None:
+        versions = [o.version for o in model.opset_import if (o.domain if o.domain != "ai.onnx" else "") == twice]
+        raise CorruptModelError(f"{path}: truncated or corrupt ONNX model (it imports the "
+                                f"{'default ONNX domain' if not twice else f'domain {twice!r}'} {len(versions)} times, "
+                                f"opsets {versions}; ONNX allows one import per domain)")
     opset = default_opset(model)
     newest = onnx.defs.onnx_opset_version()
     if opset is None or not MIN_OPSET <= opset <= newest:
@@ -184,12 +199,6 @@ def _tensors(model: onnx.ModelProto):
         yield s.values
         yield s.indices
 
-    def graph_tensors(graph: onnx.GraphProto):
-        yield from graph.initializer
-        for s in graph.sparse_initializer:
-            yield from sparse(s)
-        yield from node_tensors(graph.node)
-
     def node_tensors(nodes):
         for node in nodes:
             for a in node.attribute:
@@ -200,29 +209,43 @@ def _tensors(model: onnx.ModelProto):
                     yield from sparse(a.sparse_tensor)
                 for s in a.sparse_tensors:
                     yield from sparse(s)
-                if a.HasField("g"):
-                    yield from graph_tensors(a.g)
-                for g in a.graphs:
-                    yield from graph_tensors(g)
 
-    yield from graph_tensors(model.graph)
+    for graph, _ in graphs_with_depth(model):
+        yield from graph.initializer
+        for s in graph.sparse_initializer:
+            yield from sparse(s)
+        yield from node_tensors(graph.node)
     for fn in model.functions:
         yield from node_tensors(fn.node)
 
 
 def _graphs(model: onnx.ModelProto):
-    """The main graph and every subgraph (of the graph and of the functions)."""
-    def subgraphs(nodes):
-        for node in nodes:
-            for a in node.attribute:
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield g
-                    yield from subgraphs(g.node)
+    """The main graph and every subgraph (of the graph and of the functions), each once."""
+    for graph, _ in graphs_with_depth(model):
+        yield graph
 
-    yield model.graph
-    yield from subgraphs(model.graph.node)
-    for fn in model.functions:
-        yield from subgraphs(fn.node)
+
+def graphs_with_depth(model: onnx.ModelProto):
+    """(graph, nesting depth) for the main graph (0), function bodies' subgraphs and every subgraph below,
+    each visited once, without recursion."""
+    stack = [(model.graph, 0)] + [(g, 1) for fn in model.functions for g in _subgraphs(fn.node)]
+    while stack:
+        graph, depth = stack.pop()
+        yield graph, depth
+        stack.extend((g, depth + 1) for g in _subgraphs(graph.node))
+
+
+def _subgraphs(nodes):
+    for node in nodes:
+        for a in node.attribute:
+            if a.HasField("g"):
+                yield a.g
+            yield from a.graphs
+
+
+def subgraph_depth(model: onnx.ModelProto) -> int:
+    """How deep If/Loop/Scan subgraphs nest (0: none), in one linear walk."""
+    return max(depth for _, depth in graphs_with_depth(model))
 
 
 def external_location(base: Path, location: str, tensor: str, path: Path) -> Path:
@@ -284,41 +307,21 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return sum(t.ByteSize() for t in _tensors(model))
 
 
-@dataclass
-class Staged:
-    """`path`: where to write, inside a temporary folder beside the output; `written`: the files committed."""
-
-    path: Path
-    written: list[Path] = field(default_factory=list)
+def staged(output: str | os.PathLike):
+    """outputs.staged for an ONNX output: write with `write(model, stage.path, external, data_name(stage))`."""
+    return outputs.staged(output)
 
 
-@contextlib.contextmanager
-def staged(output: str | os.PathLike) -> Iterator[Staged]:
-    """Stage files for `output`; on a clean exit, rename them into place (`.data` first), else drop them.
-
-    Whatever runs inside (writing, then verifying the staged model) leaves no partial file
-    behind when it fails, and the input is still intact while the staged copy is checked,
-    even when the output will replace it.
-    """
-    out = Path(output)
-    created = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    stage = Staged(tmpdir / out.name)
-    try:
-        yield stage
-        mode = 0o666 & ~_umask()
-        for name in (data_file_name(out), out.name):
-            if (tmpdir / name).exists():
-                os.chmod(tmpdir / name, mode)
-                os.replace(tmpdir / name, out.parent / name)
-                stage.written.insert(0, out.parent / name)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        if not stage.written:  # a failed run also takes back the folders it made for the output
-            for d in created:
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+def data_name(stage: outputs.Stage) -> str:
+    """The external data file for the staged output: `<name>.onnx.data`, or `<name>.onnx.<token>.data`
+    while a file of that name exists (an older output's weights), so that the old graph keeps its
+    own data until the new graph is in place; older data files of this output become obsolete."""
+    out = stage.out
+    pattern = re.compile(rf"^{re.escape(out.name)}(\.[0-9a-f]{{8}})?\.data$")
+    with contextlib.suppress(OSError):
+        stage.obsolete += [out.parent / n for n in os.listdir(out.parent) if pattern.match(n)]
+    default = data_file_name(out)
+    return default if not os.path.lexists(out.parent / default) else f"{out.name}.{secrets.token_hex(4)}.data"
 
 
 def data_file_name(output: Path) -> str:
@@ -326,31 +329,24 @@ def data_file_name(output: Path) -> str:
     return output.name + ".data"
 
 
-def write(model: onnx.ModelProto, path: Path, external: bool = False) -> None:
-    """Write `model` to `path`; weights go to `<path>.data` when `external` or large.
-
-    `model`'s tensors are moved to external data in place when written that way.
-    """
+def write(model: onnx.ModelProto, path: Path, external: bool = False, data: str | None = None) -> None:
+    """Write `model` to `path`; weights go to the file `data` beside it (default `<path>.data`)
+    when `external` or large. `model`'s tensors are moved to external data in place when written
+    that way. I/O errors (a full disk) raise OSError, which `staged` reports in one line."""
     if external or weight_bytes(model) > EXTERNAL_LIMIT:  # marked by hand: onnx's own conversion checks the cwd
         for tensor in model.graph.initializer:
             if len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
-                set_external_data(tensor, data_file_name(path))
+                set_external_data(tensor, data or data_file_name(path))
     onnx.save_model(model, str(path))
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False) -> list[Path]:
     """`write` atomically (through `staged`); returns the files written."""
     with staged(path) as stage:
-        write(model, stage.path, external)
+        write(model, stage.path, external, data_name(stage))
     return stage.written
 
 
 def input_files(model: onnx.ModelProto, path: Path) -> list[Path]:
     """The files a model loaded from `path` reads: the .onnx and its external data files."""
     return [path] + sorted({path.parent / ExternalDataInfo(t).location for t in external_tensors(model)})
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -7,10 +7,10 @@ plan's names are the graph's value names. Ops are classified structurally, never
     Identity, inference Dropout, Cast/CastLike to the same type   PASSTHROUGH
     Reshape keeping the last dimension whole   LAYOUT
     initializers, Constant, Shape, Size        CONST (Shape/Size carry sizes, no data)
-    attnres.DepthAttention                     DEPTH_ATTENTION
+    attnres.DepthAttention, DepthAttentionMerge  DEPTH_ATTENTION (one per site; checked by onnx_site_check)
     graph inputs                               INPUT
 
-Shapes come from shape inference (`infer_shapes`) on top of the file's own value_info;
+Shapes come from shape inference (`inferred_types`) on top of the file's own value_info;
 symbolic dims are their names, unknown dims a per-value token that equals no other.
 """
 
@@ -25,36 +25,82 @@ import onnx.inliner
 from onnx import TensorProto
 
 from ..errors import CorruptModelError
+from . import onnx_io
 from .graph_view import Kind, ViewNode, build_view
-from .onnx_function import DOMAIN, OP_TYPE
+from .onnx_function import DOMAIN, MERGE, OP_TYPE
+from .onnx_site_check import check_sites
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 OUTPUT_SINK = "<graph outputs>"
+# learned operators even when their weight is an activation (graph_view.py `learned`)
+CONTRACTIONS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger", "ConvInteger", "QLinearMatMul",
+                "QLinearConv", "FusedMatMul", "Attention", "MultiHeadAttention"}
 
 
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with inferred value_info: onnxruntime's symbolic shape inference, else ONNX's.
+SYMBOLIC_MAX_DEPTH = 2  # onnxruntime's symbolic inference re-infers every subgraph on each pass: exponential in depth
+
+
+def symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """`model` with value_info from onnxruntime's symbolic shape inference, or None where it fails.
 
     The symbolic one (sympy) keeps one symbol per dim through Shape/Gather/Concat/Reshape
     arithmetic, so the skip and branch of a residual add in a legacy export have equal shapes
     where ONNX's own inference invents a fresh `unk__N` after every computed Reshape. It does
     not know local functions, so it runs on a copy with them inlined (site outputs keep their
-    names). Shape inference is best effort: values left without a shape are reported as such.
+    names).
     """
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         source = onnx.inliner.inline_local_functions(model) if model.functions else model
         with _quiet("onnxruntime.tools.symbolic_shape_infer"), _no_stray_files():
-            inferred = SymbolicShapeInference.infer_shapes(source, auto_merge=True, guess_output_rank=True)
-        if inferred is not None:
-            return inferred
-    except Exception:  # noqa: BLE001 - fall back to ONNX's inference
-        pass
+            return SymbolicShapeInference.infer_shapes(source, auto_merge=True, guess_output_rank=True)
+    except Exception:  # noqa: BLE001 - the caller falls back to ONNX's inference
+        return None
+
+
+def onnx_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with value_info from ONNX's own shape inference (`model` itself where it fails)."""
     try:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # noqa: BLE001
         return model
+
+
+def _symbolic_types(model: onnx.ModelProto) -> dict | None:
+    inferred = symbolic_shapes(model)
+    return None if inferred is None else value_types(inferred.graph)
+
+
+def _onnx_types(model: onnx.ModelProto) -> dict:
+    return value_types(onnx_shapes(model).graph)
+
+
+def inferred_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple | None]]:
+    """`value_types` of the main graph after shape inference: onnxruntime's symbolic one, else ONNX's.
+
+    Both run in an isolated child (isolate.py): shape inference evaluates parts of the graph
+    (Range, ConstantOfShape on constants) and has its own bugs (the symbolic one loops forever on
+    an input of undefined element type), so a hostile model's hang, crash or memory bomb there
+    costs at most the time limit (30 s plus 0.05 s per node); the symbolic one failing in any way
+    falls back to ONNX's. Beyond SYMBOLIC_MAX_DEPTH levels of If/Loop/Scan nesting only ONNX's
+    runs: the symbolic one re-infers each body on every pass, exponential in the depth, while
+    ONNX's is linear. Shape inference is best effort: values left without a shape are reported as such.
+    """
+    from .. import isolate
+    from ..errors import CrashError, MemoryLimitError, TimeLimitError
+
+    nodes = sum(len(g.node) for g, _ in onnx_io.graphs_with_depth(model))
+    timeout = 30.0 + 0.05 * nodes + 60.0 * model.ByteSize() / 2**30
+    run = {"what": "shape inference", "action": "analysing the model", "timeout": timeout}
+    if onnx_io.subgraph_depth(model) <= SYMBOLIC_MAX_DEPTH:
+        try:
+            types = isolate.run(_symbolic_types, model, **run)
+            if types is not None:
+                return types
+        except (CrashError, TimeLimitError, MemoryLimitError, isolate.ChildError):
+            pass
+    return isolate.run(_onnx_types, model, **run)
 
 
 class _OnnxWithoutSave:
@@ -191,7 +237,7 @@ def subgraph_reads(node: onnx.NodeProto) -> list[str]:
 
 
 def _kind(node: onnx.NodeProto, types: dict) -> Kind:
-    if node.domain == DOMAIN and node.op_type == OP_TYPE:
+    if node.domain == DOMAIN and node.op_type in (OP_TYPE, MERGE):
         return Kind.DEPTH_ATTENTION
     if node.domain not in STANDARD_DOMAINS:
         return Kind.OP
@@ -209,7 +255,8 @@ def _kind(node: onnx.NodeProto, types: dict) -> Kind:
 def view_nodes(model: onnx.ModelProto) -> list[ViewNode]:
     """The ViewNodes of `model.graph` in topological order (the order ONNX requires)."""
     graph = model.graph
-    types = value_types(infer_shapes(model).graph)  # types only: shape inference may have inlined functions
+    check_sites(model, value_types(graph))  # before anything trusts (or shape-infers) existing sites
+    types = inferred_types(model)  # types only: shape inference may have inlined functions
     initializers = [i.name for i in graph.initializer]
     consts = set(initializers)
     out: list[ViewNode] = []
@@ -237,7 +284,8 @@ def view_nodes(model: onnx.ModelProto) -> list[ViewNode]:
                 consts.add(value)
             defined.add(value)
             out.append(ViewNode(value, value_kind, target, inputs, _shape(value, types), _dtype(value, types),
-                                scalar=scalar and value_kind == Kind.ADD))
+                                scalar=scalar and value_kind == Kind.ADD,
+                                learned=value_kind == Kind.OP and node.op_type in CONTRACTIONS))
     out.append(ViewNode(OUTPUT_SINK, Kind.OUTPUT, "output", [o.name for o in graph.output]))
     return out
 

@@ -1,0 +1,302 @@
+"""Every file or folder a command writes goes through here: checked together before any work,
+written into a staging folder beside it, committed so that the destination is either the old
+file untouched or the complete new one.
+
+- `check` (before any work): an existing output (a dangling symlink counts) is replaced only with
+  --force; an output never replaces an input, except `-o` (and its `.data`) with --force, the
+  documented in-place rewrite; two outputs of one run never name the same file; an output that
+  is a folder (or a folder output that is a file) is refused even with --force.
+- `staged` / `staged_folder`: files are written into `.NAME.PID.TOKEN.tmp/` beside the output,
+  fsynced and renamed into place (other staged files first, the output itself last, then the
+  folder is fsynced), and files the new output makes obsolete (an older output's weights) are
+  removed only after it is in place. Any exception (errors, Ctrl-C, SIGTERM raised as
+  `Interrupted`) removes the staging folder; staging folders of dead processes (kill -9) are
+  removed by the next run writing the same output. Folders replace folders with one atomic
+  exchange (renameat2) where the system has it. Nothing is committed once SIGNALS records a
+  signal (an interrupt a library swallowed).
+- Write errors (disk full, EIO, read-only, permission) become OutputWriteError (exit 19).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError, InputError, OutputPathError, OutputWriteError
+
+SIGNALS: list[int] = []  # signals this process received (the CLI's handlers record them): no commit after one
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM,
+                errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One path a command will write: `option` names it in messages (`-o`, `--report`); `primary`
+    outputs may replace an input with --force (the in-place rewrite); `folder` for artifact folders."""
+
+    path: Path
+    option: str
+    primary: bool = False
+    folder: bool = False
+
+
+def check(outputs: list[Output], inputs: list[Path], force: bool) -> None:
+    """Refuse, before any work, every output this run must not write (see the module docstring)."""
+    seen: dict[str, Output] = {}
+    for o in outputs:
+        key = _identity(o.path)
+        if key in seen:
+            other = seen[key]
+            raise ConfigError(f"{other.option} {other.path} and {o.option} {o.path} name the same file: "
+                              "give each output its own path")
+        seen[key] = o
+    for o in outputs:
+        p = o.path
+        for parent in [p.parent, *p.parent.parents]:
+            if os.path.lexists(parent) and not parent.is_dir():
+                raise ConfigError(f"{o.option} {p}: {parent} is not a folder")
+        clash = next((i for i in inputs if _same(p, i)), None)
+        if clash is not None and not (o.primary and force):
+            fix = "choose another path, or pass --force to replace it" if o.primary else "choose another path"
+            raise OutputPathError(f"{o.option} {p} would replace the input {clash}: {fix}")
+        if not os.path.lexists(p):
+            continue
+        if o.folder:
+            if not p.is_dir():
+                raise ConfigError(f"{o.option} {p} exists and is not a folder")
+            if not force and any(p.iterdir()):
+                raise InputError(f"{o.option} {p} exists: pass --force to replace it")
+        elif p.is_dir():
+            raise ConfigError(f"{o.option} {p} is a folder: give a file name")
+        elif not force:
+            what = "exists (a dangling symlink)" if not p.exists() else "exists"
+            raise InputError(f"{o.option} {p} {what}: pass --force to overwrite it")
+
+
+def _identity(path: Path) -> str:
+    return os.path.normcase(os.path.realpath(path))
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+        return _identity(a) == _identity(b)
+    except (OSError, ValueError):  # a name with a NUL byte names no file
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# staging and commit
+
+_STAGE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{12}\.(tmp|old)$")
+
+
+def _stage_name(out: Path, kind: str = "tmp") -> Path:
+    return out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}"
+
+
+def clean_stale(out: Path) -> None:
+    """Remove the staging folders a killed run (its process gone) left for `out`."""
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return
+    for entry in entries:
+        m = _STAGE.match(entry.name)
+        if m and m["name"] == out.name and not _alive(int(m["pid"])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier run of this process that was killed cannot be running
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Stage:
+    """`path`: where to write the output, inside the staging `folder`; other files written into
+    `folder` are committed beside it (first). `obsolete`: files to remove once the output is in
+    place. `written`: the files committed."""
+
+    out: Path
+    folder: Path
+    obsolete: list[Path] = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.out.name
+
+
+@contextlib.contextmanager
+def staged(output: str | os.PathLike) -> Iterator[Stage]:
+    """Stage files for `output` and commit them on a clean exit; on any exception, remove them
+    (and the folders made for the output)."""
+    out = Path(output)
+    created = _make_parents(out)
+    clean_stale(out)
+    stage = Stage(out, _stage_name(out))
+    committed = []
+    try:
+        with _write_errors(out):
+            os.mkdir(stage.folder)
+            yield stage
+            _check_signals()
+            names = sorted(n for n in os.listdir(stage.folder) if n != out.name)
+            files = [*names, out.name] if (stage.folder / out.name).exists() else names
+            mode = 0o666 & ~_umask()
+            for name in files:
+                _fsync_file(stage.folder / name, mode)
+            for name in files:  # the output itself last: it is what makes the new files current
+                os.replace(stage.folder / name, out.parent / name)
+                committed.append(out.parent / name)
+            _fsync_dir(out.parent)
+        stage.written = [committed[-1], *committed[:-1]] if committed else []
+        for old in stage.obsolete:
+            if old not in committed:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+    except BaseException:
+        if out not in committed:  # new files beside an old output would be orphans: take them back
+            for p in committed:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        raise
+    finally:
+        shutil.rmtree(stage.folder, ignore_errors=True)
+        if not stage.written:
+            _remove_created(created)
+
+
+@contextlib.contextmanager
+def staged_folder(output: str | os.PathLike) -> Iterator[Path]:
+    """A staging folder for the folder `output`, which replaces it on a clean exit (one atomic
+    exchange where renameat2 exists), and is removed on any exception."""
+    out = Path(output)
+    created = _make_parents(out)
+    clean_stale(out)
+    stage = _stage_name(out)
+    done = False
+    try:
+        with _write_errors(out):
+            os.mkdir(stage)
+            yield stage
+            os.chmod(stage, 0o777 & ~_umask())
+            _check_signals()
+            for folder, _, files in os.walk(stage):
+                for name in files:
+                    _fsync_file(Path(folder) / name, None)
+            if os.path.lexists(out) and _exchange(stage, out):
+                pass  # the old folder is now at `stage`, removed below
+            else:
+                if os.path.lexists(out):  # no atomic exchange here: move the old folder aside first
+                    old = _stage_name(out, "old")
+                    os.rename(out, old)
+                    os.rename(stage, out)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.rename(stage, out)
+            _fsync_dir(out.parent)
+            done = True
+    finally:
+        if os.path.islink(stage):  # the exchange moved a symlink that stood at `out` here
+            os.unlink(stage)
+        shutil.rmtree(stage, ignore_errors=True)
+        if not done:
+            _remove_created(created)
+
+
+def _check_signals() -> None:
+    """A Ctrl-C or SIGTERM whose exception a library swallowed still stops the commit."""
+    if SIGNALS:
+        raise KeyboardInterrupt
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` (normally inside a Stage); I/O errors raise OSError for `staged`."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _make_parents(out: Path) -> list[Path]:
+    created = [d for d in [out.parent, *out.parent.parents] if not os.path.lexists(d)]
+    with _write_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    for d in created:  # innermost first: a failed run takes back the folders it made
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def _write_errors(out: Path):
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise OutputWriteError(f"cannot write {out}: {exc.strerror or exc}; nothing was replaced or left behind") from None
+
+
+def _fsync_file(path: Path, mode: int | None) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

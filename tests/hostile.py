@@ -1,0 +1,623 @@
+"""Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
+of issue 14, and the checks every run must pass. Used by test_fuzz_hostile.py (a fixed-seed
+sample within a time budget) and by its long run (`python tests/test_fuzz_hostile.py --cases 10000`).
+
+A case is a folder of files plus a command line. Every run must end with a documented exit code
+(the case's own set when it has one), exactly one `attnres-compile: error:` line on failure, no
+traceback, no signal death, no run past its time limit, no staging folder or partial output left,
+no input changed, and no marker file created by a payload.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import random
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data
+
+DOCUMENTED = {0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 130, 143}
+ONNX_CODES = {0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 17, 18}
+D = 16
+MARKER = "PAYLOAD-RAN"
+
+
+@dataclass
+class Case:
+    """`files`: relative path -> bytes, or ("symlink", target); `argv` may hold "{d}" for the case folder."""
+
+    kind: str
+    name: str
+    argv: list[str]
+    files: dict = field(default_factory=dict)
+    expect: set = field(default_factory=lambda: set(ONNX_CODES))
+    outputs: set = field(default_factory=set)  # files a successful run (or exit 7) may add
+    env: dict = field(default_factory=dict)
+    timeout: float = 150.0
+    send: tuple | None = None  # (signal, seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# base models
+
+
+def tiny(dim: int = D, links: int = 2) -> onnx.ModelProto:
+    """h_k = h_{k-1} + h_{k-1} @ w_k: a residual chain, static feature size `dim`."""
+    rng = np.random.default_rng(0)
+    nodes, inits, h = [], [], "x"
+    for k in range(1, links + 1):
+        inits.append(numpy_helper.from_array((rng.standard_normal((dim, dim)) / dim).astype(np.float32), f"w{k}"))
+        out = "y" if k == links else f"h{k}"
+        nodes += [helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]), helper.make_node("Add", [h, f"m{k}"], [out])]
+        h = out
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", dim])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", dim])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def external(model: onnx.ModelProto, location: str = "m.onnx.data") -> tuple[bytes, bytes]:
+    """(model bytes, data bytes) with every initializer external at `location`."""
+    model = copy.deepcopy(model)
+    data, at = b"", 0
+    for t in model.graph.initializer:
+        raw = t.raw_data
+        set_external_data(t, location, offset=at, length=len(raw))
+        t.ClearField("raw_data")
+        data, at = data + raw, at + len(raw)
+    return model.SerializeToString(), data
+
+
+def rewritten(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` rewritten by attnres-compile (no verification), for spoofing its sites."""
+    import tempfile
+
+    from attnres_compile.onnx_api import rewrite_onnx
+
+    with tempfile.TemporaryDirectory() as d:
+        onnx.save(model, f"{d}/in.onnx")
+        rewrite_onnx(f"{d}/in.onnx", f"{d}/out.onnx", verify_outputs=False)
+        return onnx.load(f"{d}/out.onnx")
+
+
+def pt2_bytes() -> bytes:
+    """A valid rewritten .pt2 (a three-link MLP chain), as `rewrite -o X.pt2` writes it."""
+    import torch
+
+    from attnres_compile import pt2
+    from attnres_compile.api import rewrite
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(torch.relu(x))
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    gm = rewrite(Chain(), (x,), verify_outputs=False).graph_module
+    return pt2.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
+
+
+class Bases:
+    """The base files every generator mutates, built once."""
+
+    def __init__(self):
+        self.tiny = tiny()
+        self.tiny_bytes = self.tiny.SerializeToString()
+        self.ext_model, self.ext_data = external(tiny(dim=64))
+        self.sited = rewritten(tiny(links=3))
+        self.pt2 = pt2_bytes()
+        from pt2_vectors import vectors
+
+        self.vectors = vectors(self.pt2, MARKER)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def save(model: onnx.ModelProto) -> bytes:
+    return model.SerializeToString()
+
+
+def onnx_case(kind: str, name: str, model_bytes: bytes, rng: random.Random, extra: dict | None = None,
+              expect: set | None = None, command: str | None = None, options: list | None = None, **kw) -> Case:
+    command = command or rng.choice(["inspect", "rewrite", "rewrite", "no-verify"])
+    argv = {"inspect": ["inspect", "{d}/m.onnx"],
+            "rewrite": ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--verify-timeout", "20"],
+            "no-verify": ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify"]}[command]
+    return Case(kind, f"{name}/{command}", argv + list(options or []), {"m.onnx": model_bytes, **(extra or {})},
+                expect or set(ONNX_CODES), {"out.onnx", "out.onnx.data"}, **kw)
+
+
+def flip(data: bytes, rng: random.Random, count: int) -> bytes:
+    b = bytearray(data)
+    for _ in range(count):
+        i = rng.randrange(len(b))
+        b[i] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# generators: one per failure class (issue 14), each `gen(bases, rng) -> Case`
+
+
+def gen_bytes(b: Bases, rng: random.Random) -> Case:
+    """Byte level: bit flips, truncation, random bytes, of inline and external models and their data."""
+    what = rng.choice(["flip", "cut", "random", "flip-data", "cut-data"])
+    if what == "flip":
+        return onnx_case("bytes", what, flip(b.tiny_bytes, rng, rng.randint(1, 12)), rng)
+    if what == "cut":
+        return onnx_case("bytes", what, b.tiny_bytes[: rng.randrange(len(b.tiny_bytes))], rng, expect={8, 9, 12})
+    if what == "random":
+        return onnx_case("bytes", what, rng.randbytes(rng.randrange(0, 600)), rng, expect={8, 9, 12})
+    data = flip(b.ext_data, rng, 4) if what == "flip-data" else b.ext_data[: rng.randrange(len(b.ext_data))]
+    return onnx_case("bytes", what, b.ext_model, rng, {"m.onnx.data": data},
+                     expect=set(ONNX_CODES) if what == "flip-data" else {10})
+
+
+VALUES = [0, 1, -1, 2, 3, 7, 64, 2 ** 31, 2 ** 40, -(2 ** 40)]
+
+
+def gen_proto(b: Bases, rng: random.Random) -> Case:
+    """Protobuf level: rewired inputs, attributes, dims, element types, duplicated opset imports,
+    inputs of sequence/map/optional type, deleted fields."""
+    m = copy.deepcopy(b.tiny)
+    g = m.graph
+    what = rng.choice(["rewire", "attr", "dim", "elem", "opsets", "seq-input", "map-input", "optional-input",
+                       "drop-field", "output-name"])
+    expect = None
+    if what == "rewire":
+        node = rng.choice(list(g.node))
+        earlier = [v.name for v in g.input] + [t.name for t in g.initializer] + [o for n in g.node for o in n.output]
+        node.input[rng.randrange(len(node.input))] = rng.choice(earlier)
+    elif what == "attr":
+        g.node[rng.randrange(len(g.node))].attribute.append(helper.make_attribute(rng.choice(["axis", "to", "alpha"]),
+                                                                                  rng.choice(VALUES)))
+    elif what == "dim":
+        vi = rng.choice([*g.input, *g.output])
+        dim = rng.choice(vi.type.tensor_type.shape.dim)
+        dim.Clear()
+        if rng.random() < 0.5:
+            dim.dim_value = max(0, rng.choice(VALUES))
+        else:
+            dim.dim_param = rng.choice(["b", "s", "D"])
+    elif what == "elem":
+        rng.choice([*g.input, *g.output]).type.tensor_type.elem_type = rng.choice([1, 2, 6, 7, 9, 10, 11, 16, 0, 999])
+    elif what == "opsets":  # a second default-domain import: never written out (issue 14 §6)
+        m.opset_import.append(helper.make_opsetid(rng.choice(["", "ai.onnx"]), rng.choice([17, 18])))
+        expect = {9}
+    elif what.endswith("-input"):
+        elem = helper.make_tensor_type_proto(TensorProto.FLOAT, ["b", D])
+        typ = {"seq": helper.make_sequence_type_proto(elem), "optional": helper.make_optional_type_proto(elem),
+               "map": helper.make_map_type_proto(TensorProto.INT64, elem)}[what.split("-")[0]]
+        extra = helper.make_value_info("aux", typ)
+        g.input.append(extra)
+        expect = {0, 9, 15}
+    elif what == "drop-field":
+        target = rng.choice([m, g, g.node[0], g.initializer[0], g.input[0]])
+        fields = [f.name for f, _ in target.ListFields()]
+        if fields:
+            target.ClearField(rng.choice(fields))
+    else:
+        g.output[0].name = rng.choice(["", "x", "m1", "nowhere", "y\n"])
+    return onnx_case("proto", what, save(m), rng, expect=expect)
+
+
+def _nested_if(depth: int) -> onnx.ModelProto:
+    """The tiny chain with its first branch behind `depth` nested If nodes (then-branches), built in
+    place: deep messages cannot be copied into a parent (protobuf's parse depth)."""
+    m = tiny()
+    if not depth:
+        return m
+    m.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    first = m.graph.node[0]
+    first.Clear()
+    first.op_type, first.output[:] = "If", ["m1"]
+    first.input.append("cond")
+    node = first
+    for level in range(depth, 0, -1):
+        other = node.attribute.add(name="else_branch", type=onnx.AttributeProto.GRAPH)
+        other.g.name = f"e{level}"
+        other.g.node.add(op_type="Identity", input=["x"], output=[f"o{level}"])
+        other.g.output.add().CopyFrom(helper.make_tensor_value_info(f"o{level}", TensorProto.FLOAT, None))
+        then = node.attribute.add(name="then_branch", type=onnx.AttributeProto.GRAPH).g
+        then.name = f"g{level}"
+        inner = then.node.add(output=[f"r{level}"])
+        then.output.add().CopyFrom(helper.make_tensor_value_info(f"r{level}", TensorProto.FLOAT, None))
+        if level == 1:
+            inner.op_type, inner.input[:] = "MatMul", ["x", "w1"]
+        else:
+            inner.op_type, inner.input[:] = "If", ["cond"]
+            node = inner
+    return m
+
+
+def _endless_loop() -> onnx.ModelProto:
+    """The tiny chain times the result of a Loop whose condition never turns false."""
+    m = tiny()
+    body = helper.make_graph([helper.make_node("Identity", ["h"], ["hb"]), helper.make_node("Identity", ["c"], ["c2"])],
+                             "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                                      helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                      helper.make_tensor_value_info("h", TensorProto.FLOAT, ["b", D])],
+                             [helper.make_tensor_value_info("c2", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("hb", TensorProto.FLOAT, ["b", D])])
+    m.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    m.graph.node[-1].output[0] = "h2"
+    m.graph.node.extend([helper.make_node("Loop", ["", "cond", "x"], ["l"], body=body),
+                         helper.make_node("Mul", ["h2", "l"], ["y"])])
+    return m
+
+
+def gen_subgraphs(b: Bases, rng: random.Random) -> Case:
+    """Nested If subgraphs (time linear in depth, depth cap), endless Loops (verification time limit)."""
+    what = rng.choice(["nested", "nested", "loop"])
+    if what == "nested":
+        depth = rng.choice([1, 2, 3, 8, 15, 16, 17, 24, 32, 33, 40])
+        return onnx_case("subgraphs", f"if-depth-{depth}", save(_nested_if(depth)), rng,
+                         expect={9} if depth > 16 else set(ONNX_CODES) - {9})
+    return Case("subgraphs", "endless-loop", ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--verify-timeout", "2"],
+                {"m.onnx": save(_endless_loop())}, {17})
+
+
+def gen_functions(b: Bases, rng: random.Random) -> Case:
+    """Spoofed or damaged attnres sites and functions, user functions under our name, recursion."""
+    m = copy.deepcopy(b.sited)
+    sites = [n for n in m.graph.node if n.domain == "attnres"]
+    what = rng.choice(["eps", "scale", "axis", "arity", "drop-function", "user-function", "recursive", "domain-version",
+                       "attr-type", "function-body"])
+    node = rng.choice(sites)
+    if what in ("eps", "scale", "axis"):
+        attr = next((a for a in node.attribute if a.name == what), None)
+        if attr is not None:
+            if attr.type == onnx.AttributeProto.FLOAT:
+                attr.f = rng.choice([-1.0, 0.0, math.nan, math.inf, 1e30])
+            else:
+                attr.i = rng.choice([0, 1, 5, -9, 2 ** 40])
+    elif what == "arity":
+        if rng.random() < 0.5 and len(node.input) > 2:
+            del node.input[0]
+        else:
+            node.input.append(node.input[0])
+    elif what == "drop-function":
+        del m.functions[rng.randrange(len(m.functions))]
+    elif what == "user-function":
+        fn = m.functions[0]
+        del fn.node[:]
+        fn.node.append(helper.make_node("Identity", [fn.input[0]], [fn.output[0]]))
+    elif what == "recursive":
+        fn = m.functions[0]
+        fn.node.append(helper.make_node(fn.name, list(fn.input), ["again"], domain=fn.domain))
+    elif what == "domain-version":
+        for o in m.opset_import:
+            if o.domain == "attnres":
+                o.version = rng.choice([0, 2, 99])
+    elif what == "attr-type":
+        node.attribute.append(helper.make_attribute("eps", "not a float"))
+    else:
+        fn = rng.choice(list(m.functions))
+        if fn.node:
+            fn.node[rng.randrange(len(fn.node))].op_type = rng.choice(["Relu", "Nope", "Identity"])
+    return onnx_case("functions", what, save(m), rng, expect=set(ONNX_CODES))
+
+
+def gen_external(b: Bases, rng: random.Random) -> Case:
+    """External data: outside the folder, missing, wrong offset or length, unknown keys."""
+    m = onnx.load_model_from_string(b.ext_model)
+    t = m.graph.initializer[0]
+    entries = {e.key: e.value for e in t.external_data}
+    what = rng.choice(["dotdot", "absolute", "missing", "offset", "length", "key", "symlink-out", "fifo-name"])
+    extra = {"m.onnx.data": b.ext_data}
+    expect = {10}
+    if what == "dotdot":
+        entries["location"] = "../secret.bin"
+    elif what == "absolute":
+        entries["location"] = "/etc/hostname"
+    elif what == "missing":
+        extra = {}
+    elif what == "offset":
+        entries["offset"] = str(rng.choice([-5, 10 ** 9, 3]))
+        expect = {0, 4, 9, 10}
+    elif what == "length":
+        entries["length"] = str(rng.choice([0, 4, 10 ** 9]))
+    elif what == "key":
+        entries["ofset"] = "0"
+    elif what == "symlink-out":
+        extra = {"m.onnx.data": ("symlink", "/etc/hostname")}
+    else:
+        entries["location"] = "m.onnx.data\n"
+    del t.external_data[:]
+    for k, v in entries.items():
+        t.external_data.add(key=k, value=v)
+    return onnx_case("external", what, save(m), rng, extra, expect=expect)
+
+
+def gen_names(b: Bases, rng: random.Random) -> Case:
+    """Value names: non-UTF-8, newlines, very long, empty, shared by two values."""
+    m = copy.deepcopy(b.tiny)
+    what = rng.choice(["newline", "long", "empty", "not-utf8", "unicode", "quote"])
+    new = {"newline": "h\n1", "long": "h" * 5000, "empty": "", "not-utf8": "h\udcff",
+           "unicode": "ℎ₁\u202e", "quote": "h'\"1"}[what]
+    if what == "not-utf8":
+        data = save(m).replace(b"h1", b"\xff1")
+        return onnx_case("names", what, data, rng, expect={9})
+    for n in m.graph.node:
+        n.input[:] = [new if i == "h1" else i for i in n.input]
+        n.output[:] = [new if o == "h1" else o for o in n.output]
+    return onnx_case("names", what, save(m), rng)
+
+
+def gen_runtime(b: Bases, rng: random.Random) -> Case:
+    """What onnxruntime does with a model: crash (LayerNormalization with an empty bias name), memory
+    bombs (ConstantOfShape, a huge static input), ops it does not know."""
+    what = rng.choice(["ln-empty-bias", "constant-bomb", "huge-input", "unknown-op"])
+    m = tiny()
+    g = m.graph
+    env = {}
+    if what == "ln-empty-bias":
+        g.initializer.append(numpy_helper.from_array(np.ones(D, np.float32), "s"))
+        g.node.insert(2, helper.make_node("LayerNormalization", ["h1", "s", ""], ["n1"]))
+        g.node[3].input[0] = "n1"
+        expect = {0, 7, 16}
+    elif what == "constant-bomb":  # 4 GiB of zeros multiplied into the output
+        g.initializer.append(numpy_helper.from_array(np.array([1 << 15, 1 << 15], np.int64), "big"))
+        g.node[-1].output[0] = "h2"
+        g.node.extend([helper.make_node("ConstantOfShape", ["big"], ["zeros"]),
+                       helper.make_node("ReduceSum", ["zeros"], ["total"], keepdims=0),
+                       helper.make_node("Add", ["h2", "total"], ["y"])])
+        env = {"ATTNRES_COMPILE_MEMORY_LIMIT": "1G"}
+        expect = {0, 4, 18}
+    elif what == "huge-input":
+        g.input[0].type.tensor_type.shape.dim[0].Clear()
+        g.input[0].type.tensor_type.shape.dim[0].dim_value = 1 << 22
+        env = {"ATTNRES_COMPILE_MEMORY_LIMIT": "512M"}
+        expect = {0, 15, 18}
+    else:
+        g.node[0].op_type, g.node[0].domain = "Foo", "com.custom"
+        m.opset_import.append(helper.make_opsetid("com.custom", 1))
+        expect = {15}
+    return Case("runtime", what, ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--verify-timeout", "30"],
+                {"m.onnx": save(m)}, expect, {"out.onnx", "out.onnx.data"}, env)
+
+
+def gen_outputs(b: Bases, rng: random.Random) -> Case:
+    """Output paths: onto the input or its data, onto another output, existing files, dangling
+    symlinks, folders, a parent that is a file."""
+    files = {"m.onnx": b.ext_model, "m.onnx.data": b.ext_data}
+    what = rng.choice(["report-input", "report-data", "report-is-o", "o-is-input", "o-exists", "data-exists",
+                       "dangling-o", "report-exists", "o-folder", "report-folder", "parent-is-file", "o-is-data"])
+    force = rng.random() < 0.5
+    argv = ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify"]
+    expect = {11} if what in ("report-input", "report-data") else {2}
+    if what == "report-input":
+        argv += ["--report", "{d}/m.onnx"]
+    elif what == "report-data":
+        argv += ["--report", "{d}/m.onnx.data"]
+    elif what == "report-is-o":
+        argv += ["--report", "{d}/out.onnx"]
+    elif what == "o-is-input":
+        argv[3] = "{d}/m.onnx"
+        expect = {0} if force else {11}
+    elif what == "o-is-data":
+        argv[3] = "{d}/m.onnx.data"
+    elif what in ("o-exists", "data-exists", "report-exists"):
+        name = {"o-exists": "out.onnx", "data-exists": "out.onnx.data", "report-exists": "r.json"}[what]
+        files[name] = b"precious"
+        if what == "report-exists":
+            argv += ["--report", "{d}/r.json"]
+        expect = {0} if force else {6}
+    elif what == "dangling-o":
+        files["out.onnx"] = ("symlink", "nowhere/at/all")
+        expect = {0} if force else {6}
+    elif what == "o-folder":
+        files["out.onnx/keep"] = b"keep"
+    elif what == "report-folder":
+        files["r.json/keep"] = b"keep"
+        argv += ["--report", "{d}/r.json"]
+    else:
+        files["afile"] = b"x"
+        argv[3] = "{d}/afile/out.onnx"
+    if force:
+        argv.append("--force")
+    return Case("outputs", what + ("+force" if force else ""), argv, files, expect,
+                {"out.onnx", "out.onnx.data", "r.json", "m.onnx"} if expect == {0} else set())
+
+
+def gen_pt2(b: Bases, rng: random.Random) -> Case:
+    """Crafted .pt2 archives (each code-execution vector, with a marker payload) and mutated ones."""
+    what = rng.choice(["vector", "vector", "flip", "cut", "drop-entry", "not-a-zip", "onnx"])
+    expect = {0, 6, 20}
+    if what == "vector":
+        name, data = rng.choice(sorted(b.vectors.items()))
+        what, expect = f"vector-{name}", {6} if name == "legacy-zip" else {20}
+    elif what == "flip":
+        data = flip(b.pt2, rng, rng.randint(1, 8))
+    elif what == "cut":
+        data = b.pt2[: rng.randrange(len(b.pt2))]
+        expect = {6}
+    elif what == "drop-entry":
+        z = zipfile.ZipFile(io.BytesIO(b.pt2))
+        drop = rng.choice(z.namelist())
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as w:
+            for n in z.namelist():
+                if n != drop:
+                    w.writestr(n, z.read(n))
+        data = out.getvalue()
+        expect = {0, 6, 20}
+    elif what == "not-a-zip":
+        data = rng.randbytes(rng.randrange(0, 300))
+        expect = {6}
+    else:
+        data = b.tiny_bytes
+        expect = {6}
+    command = rng.choice(["weights", "weights", "compile"])
+    argv = ["inspect", "--weights", "{d}/m.pt2", "--heatmap", "{d}/h.png"] if command == "weights" else \
+        ["compile", "{d}/m.pt2", "-o", "{d}/art"]
+    if command == "compile" and expect != {20} and expect != {6}:
+        expect = expect | {13}
+    return Case("pt2", f"{what}/{command}", argv, {"m.pt2": data}, expect, {"h.png", "art"})
+
+
+FACTORIES = {
+    "syntax": "def f(:\n",
+    "exit0": "import sys\ndef f():\n    sys.exit(0)\n",
+    "exit-at-import": "import sys\nsys.exit(3)\n",
+    "raises": "def f():\n    raise RuntimeError('boom')\n",
+    "wrong-return": "def f():\n    return 42\n",
+    "not-callable": "f = 42\n",
+    "no-copy": ("import threading, torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                "        self.lock = threading.Lock()\n        self.l = torch.nn.Linear(4, 4)\n"
+                "    def forward(self, x):\n        return x + self.l(x)\n"
+                "def f():\n    return M(), (torch.ones(2, 4),)\n"),
+    "import-error": "import no_such_module_here\ndef f():\n    pass\n",
+}
+
+
+def gen_factories(b: Bases, rng: random.Random) -> Case:
+    """Factory specs and modules: relative or malformed specs, SyntaxErrors, sys.exit, raising factories,
+    models that cannot be deep-copied."""
+    what = rng.choice(sorted(FACTORIES) + ["dotdot-spec", "dot-spec", "empty-attr", "missing-module"])
+    spec = {"dotdot-spec": "../../x:f", "dot-spec": ".x:f", "empty-attr": "fac_mod:", "missing-module": "nope_nope:f"}
+    files = {} if what in spec else {"fac_mod.py": FACTORIES[what].encode()}
+    model = spec.get(what, "fac_mod:f")
+    command = rng.choice(["inspect", "rewrite"])
+    argv = ["inspect", model] if command == "inspect" else ["rewrite", model, "-o", "{d}/out.onnx"]
+    return Case("factories", f"{what}/{command}", argv, files, {6}, set())
+
+
+def gen_signals(b: Bases, rng: random.Random) -> Case:
+    """Ctrl-C and SIGTERM at a random moment of a rewrite (inside verification, writing or later)."""
+    import signal as sig
+
+    which = rng.choice([sig.SIGINT, sig.SIGTERM])
+    delay = rng.uniform(0.05, 3.0)
+    files = {"m.onnx": save(_endless_loop()) if rng.random() < 0.5 else b.ext_model}
+    if files["m.onnx"] is b.ext_model:
+        files["m.onnx.data"] = b.ext_data
+    return Case("signals", f"{which.name}@{delay:.2f}", ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx",
+                                                        "--verify-timeout", "5"],
+                files, {0, 17, 130, 143} if which == sig.SIGINT else {0, 17, 143, 130}, {"out.onnx", "out.onnx.data"},
+                send=(which, delay))
+
+
+GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
+              "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
+              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals}
+
+
+# ---------------------------------------------------------------------------------------------
+# running a case and judging it
+
+
+def materialize(case: Case, folder: Path) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rel, content in case.files.items():
+        p = folder / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, tuple):
+            os.symlink(content[1], p)
+        else:
+            p.write_bytes(content)
+    (folder.parent / "secret.bin").write_bytes(b"\0" * 4096)
+    return [a.replace("{d}", str(folder)) for a in case.argv]
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    import hashlib
+
+    seen = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            seen[str(p.relative_to(root))] = ("link", os.readlink(p))
+        elif p.is_file():
+            seen[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_dir():
+            seen[str(p.relative_to(root))] = "dir"
+    return seen
+
+
+FAILURE_CLASSES = ("undocumented-code", "unexpected-code", "not-one-line", "traceback", "signal-death", "over-time",
+                   "left-behind", "input-changed", "payload-ran", "partial-output")
+
+
+def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
+    """The failure classes this run falls into (empty: it passed every check)."""
+    failures = []
+    if run.timed_out:
+        failures.append("over-time")
+    if run.signal is not None and not run.timed_out:
+        failures.append("signal-death")
+    code = run.code
+    if code is not None:
+        if code not in DOCUMENTED:
+            failures.append("undocumented-code")
+        elif code not in case.expect:
+            failures.append("unexpected-code")
+        if code != 0 and not (len(run.lines) == 1 and run.lines[0].startswith("attnres-compile: error: ")):
+            failures.append("not-one-line")
+        if code == 0 and run.lines:
+            failures.append("not-one-line")
+    if "Traceback" in run.stderr:
+        failures.append("traceback")
+    after = snapshot(root)
+    if any(".tmp" in k.rsplit("/", 1)[-1] or k.rsplit("/", 1)[-1].endswith(".old") for k in after):
+        failures.append("left-behind")
+    if any(MARKER in k for k in after):
+        failures.append("payload-ran")
+    rel = str(folder.relative_to(root))
+    new = {k for k in after if k not in before}
+    changed = {k for k in before if k in after and after[k] != before[k]}
+    allowed = {f"{rel}/{n}" for n in case.outputs}
+    data = {k for k in new if k.endswith(".data") and any(k.startswith(f"{rel}/{n}.") for n in case.outputs)}
+    if code in (0, 7, 130, 143):  # a signal after the commit leaves the complete new output
+        extra = {k for k in new - data if k not in allowed and not any(k.startswith(a + "/") for a in allowed)}
+        if extra or any(k not in allowed for k in changed):
+            failures.append("partial-output" if extra else "input-changed")
+        if f"{rel}/out.onnx" in new | changed and not _loads(folder / "out.onnx"):
+            failures.append("partial-output")
+    else:
+        if new - {k for k in new if k.endswith("__pycache__") or "/__pycache__/" in k}:
+            failures.append("partial-output")
+        if changed:
+            failures.append("input-changed")
+    return failures
+
+
+def _loads(path: Path) -> bool:
+    from attnres_compile.errors import AttnResError
+    from attnres_compile.passes import onnx_io
+
+    try:
+        onnx_io.load(path, with_data=True)
+        return True
+    except AttnResError:
+        return False
+
+
+def describe_failure(case: Case, run, failures: list[str]) -> str:
+    return f"{case.kind}:{case.name} argv={run.argv} code={run.code} signal={run.signal} " \
+           f"{run.seconds:.1f}s failures={failures} stderr={run.stderr[-600:]!r}"
+
+
+def make_cases(bases: Bases, seed: int, kinds: list[str] | None = None):
+    """An endless stream of cases, round-robin over the classes (or `kinds`), from one seed."""
+    rng = random.Random(seed)
+    kinds = sorted(kinds or GENERATORS)
+    i = 0
+    while True:
+        kind = kinds[i % len(kinds)]
+        i += 1
+        yield GENERATORS[kind](bases, rng)

@@ -1,0 +1,338 @@
+"""The CLI's safety behaviours, each through a forked `main` (forked_cli.py), each one that failed
+before issue 14: outputs checked before any work and committed whole (under kill -9 and a full
+disk too), Ctrl-C and SIGTERM, crashes, hangs and memory blow-ups of onnxruntime in its child
+process, native log lines, wrong file types, bad factories, the CLI's own wording, help texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from forked_cli import leftovers, run_cli  # noqa: E402
+from hostile import _endless_loop, _nested_if, external, tiny  # noqa: E402
+
+from attnres_compile.passes import onnx_io  # noqa: E402
+
+
+def one_line(run, code: int, *texts: str) -> None:
+    assert run.code == code, (run.code, run.signal, run.stderr)
+    assert len(run.lines) == 1 and run.lines[0].startswith("attnres-compile: error: "), run.stderr
+    assert "Traceback" not in run.stderr and all(t in run.lines[0] for t in texts), run.lines
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*")) if not p.is_symlink()}
+
+
+def model_folder(folder: Path, dim: int = 64, links: int = 2) -> Path:
+    """m.onnx with its weights in m.onnx.data, alone in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model, data = external(tiny(dim=dim, links=links))
+    (folder / "m.onnx").write_bytes(model)
+    (folder / "m.onnx.data").write_bytes(data)
+    return folder / "m.onnx"
+
+
+def test_every_option_has_help():
+    from attnres_compile.cli import _parser
+
+    missing, stack = [], [("attnres-compile", _parser())]
+    while stack:
+        name, parser = stack.pop()
+        for action in parser._actions:
+            if action.help is None and action.dest not in ("help", "command", "benchmark"):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+            if isinstance(action, argparse._SubParsersAction):
+                stack += [(f"{name} {sub_name}", sub) for sub_name, sub in action.choices.items()]
+    assert not missing, missing
+
+
+def test_outputs_are_checked_before_any_work(tmp_path):
+    """--report onto the input or its data (even with --force), onto -o; an existing report, OUT.data
+    or dangling symlink at OUT without --force; folders; a parent that is a file: each refused in one
+    line before anything is written, every file left as it was."""
+    cases = [  # (extra files, extra args, code, text)
+        ({}, ["--report", "{d}/m.onnx", "--force"], 11, "would replace the input"),
+        ({}, ["--report", "{d}/m.onnx.data", "--force"], 11, "would replace the input"),
+        ({}, ["--report", "{d}/out.onnx"], 2, "name the same file"),
+        ({}, ["--report", "{d}/out.onnx.data"], 2, "name the same file"),
+        ({"r.json": b"precious"}, ["--report", "{d}/r.json"], 6, "--report"),
+        ({"out.onnx.data": b"precious"}, [], 6, "out.onnx.data exists"),
+        ({"out.onnx": ("symlink", "gone/nowhere")}, [], 6, "dangling symlink"),
+        ({"r.json/keep": b"x"}, ["--report", "{d}/r.json", "--force"], 2, "is a folder"),
+        ({"f": b"x"}, ["--report", "{d}/f/r.json"], 2, "is not a folder"),
+    ]
+    for i, (files, extra, code, text) in enumerate(cases):
+        folder = tmp_path / f"c{i}"
+        model_folder(folder)
+        for rel, content in files.items():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, tuple):
+                os.symlink(content[1], folder / rel)
+            else:
+                (folder / rel).write_bytes(content)
+        before = digests(folder)
+        run = run_cli(["rewrite", folder / "m.onnx", "-o", folder / "out.onnx", *[a.replace("{d}", str(folder)) for a in extra]])
+        one_line(run, code, text)
+        assert digests(folder) == before, (extra, code)
+        assert not (folder / "out.onnx").is_file(), extra
+
+
+def test_model_and_weights_commit_as_a_pair(tmp_path):
+    """Replacing an output with external weights: killed right after the new weights were renamed
+    into place, the old graph still has its old weights (the new ones have their own name); the
+    next run removes the killed run's staging folder and orphaned weights, and the old weights
+    once the new graph is in place."""
+    model = model_folder(tmp_path)
+    out = tmp_path / "out.onnx"
+    assert run_cli(["rewrite", model, "-o", out, "--no-verify"]).code == 0
+    first = digests(tmp_path)
+    assert {"out.onnx", "out.onnx.data"} <= set(first)
+
+    def kill_after_first_rename():
+        real = os.replace
+
+        def replace(src, dst, **kw):
+            real(src, dst, **kw)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = replace
+
+    killed = run_cli(["rewrite", model, "-o", out, "--no-verify", "--force", "--scale", "paper"], setup=kill_after_first_rename)
+    assert killed.signal == signal.SIGKILL
+    after = digests(tmp_path)
+    assert {k: after[k] for k in first} == first  # the old pair, untouched
+    assert onnx_io.load(out, with_data=True)
+    assert leftovers(tmp_path) and any(k.startswith("out.onnx.") and k.endswith(".data") and k not in first for k in after)
+
+    replaced = run_cli(["rewrite", model, "-o", out, "--no-verify", "--force", "--scale", "paper"])
+    assert replaced.code == 0, replaced.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    data = [n for n in names if n.startswith("out.onnx.") and n.endswith(".data")]
+    assert len(data) == 1 and data[0] != "out.onnx.data" and not leftovers(tmp_path), names
+    loaded = onnx.load(str(out), load_external_data=False)
+    assert {e.value for t in loaded.graph.initializer for e in t.external_data if e.key == "location"} == set(data)
+    assert onnx_io.load(out, with_data=True)
+
+
+def test_kill_9_during_large_writes_leaves_the_old_or_the_new_output(tmp_path):
+    """kill -9 at spread-out moments of a rewrite that replaces an output of 24 MiB: the destination
+    always loads with all its weights, equal to the input's; the next run cleans up."""
+    model = model_folder(tmp_path, dim=1024, links=6)
+    out = tmp_path / "out.onnx"
+    argv = ["rewrite", model, "-o", out, "--no-verify", "--force"]
+    first = run_cli(argv)
+    assert first.code == 0, first.stderr
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx_io.load(model, with_data=True).graph.initializer}
+    for fraction in (0.2, 0.4, 0.55, 0.7, 0.85, 0.95):
+        run = run_cli(argv, send=(signal.SIGKILL, first.seconds * fraction))
+        assert run.signal == signal.SIGKILL or run.code == 0, run.stderr
+        loaded = onnx_io.load(out, with_data=True)
+        got = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer if t.name in weights}
+        assert got.keys() == weights.keys() and all(np.array_equal(got[k], weights[k]) for k in weights)
+    assert run_cli(argv).code == 0
+    assert not leftovers(tmp_path)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("out.onnx.") and p.name.endswith(".data")]) == 1
+
+
+def test_ctrl_c_and_sigterm_exit_in_one_line_and_leave_nothing(tmp_path):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(_endless_loop().SerializeToString())
+    for sig, code, text in ((signal.SIGINT, 130, "interrupted (Ctrl-C)"), (signal.SIGTERM, 143, "terminated (SIGTERM)")):
+        run = run_cli(["rewrite", model, "-o", tmp_path / "out.onnx", "--verify-timeout", "60"], send=(sig, 2.0))
+        one_line(run, code, text)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_a_signal_while_the_handlers_are_restored_is_one_line(monkeypatch, capsys):
+    """The long fuzz run's one failure: SIGTERM after the command finished, while `main` put the
+    previous handlers back, escaped as a traceback. Now it is recorded and reported."""
+    from attnres_compile import cli
+
+    real, calls = signal.signal, []
+
+    def signal_during_restore(sig, handler):
+        calls.append(sig)
+        if len(calls) == 3:  # two installs, then the first restore
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(sig, handler)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli.signal, "signal", signal_during_restore)
+    monkeypatch.setattr(cli, "_main", lambda argv, received, debug: 0)
+    assert cli.main(["inspect", "m.onnx"]) == 143
+    assert capsys.readouterr().err == "attnres-compile: error: terminated (SIGTERM); no partial output was left\n"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _layernorm_empty_bias() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.initializer.append(numpy_helper.from_array(np.ones(16, np.float32), "s"))
+    m.graph.node.insert(2, helper.make_node("LayerNormalization", ["h1", "s", ""], ["n1"]))
+    m.graph.node[3].input[0] = "n1"
+    return m
+
+
+def _constant_bomb() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.initializer.append(numpy_helper.from_array(np.array([1 << 15, 1 << 15], np.int64), "big"))
+    m.graph.node[-1].output[0] = "h2"
+    m.graph.node.extend([helper.make_node("ConstantOfShape", ["big"], ["zeros"]),
+                         helper.make_node("ReduceSum", ["zeros"], ["total"], keepdims=0),
+                         helper.make_node("Add", ["h2", "total"], ["y"])])
+    return m
+
+
+def test_onnxruntime_crash_hang_and_memory_blow_up_are_one_line(tmp_path):
+    """In the verification child: SIGSEGV (16), an endless Loop (17), a 4 GiB ConstantOfShape under a
+    1 GiB limit (18); onnxruntime's own [E:onnxruntime] lines only with --debug."""
+    cases = [(_layernorm_empty_bias(), [], {}, 16, "onnxruntime crashed (SIGSEGV) while verifying; the rewritten "
+                                                   "model was not written. Re-run with --no-verify"),
+             (_endless_loop(), ["--verify-timeout", "2"], {}, 17, "did not finish within 2 s"),
+             (_constant_bomb(), [], {"ATTNRES_COMPILE_MEMORY_LIMIT": "1G"}, 18, "ran out of memory")]
+    for i, (model, extra, env, code, text) in enumerate(cases):
+        path = tmp_path / f"m{i}.onnx"
+        onnx.save(model, str(path))
+        run = run_cli(["rewrite", path, "-o", tmp_path / f"o{i}.onnx", *extra], env=env)
+        one_line(run, code, text)
+        assert not leftovers(tmp_path) and not (tmp_path / f"o{i}.onnx").exists()
+    noisy = run_cli(["--debug", "rewrite", tmp_path / "m2.onnx", "-o", tmp_path / "o2.onnx"],
+                    env={"ATTNRES_COMPILE_MEMORY_LIMIT": "1G"})
+    assert noisy.code == 18 and "[E:onnxruntime" in noisy.stderr and "Traceback" in noisy.stderr
+    assert run_cli(["rewrite", tmp_path / "m0.onnx", "-o", tmp_path / "o0.onnx", "--no-verify"]).code == 0
+
+
+def test_full_disk_is_one_line_and_replaces_nothing(tmp_path):
+    """Writes that fail (here: RLIMIT_FSIZE, as a full disk fails them) exit 19 in one line, for the
+    .pt2 path (it used to end in C++ `terminate` and SIGABRT) and the ONNX path."""
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+
+    model = model_folder(tmp_path / "in", dim=256)
+    for argv in (["rewrite", "samples.models:gpt_factory", "-o", tmp_path / "out" / "g.pt2", "--no-verify"],
+                 ["rewrite", model, "-o", tmp_path / "out" / "m.onnx", "--no-verify"]):
+        run = run_cli(argv, cwd=Path(__file__).parents[1], setup=small_disk)
+        one_line(run, 19, "cannot write", "File too large")
+        assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_wrong_file_types_say_what_they_are(tmp_path):
+    onnx_file = tmp_path / "x.onnx"
+    onnx.save(tiny(), str(onnx_file))
+    pt2_file = tmp_path / "x.pt2"
+    import zipfile
+
+    with zipfile.ZipFile(pt2_file, "w") as z:
+        z.writestr("x/archive_format", "pt2")
+        z.writestr("x/models/model.json", "{}")
+    one_line(run_cli(["inspect", "--weights", onnx_file]), 6, "is an ONNX model, not a .pt2 archive")
+    (tmp_path / "y.pt2").write_bytes(onnx_file.read_bytes())
+    one_line(run_cli(["compile", tmp_path / "y.pt2", "-o", tmp_path / "a"]), 6, "is an ONNX model, not a .pt2 archive")
+    one_line(run_cli(["run", tmp_path / "art", "--inputs", pt2_file, "-o", tmp_path / "o.npz"]), 6,
+             "is a .pt2 archive (torch.export program), not an .npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.onnx", "x.pt2", "y.pt2"]
+
+
+def test_bad_factories_are_bad_input(tmp_path):
+    """Relative or malformed specs, a SyntaxError, sys.exit(0) (it used to exit 0 silently), an
+    exception, a model that cannot be deep-copied: exit 6 in one line."""
+    (tmp_path / "syntax_mod.py").write_text("def f(:\n")
+    (tmp_path / "exit_mod.py").write_text("import sys\ndef f():\n    sys.exit(0)\n")
+    (tmp_path / "lock_mod.py").write_text(
+        "import threading, torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lock = threading.Lock()\n        self.l = torch.nn.Linear(4, 4)\n    def forward(self, x):\n"
+        "        return x + self.l(x)\ndef f():\n    return M(), (torch.ones(2, 4),)\n")
+    for spec, text in (("../../x:f", "package.module:factory"), (".x:f", "package.module:factory"),
+                       ("syntax_mod:f", "SyntaxError"), ("exit_mod:f", "sys.exit(0)"), ("lock_mod:f", "cannot be copied")):
+        one_line(run_cli(["inspect", spec], cwd=tmp_path), 6, text)
+    one_line(run_cli(["rewrite", "exit_mod:f", "-o", tmp_path / "o.pt2"], cwd=tmp_path), 6, "sys.exit(0)")
+    assert not (tmp_path / "o.pt2").exists()
+
+
+def test_onnx_inputs_we_cannot_feed_and_opsets_we_cannot_write(tmp_path):
+    """A sequence-typed input: inspect works, verification cannot build it (15, --no-verify works); two
+    default-domain opset imports: refused on reading (9), never written out."""
+    m = tiny()
+    m.graph.input.append(helper.make_value_info("aux", helper.make_sequence_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, ["b", 16]))))
+    onnx.save(m, str(tmp_path / "seq.onnx"))
+    assert run_cli(["inspect", tmp_path / "seq.onnx"]).code == 0
+    one_line(run_cli(["rewrite", tmp_path / "seq.onnx", "-o", tmp_path / "o.onnx"]), 15, "seq(tensor(float))",
+             "--no-verify")
+    m = tiny()
+    m.opset_import.append(helper.make_opsetid("", 18))
+    onnx.save(m, str(tmp_path / "two.onnx"))
+    for argv in (["inspect", tmp_path / "two.onnx"], ["rewrite", tmp_path / "two.onnx", "-o", tmp_path / "o.onnx", "--no-verify"]):
+        one_line(run_cli(argv), 9, "imports the default ONNX domain 2 times")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_cli_wording_and_input_shape_hint(tmp_path):
+    """Messages use the CLI's spelling; onnxruntime refusing the default dims suggests --input-shape
+    with the model's own input name."""
+    m = tiny()
+    m.graph.initializer.append(numpy_helper.from_array(np.array([-1, 3], np.int64), "three"))
+    m.graph.node.insert(0, helper.make_node("Reshape", ["x", "three"], ["x3"]))  # needs b*16 divisible by 3
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    run = run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx"])
+    one_line(run, 15, "--no-verify", "--input-shape x:1x16")
+    assert "verify_outputs" not in run.stderr and "input_shapes" not in run.stderr
+    one_line(run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--min-chain", "9"]), 4,
+             "(--min-chain 9)")
+    one_line(run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--blocks", "0"]), 2,
+             "--blocks must be a positive integer")
+    one_line(run_cli(["rewrite", tmp_path / "m.onnx"]), 2, "-o/--output")  # argparse, in one line
+
+
+def test_nested_subgraphs_are_bounded(tmp_path):
+    """inspect is linear in If nesting depth (16 levels took minutes, exponential in onnxruntime's
+    symbolic shape inference), and more than 16 levels are refused in one line."""
+    (tmp_path / "deep.onnx").write_bytes(_nested_if(16).SerializeToString())
+    run = run_cli(["inspect", tmp_path / "deep.onnx", "--json"], timeout=120)
+    assert run.code == 0 and not run.timed_out, run.stderr
+    assert json.loads(run.stdout)["source"] == "onnx"
+    for depth, text in ((24, "nested 24 deep"), (40, "more than 32 deep")):
+        (tmp_path / "deeper.onnx").write_bytes(_nested_if(depth).SerializeToString())
+        one_line(run_cli(["inspect", tmp_path / "deeper.onnx"]), 9, text)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_outputs_get_the_permissions_of_a_normal_file(tmp_path, umask):
+    model = model_folder(tmp_path)
+    run = run_cli(["rewrite", model, "-o", tmp_path / "out.onnx", "--no-verify", "--report", tmp_path / "r.json"],
+                  setup=lambda: os.umask(umask))
+    assert run.code == 0, run.stderr
+    for name in ("out.onnx", "out.onnx.data", "r.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_native_log_lines_are_hidden_but_progress_is_not(capfd):
+    """Native libraries (TVM's "BlockBuilder destroyed...", onnxruntime's [E:onnxruntime] lines) write to
+    file descriptor 2, past Python's sys.stderr: _quiet redirects the descriptor; progress written to
+    sys.__stderr__ (compile's tuning lines) stays visible."""
+    from attnres_compile.cli import _quiet
+
+    with _quiet():
+        os.write(2, b"[E:onnxruntime:, sequential_executor.cc:572] native noise\n")
+        print("python warning noise", file=sys.stderr)
+        sys.__stderr__.write("progress line\n")
+        sys.__stderr__.flush()
+    err = capfd.readouterr().err
+    assert "native noise" not in err and "python warning noise" not in err and "progress line" in err
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"

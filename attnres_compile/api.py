@@ -12,11 +12,11 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from .config import AttnResConfig
 from .errors import InputError, TraceError, first_line
-from .passes import verify
+from .passes import dynamic_dims, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
 from .passes.fx_mode import make_mode_switchable
-from .passes.fx_view import tensor_meta, view_from_fx
+from .passes.fx_view import split_alpha, tensor_meta, view_from_fx
 from .plan_checks import as_config, has_work, plan_notes, split_inputs
 from .report import Report, build
 
@@ -38,18 +38,32 @@ class Traced:
     kwargs: dict
     notes: list[str]
 
+    @property
+    def dynamic(self) -> dict[str, list[int]]:
+        """{input: symbolic axes} of the traced module ({} when every shape is static)."""
+        return dynamic_dims.traced_dims(self.graph_module)
 
-def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) -> Traced:
+
+def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dynamic: str | None = None) -> Traced:
     """A private GraphModule copy of `model` with shape metadata, and how it was obtained.
 
-    nn.Module: torch.export (eval-mode ops recorded as they are), falling back to
-    torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`. GraphModule: a copy,
-    shape-propagated from `example_inputs` if its nodes carry no shapes. Export-traced modules
-    get working train()/eval() (passes/fx_mode.py).
+    nn.Module: torch.export (eval-mode ops recorded as they are) with the input dims of
+    `dynamic` (passes/dynamic_dims.py; default batch and sequence) or the explicit
+    `dynamic_shapes`, retried with static shapes (and a note) when the dynamic export fails,
+    falling back to torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`.
+    GraphModule: a copy, shape-propagated from `example_inputs` if its nodes carry no shapes.
+    Export-traced modules get working train()/eval() (passes/fx_mode.py); adds with
+    `alpha != 1` are split into a scaling and a plain add (fx_view.split_alpha).
     """
+    traced = _trace(model, example_inputs, dynamic_shapes, dynamic)
+    split_alpha(traced.graph_module)
+    return traced
+
+
+def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | None) -> Traced:
     args, kwargs = split_inputs(example_inputs)
     if isinstance(model, torch.export.ExportedProgram):
-        return Traced(make_mode_switchable(copy.deepcopy(model.module()), False), "ExportedProgram", args, kwargs, [])
+        return Traced(make_mode_switchable(copy.deepcopy(model.module(check_guards=False)), False), "ExportedProgram", args, kwargs, [])
     if isinstance(model, fx.GraphModule):
         gm = make_mode_switchable(copy.deepcopy(model), model.training)
         _ensure_shapes(gm, args, kwargs)
@@ -59,10 +73,19 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
     if args is None:
         raise InputError("example_inputs are required to trace an nn.Module: pass a tuple of args or a dict of kwargs")
     notes = [] if not model.training else ["model traced in training mode: dropout is recorded as active; call model.eval() first for an exact rewrite"]
-    model = copy.deepcopy(model)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-        return Traced(make_mode_switchable(ep.module(), model.training), "torch.export", args, kwargs, notes)
+        model = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - a module holding a lock, a generator, an open file...
+        raise InputError(f"{type(model).__name__} cannot be copied (copy.deepcopy: {first_line(exc)}); the rewrite "
+                         "works on a copy to leave the model passed in unchanged: make it deep-copyable") from None
+    dims = dynamic_dims.parse(dynamic)
+    what = "dynamic_shapes" if dynamic_shapes is not None else f"dynamic {dims.text}"
+    if dynamic_shapes is None:
+        dynamic_shapes = dynamic_dims.export_spec(dims, model, args, kwargs)
+        notes += dynamic_dims.size_one_note(dims, model, args, kwargs)
+    try:
+        ep = dynamic_dims.export_program(model, args, kwargs, dynamic_shapes, what, notes)
+        return Traced(make_mode_switchable(ep.module(check_guards=False), model.training), "torch.export", args, kwargs, notes)
     except Exception as export_exc:  # noqa: BLE001 - any tracer failure falls back, then is reported
         try:
             gm = fx.symbolic_trace(model)
@@ -78,8 +101,9 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) ->
 
 
 def _ensure_shapes(gm: fx.GraphModule, args: tuple | None, kwargs: dict) -> None:
-    if all(tensor_meta(n)[0] is not None for n in gm.graph.nodes if n.op == "placeholder"):
-        return
+    if all(tensor_meta(n)[0] is not None or ("val" in n.meta and not isinstance(n.meta["val"], torch.Tensor))
+           for n in gm.graph.nodes if n.op == "placeholder"):
+        return  # every tensor input has a shape (non-tensor inputs such as use_cache=False have none)
     if args is None or kwargs:
         raise InputError("the GraphModule carries no shape metadata: pass example_inputs as a tuple of positional args")
     try:
@@ -93,35 +117,47 @@ def _analyze(traced: Traced, config: AttnResConfig):
     return view, analyze(view, config)
 
 
-def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, dynamic_shapes: Any = None) -> Report:
-    """Analyse `model` and report its residual chains, sites and skipped adds, without rewriting."""
+def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, dynamic_shapes: Any = None,
+            dynamic: str | None = None) -> Report:
+    """Analyse `model` and report its residual chains, sites and skipped adds, without rewriting.
+
+    `dynamic` / `dynamic_shapes`: which input dims the trace keeps symbolic (see `trace`).
+    """
     config = as_config(config)
-    traced = trace(model, example_inputs, dynamic_shapes)
+    traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     view, plan = _analyze(traced, config)
-    return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan))
+    return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
 
 
 def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
-            dynamic_shapes: Any = None) -> RewriteResult:
+            dynamic_shapes: Any = None, dynamic: str | None = None) -> RewriteResult:
     """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
 
     With example inputs and `verify_outputs`, the original and rewritten models are run on
-    them and compared per output (the report's "verification"): |diff| <= tol * (1 + max|ref|)
-    with tol 1e-5 in preserve mode (fp32), 1e-3 in paper mode (PreNorm models differ through
-    the norms' eps only); function-changing rewrites are reported without a verdict.
+    them and compared per output (the report's "verification", passes/verify.py): elementwise
+    |diff| <= rtol * (max|ref| + |ref|), rtol 1e-5 in preserve mode at fp32 (scaled to the
+    dtype), 1e-3 in paper mode (PreNorm models differ through the norms' eps only); fp16/bf16
+    outputs are also judged against a float64 run of the original; function-changing rewrites
+    are reported without a verdict.
     """
     config = as_config(config)
-    traced = trace(model, example_inputs, dynamic_shapes)
+    traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     gm = traced.graph_module
     view, plan = _analyze(traced, config)
     if not has_work(plan, config):
-        return RewriteResult(gm, build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan)), modified=False)
+        report = build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
+        return RewriteResult(gm, report, modified=False)
     sites = apply_plan(gm, plan, config)
     verification = None
     if verify_outputs and traced.args is not None:
         original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
         expected, actual = verify.run_both(original, gm, traced.args, traced.kwargs)
+        truth = None
+        if verify.needs_truth(expected):
+            truth, failed = verify.truth_run(original, traced.args, traced.kwargs)
+            if failed:
+                traced.notes.append(f"no float64 run of the original ({failed}): fp16/bf16 outputs judged by tolerance only")
         changes = any(c.changes_function for c in plan.to_rewrite)
-        verification = verify.compare(expected, actual, *verify.tolerance(config.scale, changes))
-    report = build(plan, view, config, traced.source, sites, verification, traced.notes)
+        verification = verify.compare(expected, actual, verify.tolerance(config.scale, changes), truth)
+    report = build(plan, view, config, traced.source, sites, verification, traced.notes, traced.dynamic)
     return RewriteResult(gm, report, modified=True)

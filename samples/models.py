@@ -23,7 +23,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -116,11 +116,33 @@ def torch_add_gpt_factory():
     return gpt_factory(style="torch_add")
 
 
-def long_chain(links: int) -> fx.GraphModule:
-    """A synthetic residual chain `h = h + tanh(h)` of `links` links, built as an fx graph directly."""
+def long_chain(links: int, width: int = 4) -> fx.GraphModule:
+    """A synthetic residual chain `h = h + tanh(w * h)` of `links` links, built as an fx graph directly
+    (one weight `w` of size `width` shared by every branch: a branch holds a learned op)."""
+    root = nn.Module()
+    root.w = nn.Parameter(torch.linspace(0.5, 1.5, width))
     g = fx.Graph()
     h = g.placeholder("x")
+    w = g.get_attr("w")
     for _ in range(links):
-        h = g.call_function(operator.add, (h, g.call_function(torch.tanh, (h,))))
+        h = g.call_function(operator.add, (h, g.call_function(torch.tanh, (g.call_function(operator.mul, (w, h)),))))
     g.output(h)
-    return fx.GraphModule(nn.Module(), g)
+    return fx.GraphModule(root, g)
+
+
+def onnx_chain(path, links: int, width: int = 8):
+    """An ONNX file of `h = h + h @ W_k` for `links` links (a residual chain whose branches are MatMuls),
+    written to `path`; returns `path`."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng, nodes, inits, prev = np.random.default_rng(0), [], [], "x"
+    for k in range(1, links + 1):
+        inits.append(numpy_helper.from_array((rng.standard_normal((width, width)) * 0.1).astype(np.float32), f"w{k}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{k}"], [f"v{k}"]), helper.make_node("Add", [prev, f"v{k}"], [f"h{k}"])]
+        prev = f"h{k}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["b", width])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path

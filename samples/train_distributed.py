@@ -1,10 +1,9 @@
 """The rewritten GraphModule trained under torch.distributed: DDP and FSDP2 (`fully_shard`), gloo, CPU.
 
-Every process builds the same seeded GPT, rewrites it to AttnRes and trains it on its shard of
-each global batch. `reference` trains the same rewritten model in one process on the whole
-global batch, as `world` micro-batches whose mean loss is backpropagated (the rewritten module
-is traced at the micro-batch shape), so the losses and the final pseudo-queries must agree to
-float tolerance. FSDP2 shards the root module only: the fx graph reads every parameter directly
+Every process builds the same seeded GPT, rewrites it to AttnRes (traced at the whole global
+batch: the rewritten module takes any batch size, like the original) and trains it on its shard
+of each global batch. `reference` trains the same rewritten model in one process on the whole
+global batches, so the losses and the final pseudo-queries must agree to float tolerance. FSDP2 shards the root module only: the fx graph reads every parameter directly
 (get_attr), so submodules are never called and per-block `fully_shard` would not gather them.
 
     python -m samples.train_distributed --modes ddp fsdp --world 2 --steps 5
@@ -39,13 +38,13 @@ def setup(variant: str, steps: int, world: int, seed: int = 0):
     tokens = torch.randint(0, SIZE["vocab"], (steps, world * SIZE["micro"], SIZE["seq"] + 1), generator=gen)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     config = AttnResConfig(variant=variant, num_blocks=2 if variant == "block" else None)
-    gm = rewrite(model, (batches[0][0][: SIZE["micro"]],), config).graph_module
+    gm = rewrite(model, (batches[0][0],), config).graph_module
     return gm, batches
 
 
-def _step(gm, opt, pieces) -> torch.Tensor:
-    """One optimiser step on the mean loss over `pieces` [(x, y), ...]; returns that loss."""
-    loss = sum(F.cross_entropy(gm(x).flatten(0, 1), y.flatten()) for x, y in pieces) / len(pieces)
+def _step(gm, opt, x, y) -> torch.Tensor:
+    """One optimiser step on the mean loss over the batch (x, y); returns that loss."""
+    loss = F.cross_entropy(gm(x).flatten(0, 1), y.flatten())
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -65,7 +64,7 @@ def reference(variant: str = "full", steps: int = 5, world: int = 2, lr: float =
     """Single-process training on the whole global batches: {"losses", "queries"}."""
     gm, batches = setup(variant, steps, world)
     opt = torch.optim.Adam(gm.parameters(), lr=lr)
-    losses = [_step(gm, opt, list(zip(x.chunk(world), y.chunk(world)))).item() for x, y in batches]
+    losses = [_step(gm, opt, x, y).item() for x, y in batches]
     return {"losses": losses, "queries": _queries(gm)}
 
 
@@ -81,7 +80,7 @@ def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
     opt = torch.optim.Adam(wrapped.parameters(), lr=lr)
     losses = []
     for x, y in batches:
-        loss = _step(wrapped, opt, [(x.chunk(world)[rank], y.chunk(world)[rank])])
+        loss = _step(wrapped, opt, x.chunk(world)[rank], y.chunk(world)[rank])
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     return {"losses": losses, "queries": _queries(gm)}

@@ -133,9 +133,12 @@ def test_no_residual_chain():
 
 
 class AnyWidth(nn.Module):
+    """Residual self-attention (a parameter-free contraction) over rows of any width."""
+
     def forward(self, x):
         for _ in range(3):
-            x = x + torch.tanh(nn.functional.layer_norm(x, x.shape[-1:]))
+            h = nn.functional.layer_norm(x, x.shape[-1:])[:, None]
+            x = x + nn.functional.scaled_dot_product_attention(h, h, h)[:, 0]
         return x
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 import attnres_compile as ac
 from attnres_compile.config import AttnResConfig
+from attnres_compile.passes import chain_analysis
 from attnres_compile.passes.chain_analysis import analyze
 from attnres_compile.passes.graph_view import Kind, ViewNode, build_view
 
@@ -29,14 +30,15 @@ class ViewBuilder:
     def const(self, shape=D):
         return self.add_node(Kind.CONST, "param", shape=shape)
 
-    def op(self, *inputs, target="f", shape=D):
-        return self.add_node(Kind.OP, target, inputs, shape)
+    def op(self, *inputs, target="f", shape=D, learned=True):
+        """An op; `learned` (the default) stands for a sublayer's matmul or weighted op."""
+        return self.add_node(Kind.OP, target, inputs, shape, learned=learned)
 
     def add(self, a, b, **kw):
         return self.add_node(Kind.ADD, "add", [x for x in (a, b) if x is not None], **kw)
 
-    def cast(self, a):
-        return self.add_node(Kind.PASSTHROUGH, "to", [a])
+    def cast(self, a, **kw):
+        return self.add_node(Kind.PASSTHROUGH, "to", [a], **kw)
 
     def analyze(self, **cfg):
         return analyze(build_view(self.nodes), AttnResConfig(**cfg))
@@ -74,6 +76,37 @@ def test_skip_path_casts_are_looked_through():
         f = b.op(h)
         h = b.add(b.cast(b.cast(h)), f)
     assert len(b.analyze().chains[0].links) == 3
+
+
+def test_activation_sum_is_not_a_link():
+    """GELU-tanh's x + 0.044715 * x**3 inside an MLP: the skip reaches the branch through
+    parameter-free ops only. A weighted branch (layer scale gamma * f(x)) still is a link."""
+    b = ViewBuilder()
+    h = b.inp()
+    for _ in range(2):
+        a = b.op(h, target="linear")
+        cube = b.op(b.op(a, target="pow", learned=False), target="mul", learned=False)
+        inner = b.add(a, cube)
+        f = b.op(b.op(inner, target="tanh", learned=False), target="linear")
+        h = b.add(h, f)
+    gamma = b.const(shape=(16,))
+    h = b.add(h, b.add_node(Kind.OP, "mul", [gamma, b.op(h, target="tanh", learned=False)]))
+    plan = b.analyze(min_chain=1)
+    assert [len(c.links) for c in plan.chains] == [3]
+    assert [s.reason for s in plan.skipped_adds] == [chain_analysis.NOT_LEARNED] * 2
+
+
+def test_sum_is_flattened_through_value_preserving_ops():
+    """Falcon's `h + dropout(mlp += attn)` (p = 0) is one link with two branches; a dropout that
+    is active in training keeps its sum whole."""
+    b = ViewBuilder()
+    h = b.inp()
+    for mode_dependent in (False, True):
+        n = b.op(h, target="norm")
+        h = b.add(h, b.cast(b.add(b.op(n), b.op(n)), mode_dependent=mode_dependent))
+    chain = b.analyze().chains[0]
+    assert [len(link.branches) for link in chain.links] == [2, 1]
+    assert [len(link.adds) for link in chain.links] == [2, 1]
 
 
 def test_non_residual_adds_and_their_reasons():

@@ -159,3 +159,36 @@ def test_pretrained_all_minilm_checkpoint():
     assert torch.isfinite(out).all()
     out.square().mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in result.graph_module.attnres.parameters())
+
+
+class AlphaBlocks(torch.nn.Module):
+    """Residual adds written with `alpha`: `torch.add(h, f, alpha=a)`, `h.add(f, alpha=a)`, `h.add_(f, alpha=a)`."""
+
+    def __init__(self, dim=16, layers=2):
+        super().__init__()
+        self.fc = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(3 * layers))
+
+    def forward(self, h):
+        for k in range(0, len(self.fc), 3):
+            h = torch.add(h, torch.tanh(self.fc[k](h)), alpha=0.5)
+            h = h.add(torch.tanh(self.fc[k + 1](h)), alpha=2.0)
+            h = h.clone()
+            h.add_(torch.tanh(self.fc[k + 2](h)), alpha=-0.25)
+        return h
+
+
+@pytest.mark.parametrize("variant", CONFIGS)
+def test_alpha_adds_are_links_with_scaled_branches(variant):
+    """The branch of `h + a * f` is `a * f`: one chain of 6 links, rewritten exactly (fx and ONNX alike)."""
+    model, x = AlphaBlocks().eval(), torch.randn(2, 5, 16)
+    result = ac.rewrite(model, (x,), CONFIGS[variant])
+    assert [c["links"] for c in result.report["chains"]] == [6]
+    assert _max_err(model, result.graph_module, (x,)) <= 1e-5
+    assert all(row["verdict"] == "pass" for row in result.report["verification"])
+    if variant == "full":
+        from attnres_compile.passes import onnx_export
+        from attnres_compile.passes.chain_analysis import analyze
+        from attnres_compile.passes.onnx_view import view_from_onnx
+
+        plan = analyze(view_from_onnx(onnx_export.export(model, (x,))), ac.AttnResConfig())
+        assert [(len(c.links), len(c.sources)) for c in plan.chains] == [(6, 7)]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import networkx as nx
 
 from ..config import AttnResConfig
-from .graph_view import Kind, dynamic_inputs
+from .graph_view import Kind, dynamic_inputs, format_shape
 from .plan import Chain, Link, Plan, SkippedAdd
 
 MAX_HOPS = 16           # ops walked back from a skip to the previous link's result
 MAX_NONLINEAR_HOPS = 4  # of which non-linear (post-norm LayerNorm, ReLU, ...)
 
 NOT_A_SKIP = "no operand that every other operand depends on (e.g. tok + pos, a mask, a projection shortcut)"
+NOT_LEARNED = "no learned op on the branch (an activation's own sum, e.g. GELU-tanh's x + 0.044715*x**3)"
 
 
 def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
@@ -31,9 +32,10 @@ def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
     for root in adds:
         if root in inner:
             continue
-        tree, terms = _flatten(g, root, inner)
+        tree, terms, between = _flatten(g, root, inner)
         found = _match_link(g, root, tree, terms)
         if isinstance(found, Link):
+            found.inner = between
             links[root] = found
         else:
             skipped += [SkippedAdd(a, nodes[a]["target"], found) for a in tree]
@@ -49,29 +51,56 @@ def _is_plain_tensor_add(g: nx.DiGraph, n: str) -> bool:
             and not any(g.nodes[i]["const"] for i in d["inputs"]))
 
 
+def _sole_user(g: nx.DiGraph, n: str) -> str | None:
+    """The only consumer of `n`, looking through single-use value-preserving ops (a cast, a p=0
+    dropout: Falcon's `dropout_add(mlp += attn, h)`), or None."""
+    users = g.nodes[n]["users"]
+    while len(users) == 1 and _is_transparent(g, users[0]):
+        users = g.nodes[users[0]]["users"]
+    return users[0] if len(users) == 1 else None
+
+
+def _is_transparent(g: nx.DiGraph, n: str) -> bool:
+    d = g.nodes[n]
+    return d["kind"] == Kind.PASSTHROUGH and not d["mode_dependent"]
+
+
 def _is_inner(g: nx.DiGraph, n: str) -> bool:
     """An add whose only use is another plain add of the same shape: part of an n-ary sum."""
-    users = g.nodes[n]["users"]
+    user = _sole_user(g, n)
     return (
         _is_plain_tensor_add(g, n)
-        and len(users) == 1
-        and _is_plain_tensor_add(g, users[0])
-        and g.nodes[users[0]]["shape"] == g.nodes[n]["shape"]
+        and user is not None
+        and _is_plain_tensor_add(g, user)
+        and g.nodes[user]["shape"] == g.nodes[n]["shape"]
     )
 
 
-def _flatten(g: nx.DiGraph, root: str, inner: set[str]) -> tuple[list[str], list[str]]:
-    """The add nodes of the sum tree under `root` and its terms, in operand order."""
-    tree, terms, stack = [], [], [root]
+def _inner_source(g: nx.DiGraph, i: str, inner: set[str]) -> tuple[str | None, list[str]]:
+    """The inner add that operand `i` passes on unchanged (`i` itself, or through transparent ops
+    that are returned with it), or (None, [])."""
+    hops = []
+    while i not in inner and _is_transparent(g, i) and len(g.nodes[i]["users"]) == 1:
+        hops.append(i)
+        i = g.nodes[i]["inputs"][0]
+    return (i, hops) if i in inner else (None, [])
+
+
+def _flatten(g: nx.DiGraph, root: str, inner: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """The add nodes of the sum tree under `root`, its terms in operand order, and the
+    transparent ops between its adds."""
+    tree, terms, between, stack = [], [], [], [root]
     while stack:
         n = stack.pop()
         tree.append(n)
         for i in reversed(g.nodes[n]["inputs"]):
-            if i in inner:
-                stack.append(i)
+            source, hops = _inner_source(g, i, inner)
+            if source is not None:
+                stack.append(source)
+                between += hops
             else:
                 terms.append(i)
-    return tree, list(reversed(terms))
+    return tree, list(reversed(terms)), between
 
 
 def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> Link | str:
@@ -92,12 +121,14 @@ def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> 
     branches = [t for t in terms if t != skip]
     if not all(_depends_on(g, b, paths[skip]) for b in branches):
         return NOT_A_SKIP
+    if not all(_learned_between(g, paths[skip], b) for b in branches):
+        return NOT_LEARNED
     shape = nodes[skip]["shape"]
     if shape is None or any(nodes[t]["shape"] is None for t in terms):
         return "shapes unknown (the graph carries no shape metadata)"
     for b in branches:
         if nodes[b]["shape"] != shape:
-            return f"skip shape {list(shape)} and branch shape {list(nodes[b]['shape'])} differ"
+            return f"skip shape {format_shape(shape)} and branch shape {format_shape(nodes[b]['shape'])} differ"
     branches.sort(key=lambda t: nodes[t]["order"])
     return Link(result=root, skip=skip, branches=branches, adds=sorted(tree, key=lambda a: nodes[a]["order"]), shape=shape)
 
@@ -135,6 +166,36 @@ def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
             if i not in seen and nodes[i]["order"] > low:
                 seen.add(i)
                 stack.append(i)
+    return False
+
+
+def _learned_between(g: nx.DiGraph, skip_path: list[str], branch: str) -> bool:
+    """Whether a learned op lies on a path from the skip value to `branch` (`branch` included).
+
+    The nodes between them are the ancestors of `branch` (after the skip, in topological
+    order) that the skip reaches; depth-attention nodes are barriers as in `_depends_on`.
+    """
+    nodes = g.nodes
+    low = nodes[skip_path[-1]]["order"]
+    ancestors, stack = {branch}, [branch]
+    while stack:
+        n = stack.pop()
+        if nodes[n]["kind"] == Kind.DEPTH_ATTENTION:
+            continue
+        for i in nodes[n]["inputs"]:
+            if i not in ancestors and nodes[i]["order"] > low:
+                ancestors.add(i)
+                stack.append(i)
+    reached = set()
+    stack = [u for s in skip_path for u in nodes[s]["users"] if u in ancestors]
+    while stack:
+        n = stack.pop()
+        if n in reached:
+            continue
+        if nodes[n]["learned"]:
+            return True
+        reached.add(n)
+        stack += [u for u in nodes[n]["users"] if u in ancestors and u not in reached]
     return False
 
 
@@ -257,9 +318,9 @@ def _decide(g: nx.DiGraph, chain: Chain, config: AttnResConfig, through: list[st
                 " post-activation): pass allow_nonlinear=True to rewrite it (changes the function)"
             )
     elif chain.feature_size is None:
-        chain.reason = f"feature axis {axis} differs between links ({sorted(map(str, sizes))})"
+        chain.reason = f"feature axis {axis} differs between links ({format_shape(tuple(sorted(map(str, sizes))))})"
     elif not isinstance(chain.feature_size, int):
-        chain.reason = f"feature axis {axis} is dynamic ({chain.feature_size}); export with a static feature size"
+        chain.reason = f"feature axis {axis} is dynamic ({format_shape((chain.feature_size,))}); export with a static feature size"
     else:
         chain.rewrite = True
         chain.changes_function = nonlinear

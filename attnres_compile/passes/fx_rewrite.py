@@ -34,7 +34,7 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, config: AttnResConfig) -> list[Re
         sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, config)
     for old, new in replaced.items():
         old.replace_all_uses_with(new)
-    _erase_dead(gm.graph, [by_name[a] for c in plan.to_rewrite for link in c.links for a in link.adds])
+    _erase_dead(gm.graph, [by_name[a] for c in plan.to_rewrite for link in c.links for a in link.adds + link.inner])
     gm.graph.lint()
     gm.recompile()
     return sites
@@ -115,7 +115,8 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
 
 
 def _erase_dead(graph: fx.Graph, adds: list[fx.Node]) -> None:
-    """Erase the now-unused residual adds, then pure ops they leave without users (skip-path casts).
+    """Erase the now-unused residual adds (and the ops between them), then pure ops they leave
+    without users (skip-path casts).
 
     One pass in reverse graph order suffices: a node's inputs always come before it.
     """

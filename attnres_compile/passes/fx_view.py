@@ -3,7 +3,8 @@
 Handles both export graphs (aten ops, e.g. `aten.add.Tensor`, `aten.add_.Tensor`) and
 symbolic_trace graphs (`operator.add`, `torch.add`, `Tensor.add_`, nn.Dropout modules).
 Shapes and dtypes come from `node.meta["val"]` (torch.export) or `node.meta["tensor_meta"]`
-(ShapeProp).
+(ShapeProp). `split_alpha` canonicalises `add(a, b, alpha=k)` into `add(a, mul(b, k))` first,
+so the branch `k * b` is a value of the graph like any other source.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ COPY_TARGETS = {aten.clone.default, aten.contiguous.default, aten.alias.default,
 COPY_METHODS = {"clone", "contiguous"}
 VIEW_TARGETS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints, torch.reshape, torch.flatten}
 VIEW_METHODS = {"view", "reshape", "flatten"}
+# contractions: learned operators even when their weight is an activation (q @ k^T)
+CONTRACTIONS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "einsum", "__matmul__",
+                "scaled_dot_product_attention"}
 
 
 def _op_name(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -44,11 +48,20 @@ def tensor_meta(node: fx.Node):
     """(shape, dtype) of a node's tensor value from its metadata, or (None, None)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return tuple(d if isinstance(d, int) else str(d) for d in val.shape), str(val.dtype).replace("torch.", "")
+        return tuple(_dim(d) for d in val.shape), str(val.dtype).replace("torch.", "")
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return tuple(int(d) for d in tm.shape), str(tm.dtype).replace("torch.", "")
     return None, None
+
+
+def _dim(d) -> int | str:
+    """A dim as an int, or its symbol's name; a symbol the trace specialised (an input dim asked
+    dynamic that a weight fixes) is its int."""
+    if isinstance(d, torch.SymInt):
+        value = d.node.maybe_as_int()
+        return value if value is not None else str(d)
+    return d
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -61,6 +74,29 @@ def _is_add(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in ADD_TARGETS) or (
         node.op == "call_method" and node.target in ADD_METHODS
     )
+
+
+def _is_learned(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A contraction (matmul, linear, conv, attention) or a module call holding parameters.
+
+    Ops that read a parameter through a get_attr input are found by the neutral view itself.
+    """
+    if node.op == "call_module":
+        return any(True for _ in gm.get_submodule(node.target).parameters())
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = _op_name(gm, node).removeprefix("aten.").removeprefix("Tensor.")
+    return name in CONTRACTIONS or name.startswith(("conv", "_conv", "_scaled_dot_product"))
+
+
+def _mode_dependent(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An eval-mode dropout with p > 0: the identity now, not after train() (fx_mode.py)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        return isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0
+    if node.target in (aten.dropout.default, torch.nn.functional.dropout):
+        return _arg(node, 1, "p", 0.5) != 0
+    return False
 
 
 def _is_passthrough(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -98,10 +134,34 @@ def _is_layout(node: fx.Node) -> bool:
 INPLACE_ADDS = {aten.add_.Tensor, operator.iadd, "add_", "__iadd__"}
 
 
+def split_alpha(gm: fx.GraphModule) -> None:
+    """Rewrite every tensor add `add(a, b, alpha=k)` of `gm` (in place too) into `add(a, mul(b, k))`.
+
+    The branch of `h + k * f` is `k * f`: as its own node it is a source like any other, and
+    the chain is not split at that link.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        alpha = node.kwargs.get("alpha", 1) if _is_add(node) else 1
+        if alpha == 1 or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+            continue
+        other = node.args[1]
+        with gm.graph.inserting_before(node):
+            if isinstance(node.target, torch._ops.OpOverload):
+                scaled = gm.graph.call_function(aten.mul.Tensor, (other, alpha))
+            else:
+                scaled = gm.graph.call_function(torch.mul, (other, alpha))
+        scaled.meta.update({k: v for k, v in other.meta.items() if k in ("val", "tensor_meta")})
+        node.args = (node.args[0], scaled, *node.args[2:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
 def _add_blocker(node: fx.Node, pos: dict[fx.Node, int]) -> str | None:
     """Why an add can never be a residual link in this fx graph, or None."""
-    if _arg(node, 2, "alpha", 1) != 1:
-        return "not a plain sum (alpha != 1)"
     first = node.args[0]
     if node.target in INPLACE_ADDS and isinstance(first, fx.Node):
         later = [u for u in first.users if pos[u] > pos[node]]
@@ -114,10 +174,15 @@ def _is_depth_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.attnres.depth_attention.default
 
 
+def _is_size(node: fx.Node) -> bool:
+    """A size or size arithmetic (`sym_size`, `s0 * 8`): carries no data, like ONNX's Shape."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (int, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def _kind(gm: fx.GraphModule, node: fx.Node) -> Kind:
     if node.op == "placeholder":
         return Kind.INPUT
-    if node.op == "get_attr":
+    if node.op == "get_attr" or _is_size(node):
         return Kind.CONST
     if node.op == "output":
         return Kind.OUTPUT
@@ -149,5 +214,7 @@ def view_from_fx(gm: fx.GraphModule) -> nx.DiGraph:
         out.append(ViewNode(
             node.name, kind, _op_name(gm, node), [i.name for i in inputs], shape, dtype,
             scalar=is_add and len(inputs) < 2, blocker=_add_blocker(node, pos) if is_add else None,
+            learned=kind == Kind.OP and _is_learned(gm, node),
+            mode_dependent=kind == Kind.PASSTHROUGH and _mode_dependent(gm, node),
         ))
     return build_view(out)

@@ -13,7 +13,13 @@ networkx DiGraph whose node attributes are the only facts the analysis reads:
     const    True when no graph input reaches the node (parameters, buffers, folded tables)
     scalar   ADD only: True when one operand is a literal scalar
     blocker  ADD only: a frontend's reason why this add can never be a residual link
-             (alpha != 1, an in-place add whose operand is read again), else None
+             (an in-place add whose operand is read again), else None
+    learned  a learned operator: a contraction (matmul, gemm, conv, linear, attention; the
+             frontend says so) or an op reading a weight (a floating constant of more than one
+             element: parameter, initializer). A residual branch passes through one; the
+             internal sums of activations (GELU-tanh's x + 0.044715 * x**3) do not.
+    mode_dependent  PASSTHROUGH only: the identity in eval mode only (dropout with p > 0);
+             an n-ary sum is not flattened through it, so its training behaviour survives
 """
 
 from __future__ import annotations
@@ -45,23 +51,52 @@ class ViewNode:
     dtype: str | None = None
     scalar: bool = False
     blocker: str | None = None
+    learned: bool = False
+    mode_dependent: bool = False
+
+
+def _is_weight(d: dict) -> bool:
+    """A constant that can be a learned weight: floating (or of unknown type), more than one element."""
+    floating = d["dtype"] is None or any(t in d["dtype"] for t in ("float", "double"))
+    shape = d["shape"]
+    if shape is None:
+        return floating
+    size = 1
+    for dim in shape:
+        if not isinstance(dim, int):
+            return False
+        size *= dim
+    return floating and size > 1
 
 
 def build_view(nodes: list[ViewNode]) -> nx.DiGraph:
-    """DiGraph of `nodes` (given in topological order) with users, order and const filled in."""
+    """DiGraph of `nodes` (given in topological order) with users, order, const and learned filled in."""
     g = nx.DiGraph()
     for order, n in enumerate(nodes):
         const = n.kind == Kind.CONST or (
             n.kind != Kind.INPUT and all(g.nodes[i]["const"] for i in n.inputs)
         )
+        learned = not const and n.kind not in (Kind.INPUT, Kind.OUTPUT) and (
+            n.learned or any(g.nodes[i]["const"] and _is_weight(g.nodes[i]) for i in n.inputs)
+        )
         g.add_node(
             n.name, kind=n.kind, target=n.target, inputs=list(n.inputs), users=[], shape=n.shape,
             dtype=n.dtype, order=order, const=const, scalar=n.scalar, blocker=n.blocker,
+            learned=learned, mode_dependent=n.mode_dependent,
         )
         for i in n.inputs:
             g.add_edge(i, n.name)
             g.nodes[i]["users"].append(n.name)
     return g
+
+
+def format_shape(shape: tuple | None, width: int = 100) -> str:
+    """A shape for a one-line message: each symbolic dim up to 24 characters, the whole up to `width`."""
+    if shape is None:
+        return "unknown"
+    dims = [d if isinstance(d, int) or len(str(d)) <= 24 else f"{str(d)[:21]}..." for d in shape]
+    text = "[" + ", ".join(map(str, dims)) + "]"
+    return text if len(text) <= width else text[: width - 4] + "...]"
 
 
 def dynamic_inputs(g: nx.DiGraph, name: str) -> list[str]:

@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Link:
-    """An n-ary residual sum: `result = skip + sum(branches)`, built from the add nodes `adds`."""
+    """An n-ary residual sum: `result = skip + sum(branches)`, built from the add nodes `adds`
+    (and `inner`, value-preserving ops between them, e.g. a p=0 dropout; removed with them)."""
 
     result: str
     skip: str
     branches: list[str]
     adds: list[str]
     shape: tuple
+    inner: list[str] = field(default_factory=list)
 
 
 @dataclass

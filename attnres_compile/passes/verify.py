@@ -1,56 +1,194 @@
-"""Numerical verification: original against rewritten outputs on the same inputs, per output."""
+"""Numerical verification: original against rewritten outputs on the same inputs, per output.
+
+A verdict that can fail: every element must satisfy |got - ref| <= atol + rtol * |ref| (as numpy
+and torch `allclose` do) with atol = rtol * max|ref|, so each output is judged against its own
+magnitude (an output of 1e-21 is not passed by an absolute 1e-5). rtol follows the mode and the
+dtype: preserve mode differs by rounding only (the rewrite reassociates a sum), so its rtol
+scales with the dtype's epsilon; paper mode differs through the norms' eps, a floor in any dtype.
+Each row holds `min_rtol`, the smallest rtol that would pass (as polygraphy prints).
+
+- Non-finite values: NaN and +-inf must sit at the same positions in both outputs; only the
+  finite positions are compared with the tolerance (one inf never makes it infinite).
+- fp16/bf16 outputs, when a float64 run of the original is given (`truth`): the rewrite also
+  passes when its error against that run is within twice the original's own rounding error.
+- An output whose magnitude is below TINY (squares underflow float32 there, so norms and the
+  keys' RMSNorm no longer compute what they do at a normal scale) gets no pass: "too small".
+"""
 
 from __future__ import annotations
 
+import copy
+import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-ATOL = 1e-5   # preserve mode, fp32: the rewrite only reassociates a sum
-RTOL = 1e-5
-PAPER_TOL = 1e-3  # paper mode on PreNorm models differs through the norms' eps only (abs and rel)
+from ..pt2 import output_name
+
+PRESERVE_RTOL = 1e-5   # float32, preserve mode: ~80 ulps of rounding, relative to the output's magnitude
+PAPER_RTOL = 1e-3      # paper mode on PreNorm models differs through the norms' eps only
+LOW_PRECISION_RTOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}  # 4 ulps (fp16/bf16 differ by ~1 ulp when exact)
+TRUTH_FACTOR = 2.0     # fp16/bf16: the rewrite's error against float64 may be up to twice the original's
+TINY = math.sqrt(torch.finfo(torch.float32).tiny)  # 1.1e-19
 
 
-def tolerance(scale: str, changes_function: bool) -> tuple[float | None, float]:
-    """(atol, rtol) of the verdict for a rewrite: none (None) when it changes the function."""
+@dataclass(frozen=True)
+class Tolerance:
+    """`rtol` at float32; `rounding`: differences are rounding only, so rtol scales with the dtype's epsilon."""
+
+    rtol: float
+    rounding: bool
+
+    def rtol_for(self, dtype: torch.dtype) -> float:
+        if dtype in LOW_PRECISION_RTOL:
+            return max(self.rtol, LOW_PRECISION_RTOL[dtype])
+        if self.rounding and dtype == torch.float64:
+            return self.rtol * torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+        return self.rtol
+
+
+def tolerance(scale: str, changes_function: bool) -> Tolerance | None:
+    """The verdict's tolerance for a rewrite: none (None) when it changes the function."""
     if changes_function:
-        return None, RTOL
+        return None
     if scale == "preserve":
-        return ATOL, RTOL
-    return PAPER_TOL, PAPER_TOL
+        return Tolerance(PRESERVE_RTOL, rounding=True)
+    return Tolerance(PAPER_RTOL, rounding=False)
 
 
-def compare(expected: Any, actual: Any, atol: float | None, rtol: float = RTOL) -> list[dict]:
-    """Per floating output leaf: max abs error, max rel error (max abs / max |ref|), and whether max_abs <= atol + rtol*max|ref|.
+def compare(expected: Any, actual: Any, tol: Tolerance | None, truth: Any = None) -> list[dict]:
+    """One row per floating output leaf: errors, the tolerance, `min_rtol` and the verdict.
 
-    `atol=None` reports the errors without a verdict (the rewrite changes the function).
+    `tol=None` reports the errors without a verdict (the rewrite changes the function);
+    `truth`: the original's outputs from a float64 run (same structure), used for fp16/bf16.
+    A row's "verdict" is "pass", "fail", "too small" or "none"; "ok" is True/False on pass/fail.
     """
-    exp_leaves, exp_spec = pytree.tree_flatten_with_path(expected)
-    act_leaves, act_spec = pytree.tree_flatten_with_path(actual)
+    exp_leaves, _ = pytree.tree_flatten_with_path(expected)
+    act_leaves, _ = pytree.tree_flatten_with_path(actual)
     if len(exp_leaves) != len(act_leaves):
-        return [{"output": "<structure>", "ok": False, "error": f"{len(exp_leaves)} outputs before, {len(act_leaves)} after"}]
+        return [{"output": "<structure>", "ok": False, "verdict": "fail",
+                 "error": f"{len(exp_leaves)} outputs before, {len(act_leaves)} after"}]
+    truth_leaves = pytree.tree_leaves(truth) if truth is not None else []
+    if len(truth_leaves) != len(exp_leaves):
+        truth_leaves = [None] * len(exp_leaves)
     rows = []
-    for (path, ref), (_, got) in zip(exp_leaves, act_leaves):
+    for (path, ref), (_, got), true in zip(exp_leaves, act_leaves, truth_leaves):
         if not isinstance(ref, torch.Tensor) or not ref.is_floating_point():
             continue
-        name = pytree.keystr(path) or "output"
-        ref64, got64 = ref.detach().double(), got.detach().double()
-        if ref64.shape != got64.shape:
-            rows.append({"output": name, "ok": False, "error": f"shape {list(ref.shape)} became {list(got.shape)}"})
+        name = output_name(path)
+        if not isinstance(got, torch.Tensor) or got.shape != ref.shape:
+            shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            rows.append({"output": name, "ok": False, "verdict": "fail", "error": f"shape {list(ref.shape)} became {shape}"})
             continue
-        diff = (ref64 - got64).abs()
-        max_abs = diff.max().item() if diff.numel() else 0.0
-        scale = ref64.abs().max().item() if ref64.numel() else 0.0
-        max_rel = max_abs / scale if scale > 0 else max_abs  # relative to the output's magnitude
-        row = {"output": name, "shape": list(ref.shape), "max_abs": max_abs, "max_rel": max_rel, "ref_max": scale}
-        if atol is not None:
-            row["tol"] = atol + rtol * scale
-            row["ok"] = bool(max_abs <= row["tol"])
-        rows.append(row)
+        rows.append({"output": name, **_compare_tensor(ref, got, tol, true if isinstance(true, torch.Tensor) else None)})
     return rows
+
+
+def _compare_tensor(ref: torch.Tensor, got: torch.Tensor, tol: Tolerance | None, truth: torch.Tensor | None = None) -> dict:
+    """The row fields (without "output") for one pair of same-shaped floating tensors."""
+    ref64, got64 = ref.detach().double(), got.detach().double()
+    finite_ref, finite_got = torch.isfinite(ref64), torch.isfinite(got64)
+    both = finite_ref & finite_got
+    mismatch = int(((~finite_ref | ~finite_got) & ~_same_nonfinite(ref64, got64)).sum())
+    r, g = ref64[both], got64[both]
+    diff = (r - g).abs()
+    scale = r.abs().max().item() if r.numel() else 0.0
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    row = {"shape": list(ref.shape), "dtype": str(ref.dtype).removeprefix("torch."), "max_abs": max_abs,
+           "max_rel": max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf), "ref_max": scale,
+           "min_rtol": _min_rtol(diff, r.abs(), scale)}
+    if mismatch:
+        row["nonfinite_mismatch"] = mismatch
+    nonfinite = int((~finite_ref).sum())
+    if nonfinite:
+        row["nonfinite"] = nonfinite
+    if tol is None:
+        row["verdict"] = "none"
+        return row
+    rtol = tol.rtol_for(ref.dtype)
+    row["rtol"], row["atol"] = rtol, rtol * scale
+    passed = not mismatch and row["min_rtol"] <= rtol
+    if truth is not None and ref.dtype in LOW_PRECISION_RTOL and not mismatch:
+        passed = _against_truth(row, ref64, got64, truth.detach().double(), both) or passed
+    if passed and r.numel() and scale < TINY:
+        row["verdict"] = "too small"
+        return row
+    row["verdict"] = "pass" if passed else "fail"
+    row["ok"] = passed
+    return row
+
+
+def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where `a` and `b` hold the same non-finite value (both NaN, or the same infinity)."""
+    return (torch.isnan(a) & torch.isnan(b)) | (torch.isinf(a) & (a == b))
+
+
+def _min_rtol(diff: torch.Tensor, ref_abs: torch.Tensor, scale: float) -> float:
+    """The smallest rtol with |diff| <= rtol * (max|ref| + |ref|) everywhere (atol = rtol * max|ref|)."""
+    if not diff.numel() or diff.max().item() == 0:
+        return 0.0
+    if scale == 0:
+        return math.inf
+    return (diff / (scale + ref_abs)).max().item()
+
+
+def _against_truth(row: dict, ref64, got64, truth64, both) -> bool:
+    """fp16/bf16: record both models' errors against the float64 run; True when the rewrite's is within TRUTH_FACTOR x the original's."""
+    if truth64.shape != ref64.shape:
+        return False
+    mask = both & torch.isfinite(truth64)
+    if not mask.any():
+        return False
+    t = truth64[mask]
+    orig_err = (ref64[mask] - t).abs().max().item()
+    new_err = (got64[mask] - t).abs().max().item()
+    row["truth_err_original"], row["truth_err_rewritten"] = orig_err, new_err
+    return new_err <= TRUTH_FACTOR * orig_err
+
+
+def describe(row: dict) -> str:
+    """One line for a row: mark, output, errors, tolerance and the minimum rtol that would pass."""
+    if "error" in row:
+        return f"✗ {row['output']}: {row['error']}"
+    mark = {"pass": "✓", "fail": "✗", "too small": "?", "none": "·"}[row["verdict"]]
+    text = f"{mark} {row['output']:<28} max abs {row['max_abs']:.2e}  max rel {row['max_rel']:.2e}"
+    if row.get("nonfinite_mismatch"):
+        text += f"  non-finite values differ at {row['nonfinite_mismatch']} positions"
+    elif row.get("nonfinite"):
+        text += f"  ({row['nonfinite']} non-finite, identical)"
+    if "truth_err_original" in row:
+        text += f"  vs float64: original {row['truth_err_original']:.1e}, rewritten {row['truth_err_rewritten']:.1e}"
+    if row["verdict"] == "none":
+        return text + "  (function changed: no tolerance)"
+    text += f"  rtol {row['rtol']:.1e}"
+    if not row.get("nonfinite_mismatch"):
+        text += f" (passes from {row['min_rtol']:.1e})"
+    if row["verdict"] == "too small":
+        text += f"  too small to tell: max |ref| {row['ref_max']:.1e} < {TINY:.1e}"
+    return text
 
 
 def run_both(original: Callable, rewritten: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
     with torch.no_grad():
         return original(*args, **kwargs), rewritten(*args, **kwargs)
+
+
+def needs_truth(outputs: Any) -> bool:
+    """Whether any floating output is fp16/bf16 (verified against a float64 run of the original)."""
+    return any(isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION_RTOL for t in pytree.tree_leaves(outputs))
+
+
+def truth_run(original: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+    """The original's outputs in float64 (else float32) on the same inputs, cast from theirs; (None, reason) if neither runs."""
+    reason = None
+    for dtype in (torch.float64, torch.float32):
+        try:
+            model = copy.deepcopy(original).to(dtype)
+            cast = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+            with torch.no_grad():
+                return model(*cast[0], **cast[1]), None
+        except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64 is compared by tolerance only
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    return None, reason

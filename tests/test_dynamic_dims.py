@@ -1,0 +1,97 @@
+"""Dynamic input dims: the rewritten module takes any batch and sequence length by default,
+`--dynamic` chooses the dims, and a failing dynamic trace or export falls back to static shapes."""
+
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import attnres_compile as ac
+from attnres_compile import cli
+from attnres_compile.errors import ConfigError
+from attnres_compile.onnx_api import export_onnx
+from attnres_compile.passes import dynamic_dims, onnx_export
+from samples import hf_models, models
+
+
+
+def _dims(path: Path) -> dict[str, list]:
+    model = onnx.load(str(path), load_external_data=False)
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
+            if i.name not in {t.name for t in model.graph.initializer}}
+
+
+def test_rewritten_module_takes_any_batch_and_sequence():
+    """Traced at batch 2 x 8 tokens, run at 3 x 5 (and 1 x 8): like the original module."""
+    model, inputs = hf_models.llama_factory()
+    result = ac.rewrite(model, inputs)
+    assert result.report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
+    for batch, length in ((3, 5), (1, 8)):
+        other = {"input_ids": torch.randint(0, 100, (batch, length)), "attention_mask": torch.ones(batch, length, dtype=torch.long),
+                 "use_cache": False}
+        with torch.no_grad():
+            torch.testing.assert_close(result.graph_module(**other).logits, model(**other).logits, atol=1e-5, rtol=1e-5)
+    vit, pixels = hf_models.vit_factory()
+    assert ac.inspect(vit, pixels)["dynamic_dims"] == {"pixel_values": [0]}  # image sizes stay static
+
+
+def test_dynamic_spec_parsing_and_named_dims():
+    assert dynamic_dims.parse(None) == dynamic_dims.parse("batch,seq")
+    assert dynamic_dims.parse("none").none
+    model, (tokens,) = models.gpt_factory()
+    spec = dynamic_dims.export_spec(dynamic_dims.parse("idx.1"), model, (tokens,), {})
+    assert list(spec[0]) == [1]
+    assert ac.inspect(model, (tokens,), dynamic="idx.1")["dynamic_dims"] == {"idx": [1]}
+    assert ac.inspect(model, (tokens,), dynamic="none")["dynamic_dims"] == {}
+    for bad, match in (("bogus", "neither"), ("none,batch", "cannot be combined"), ("", "empty")):
+        with pytest.raises(ConfigError, match=match):
+            dynamic_dims.parse(bad)
+    with pytest.raises(ConfigError, match="names input 'pixels'"):
+        dynamic_dims.export_spec(dynamic_dims.parse("pixels.2"), model, (tokens,), {})
+    notes = ac.inspect(model, (tokens[:1],))["notes"]
+    assert any("idx[0] stay static" in n for n in notes)
+
+
+def test_failing_dynamic_trace_and_export_fall_back_to_static(monkeypatch, tmp_path):
+    """A model whose dynamic trace or ONNX export fails is traced/exported with static shapes and a one-line note."""
+    real = torch.export.export
+
+    def static_only(*args, dynamic_shapes=None, **kwargs):
+        if dynamic_shapes is not None:
+            raise RuntimeError("Constraints violated (s0)! " + "s0*s1//7 + " * 200)
+        return real(*args, **kwargs)
+
+    model, (tokens,) = models.gpt_factory(layers=2)
+    monkeypatch.setattr(torch.export, "export", static_only)
+    result = export_onnx(model, (tokens,), tmp_path / "gpt.onnx", verify_outputs=False)
+    notes = [n for n in result.report["notes"] if "static shapes" in n]
+    assert len(notes) == 1 and "traced with static shapes" in notes[0] and len(notes[0]) < 400
+    assert result.report["dynamic_dims"] == {} and _dims(tmp_path / "gpt.onnx") == {"idx": [2, 16]}
+    monkeypatch.setattr(torch.export, "export", real)
+    real_export = onnx_export.export
+
+    def onnx_static_only(module, args, kwargs=None, dynamic_shapes=None):
+        if dynamic_shapes is not None:
+            raise RuntimeError("\x1b[96mThis is step 2/3\x1b[0m of exporting the model to ONNX. Next steps:")
+        return real_export(module, args, kwargs, None)
+
+    monkeypatch.setattr(onnx_export, "export", onnx_static_only)
+    notes = []
+    proto = onnx_export.export_or_static(model, (tokens,), {}, ({0: torch.export.Dim.AUTO},), "dynamic batch", notes)
+    assert notes == ["ONNX export with dynamic batch failed (RuntimeError: This is step 2/3 of exporting the model "
+                     "to ONNX. Next steps:); exported with static shapes"]
+    assert [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim] == [2, 16]
+
+
+def test_cli_dynamic_option(tmp_path, capsys):
+    """--dynamic none writes static dims; a bad spec or --dynamic on an ONNX file is one line, exit 2."""
+    out = tmp_path / "gpt.onnx"
+    assert cli.main(["rewrite", "samples.models:gpt_factory", "-o", str(out), "--dynamic", "none", "--no-verify"]) == 0
+    assert _dims(out) == {"idx": [2, 16]}
+    capsys.readouterr()
+    assert cli.main(["inspect", "samples.models:gpt_factory", "--dynamic", "batch,tokens"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--dynamic 'tokens'" in err
+    assert cli.main(["inspect", str(out), "--dynamic", "batch"]) == 2
+    assert "--dynamic applies to package.module:factory" in capsys.readouterr().err

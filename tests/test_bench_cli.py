@@ -13,6 +13,9 @@ from attnres_compile.cli import main
     (["bench", "kernel", "--rounds", "0"], "--rounds must be a positive integer"),
     (["bench", "model", "--sublayers", "13", "--runtimes", "eager"], "--sublayers must be even"),
     (["bench", "model", "--width", "30", "--runtimes", "eager"], "--width must be a multiple of 4"),
+    (["bench", "model", "--tune-minutes", "0"], "--tune-minutes must be positive"),
+    (["bench", "model", "--runtimes", "tvm,tvm-tuned"], "--runtimes tvm-tuned needs a tuning budget"),
+    (["bench", "all", "--sublayers", "13"], "--sublayers must be even"),  # before the kernel benchmark starts
 ])
 def test_bad_values_are_one_line_errors(argv, message, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
@@ -22,7 +25,8 @@ def test_bad_values_are_one_line_errors(argv, message, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["bench", "kernel", "--sources", "2,x"], ["bench", "kernel", "--rows", "0"],
-                                  ["bench", "kernel", "--backends", "tvm,cuda"], ["bench", "model", "--models", "bert"]])
+                                  ["bench", "kernel", "--backends", "tvm,cuda"], ["bench", "model", "--models", "bert"],
+                                  ["bench", "model", "--runtimes", "eager,jax"]])
 def test_bad_lists_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -3,44 +3,72 @@
 A shared machine's speed drifts by tens of percent within minutes; timing A for a minute and
 then B for a minute turns that drift into a false ratio. Here every round times each candidate
 once (each call repeated until `min_time` has passed), and the median over rounds is reported.
+
+`interleaved_clocks` keeps every round's sample of three clocks: wall time, the process's CPU
+time (`time.process_time`: every thread of the process, the measure for 1-thread runs, which a
+busy machine's waiting does not inflate) and the calling thread's CPU time (equal to the
+process's when the work runs in the calling thread); `paired_ratio` compares two candidates
+round by round, so drift between rounds cancels.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 
-def _per_call(fn: Callable[[], object], min_time: float, sync: Callable[[], None]) -> float:
-    """Seconds per call of `fn`, calling it until `min_time` has passed (at least once)."""
-    calls, start = 0, time.perf_counter()
+CLOCKS = ("wall", "cpu", "thread")  # time.perf_counter, time.process_time, time.thread_time
+
+
+def _now() -> tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def _per_call(fn: Callable[[], object], min_time: float, sync: Callable[[], None]) -> tuple[float, float, float]:
+    """Seconds per call of `fn` on each clock of CLOCKS, calling it until `min_time` of wall time
+    has passed (at least once)."""
+    calls, start = 0, _now()
     while True:
         fn()
         calls += 1
         sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time:
-            return elapsed / calls
+        now = _now()
+        if now[0] - start[0] >= min_time:
+            return tuple((b - a) / calls for a, b in zip(start, now))
+
+
+def interleaved_clocks(candidates: Mapping[str, Callable[[], object]], rounds: int = 5, min_time: float = 0.1,
+                       sync: Callable[[], None] = lambda: None) -> dict[str, dict[str, list[float]]]:
+    """{name: {clock: [seconds per call, one per round]}} for each candidate, timed in alternating
+    rounds (clocks: CLOCKS). Each candidate is called once first (warm-up: lazy init, caches,
+    autotuning); `sync` runs after each call (e.g. torch.cuda.synchronize) so asynchronous work
+    is counted."""
+    for fn in candidates.values():
+        fn()
+        sync()
+    samples: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            for clock, value in zip(CLOCKS, _per_call(fn, min_time, sync)):
+                samples[name][clock].append(value)
+    return samples
 
 
 def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int = 5, min_time: float = 0.1,
                 sync: Callable[[], None] = lambda: None) -> dict[str, dict]:
-    """{name: {"median_ms", "min_ms", "rounds"}} for each candidate, timed in alternating rounds.
+    """{name: {"median_ms", "min_ms", "rounds"}} of wall time for each candidate, timed in
+    alternating rounds (interleaved_clocks)."""
+    return {name: {"median_ms": statistics.median(s["wall"]) * 1e3, "min_ms": min(s["wall"]) * 1e3,
+                   "rounds": len(s["wall"])}
+            for name, s in interleaved_clocks(candidates, rounds, min_time, sync).items()}
 
-    Each candidate is called once first (warm-up: lazy init, caches, autotuning); `sync` runs
-    after each call (e.g. torch.cuda.synchronize) so asynchronous work is counted."""
-    for fn in candidates.values():
-        fn()
-        sync()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            samples[name].append(_per_call(fn, min_time, sync))
-    return {name: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3, "rounds": len(s)}
-            for name, s in samples.items()}
+
+def paired_ratio(samples: Sequence[float], baseline: Sequence[float]) -> float:
+    """The median over rounds of samples[i] / baseline[i]: a ratio in which drift between rounds cancels."""
+    return statistics.median(a / b for a, b in zip(samples, baseline, strict=True))
 
 
 class CopyBandwidth:

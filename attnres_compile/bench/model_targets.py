@@ -1,0 +1,123 @@
+"""The targets of issues 11 and 12 as data, and their verdicts from `bench model`'s rows.
+
+Each target is a limit on one measure of one (runtime, variant) over a set of (width, sublayers)
+configurations. The verdict is decided on the 1-thread CPU-time measure (drift on a shared
+machine barely moves it); the 2-thread wall-clock measure and the identical copy's overhead in
+the same rounds (the noise floor) are reported beside it. A target none of whose
+configurations was run is "not measured"; one run on part of them says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WIDE = ((256, 12), (256, 24), (256, 48))  # (width, sublayers) of the default matrices
+LARGE = ((1024, 24),)
+MODELS = ("gpt", "llama")
+TUNE_MINUTES = 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """`metric` of (runtime, variant) <= `limit` at every (width, sublayers) of `configs`, both models.
+
+    metric: "overhead" (% over the original in the same runtime and rounds), "vs_onnxruntime"
+    (x onnxruntime running the original, in the same rounds), "build_s" (seconds to build; any variant)."""
+
+    issue: int
+    what: str
+    runtime: str
+    variant: str | None
+    metric: str
+    limit: float
+    configs: tuple[tuple[int, int], ...]
+
+
+TARGETS = (
+    Target(11, "PyTorch eager forward, Block", "eager", "block", "overhead", 5.0, WIDE),
+    Target(11, "PyTorch eager forward, Block", "eager", "block", "overhead", 2.0, LARGE),
+    Target(11, "PyTorch eager forward, Full", "eager", "full", "overhead", 10.0, ((256, 24),)),
+    Target(11, "PyTorch forward + backward, Block", "train", "block", "overhead", 8.0, WIDE),
+    Target(11, "onnxruntime, Block", "onnxruntime", "block", "overhead", 10.0, WIDE),
+    Target(11, "onnxruntime, Block", "onnxruntime", "block", "overhead", 2.0, LARGE),
+    Target(11, "onnxruntime, Full", "onnxruntime", "full", "overhead", 25.0, ((256, 48),)),
+    Target(11, "TVM, Block", "tvm", "block", "overhead", 2.0, ((256, 48),)),
+    Target(11, "TVM, Full", "tvm", "full", "overhead", 5.0, ((256, 48),)),
+    Target(12, "TVM default build, original vs onnxruntime original", "tvm", "original", "vs_onnxruntime", 1.15,
+           WIDE + LARGE),
+    Target(12, "TVM default build time", "tvm", None, "build_s", 60.0, WIDE + LARGE),
+    Target(12, "TVM default build, Block vs onnxruntime original", "tvm", "block", "vs_onnxruntime", 1.10, WIDE + LARGE),
+    Target(12, f"TVM tuned {TUNE_MINUTES} min, Block vs onnxruntime original", "tvm-tuned", "block", "vs_onnxruntime",
+           1.0, WIDE + LARGE),
+)
+
+
+def limit_text(t: Target) -> str:
+    unit = {"overhead": f"<= {t.limit:+g}%", "vs_onnxruntime": f"<= {t.limit:g}x", "build_s": f"<= {t.limit:g} s"}
+    return unit[t.metric]
+
+
+def configs_text(configs: tuple[tuple[int, int], ...]) -> str:
+    widths = dict.fromkeys(w for w, _ in configs)
+    return ", ".join(f"width {w} at {'/'.join(str(d) for ww, d in configs if ww == w)} sublayers" for w in widths)
+
+
+def evaluate(rows: list[dict], compiles: list[dict], tuning: dict) -> list[dict]:
+    """One verdict per target: {"issue", "name", "target", "measured" (the worst value, on the deciding
+    clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met",
+    "note"}. `tuning` is the run's TVM tuning setting
+    ({"tune_minutes", "trials"}): the tuned target holds only for a run tuned TUNE_MINUTES minutes."""
+    return [_verdict(t, rows, compiles, tuning) for t in TARGETS]
+
+
+def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) -> dict:
+    expected = {(m, w, d) for m in MODELS for w, d in t.configs}
+    out = {"issue": t.issue, "name": t.what, "target": f"{limit_text(t)} ({configs_text(t.configs)})",
+           "runtime": t.runtime, "variant": t.variant, "metric": t.metric, "limit": t.limit,
+           "measured": None, "beside": None, "floor": None, "where": None, "expected": len(expected), "covered": 0,
+           "met": None, "note": None}
+    if t.metric == "build_s":
+        found = [c for c in compiles if (c["model"], c["width"], c["sublayers"]) in expected
+                 and c.get(f"{t.runtime}_build_s") is not None]
+        values = [(c[f"{t.runtime}_build_s"], c.get(f"{t.runtime}_build_cpu_s"), c) for c in found]
+    else:
+        key = {"overhead": "cpu_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_cpu"}[t.metric]
+        other = {"overhead": "wall_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_wall"}[t.metric]
+        found = [r for r in rows if (r["model"], r["width"], r["sublayers"]) in expected
+                 and (r["runtime"], r["variant"]) == (t.runtime, t.variant) and r.get(key) is not None]
+        values = [(r[key], r.get(other), r) for r in found]
+    out["covered"] = len({(r["model"], r["width"], r["sublayers"]) for _, _, r in values})
+    if not values:
+        out["note"] = "not run: " + (f"needs --tune-minutes {TUNE_MINUTES}" if t.runtime == "tvm-tuned"
+                                     else f"this run has no {configs_text(t.configs)} {t.runtime} rows")
+        return out
+    worst, _, where = max(values, key=lambda v: v[0])
+    copy = next((r for r in rows if (r["model"], r["width"], r["sublayers"], r["runtime"], r["variant"])
+                 == (where["model"], where["width"], where["sublayers"], t.runtime, "copy")), {})
+    out.update(measured=worst, beside=max((b for _, b, _ in values if b is not None), default=None),
+               where=f"{where['model']} {where['width']}/{where['sublayers']}"
+                     + (f" {where['variant']}" if t.metric == "build_s" else ""),
+               floor=copy.get("cpu_overhead_pct") if t.metric != "build_s" else None, met=worst <= t.limit)
+    if t.runtime == "tvm-tuned" and (tuning.get("tune_minutes") or 0) < TUNE_MINUTES:
+        how = f"{tuning['tune_minutes']} min" if tuning.get("tune_minutes") else f"{tuning.get('trials')} trials per task"
+        out.update(met=None, note=f"not measured: the target is for --tune-minutes {TUNE_MINUTES}; this run tuned {how}")
+    elif out["covered"] < out["expected"]:
+        out["note"] = f"partial: {out['covered']} of {out['expected']} model configurations run"
+    return out
+
+
+def line(v: dict, threads: int) -> str:
+    """One verdict as a text line: what, limit, the worst measured (1-thread CPU time, 2-thread wall
+    beside; builds: wall, CPU beside), the identical copy's overhead there, the verdict."""
+    verdict = "not measured" if v["met"] is None else "MET" if v["met"] else "NOT MET"
+    head = f"issue {v['issue']}: {v['name']} {v['target']}: "
+    if v["measured"] is None:
+        return head + f"{verdict} ({v['note']})"
+    fmt = {"overhead": "{:+.1f}%", "vs_onnxruntime": "{:.2f}x", "build_s": "{:.1f} s"}[v["metric"]]
+    clocks, other = ("1-thread CPU", f"{threads}-thread wall") if v["metric"] != "build_s" else ("wall", "CPU")
+    extra = [] if v["beside"] is None else [f"{other} {fmt.format(v['beside'])}"]
+    if v["floor"] is not None:
+        extra.append(f"identical copy {v['floor']:+.1f}%")
+    if v["note"]:
+        extra.append(v["note"])
+    return head + f"{fmt.format(v['measured'])} {clocks} at {v['where']} ({'; '.join(extra)}): {verdict}"

@@ -23,18 +23,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.monitor import DepthMonitor, find_collapse, log_stats, record, tensorboard_writer, trace_sites
-from samples.models import GPT
+from samples.char_lm import attnres, build_model, evaluate, load_text, lr_factor, make_opt, train_step, windows
 
 RUNS = ("baseline", "full", "block", "full-convert", "block-convert")
 PAPER = {"note": "arXiv 2603.15031, 16-layer ablation, validation loss", "baseline": 1.766, "full": 1.737, "block": 1.746}
@@ -79,54 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_text(val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Train ids, validation ids (the last `val_fraction` of the text) and the vocabulary."""
-    from pydoc_data.topics import topics
-
-    text = "".join(topics[k] for k in sorted(topics))
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
-    cut = int(len(ids) * (1 - val_fraction))
-    return ids[:cut], ids[cut:], vocab
-
-
-def windows(ids: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-character targets for windows of `seq` characters at `starts`."""
-    chunk = ids[starts[:, None] + torch.arange(seq + 1)]
-    return chunk[:, :-1], chunk[:, 1:]
-
-
-def build_model(args, vocab: int) -> GPT:
-    """The baseline GPT with GPT-2 style init (N(0, 0.02) weights, zero biases), seeded."""
-    torch.manual_seed(args.seed)
-    model = GPT(vocab=vocab, dim=args.dim, layers=args.layers, heads=args.heads, max_len=args.seq)
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-    return model
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warmup, then cosine decay to a tenth of `--lr` at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
-
-
-def evaluate(model, val_batches, monitor: DepthMonitor | None = None) -> tuple[float, dict | None]:
-    """Mean validation loss; through `monitor` (which then holds the depth stats of these batches) if given."""
-    call = model if monitor is None else monitor
-    if monitor is not None:
-        monitor.reset()
-    with torch.no_grad():
-        losses = [F.cross_entropy(call(x).flatten(0, 1), y.flatten()).item() for x, y in val_batches]
-    return sum(losses) / len(losses), None if monitor is None else monitor.stats()
-
-
 def train(name, model, opt, args, data, val_batches, start, writer=None, expect=None, snapshot_at=None) -> dict:
     """Train `model` from step `start` to `args.steps`; returns its record.
 
@@ -136,7 +84,6 @@ def train(name, model, opt, args, data, val_batches, start, writer=None, expect=
     monitor = DepthMonitor(model) if isinstance(model, torch.fx.GraphModule) else None
     evals = set(range(start, args.steps, args.eval_every)) | {start, args.steps}
     rec = {"start_step": start, "val": [], "train_loss": []}
-    params = list(model.parameters())
     t0, eval_s = time.perf_counter(), 0.0
     for step in range(start, args.steps + 1):
         if step in evals:
@@ -159,38 +106,11 @@ def train(name, model, opt, args, data, val_batches, start, writer=None, expect=
         if step == args.steps:
             break
         x, y = data[step]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        rec["train_loss"].append(loss.item())
+        rec["train_loss"].append(train_step(model, opt, x, y, lr_factor(step, args.steps, args.warmup)))
     rec["seconds"] = time.perf_counter() - t0
     rec["train_seconds"] = rec["seconds"] - eval_s
     rec["final"] = rec["val"][-1][1]
     return rec
-
-
-def make_opt(model: nn.Module, args, adam_state: dict | None = None) -> torch.optim.Optimizer:
-    """Adam; `adam_state` ({param name: state}) seeds the state of parameters of the same name."""
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
-    for name, p in model.named_parameters():
-        if adam_state and name in adam_state:
-            opt.state[p] = copy.deepcopy(adam_state[name])
-    return opt
-
-
-def attnres(model: nn.Module, example: torch.Tensor, variant: str, scale: str, args) -> torch.fx.GraphModule:
-    """`model` rewritten to AttnRes; a preserve rewrite must pass verification (paper scale changes the
-    function through the LayerNorm eps when the stream is small, as it is at this init)."""
-    config = AttnResConfig(variant=variant, num_blocks=args.blocks if variant == "block" else None, scale=scale)
-    result = rewrite(model.eval(), (example,), config)  # rewrite works on its own copy
-    bad = [r for r in result.report["verification"] or [] if r.get("ok") is False]
-    if bad and scale == "preserve":
-        raise AssertionError(f"{variant}/{scale} rewrite failed verification: {bad}")
-    return result.graph_module
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -208,24 +128,24 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tensorboard and writer is None:
         print("tensorboard is not installed: not logging to it")
 
-    model0 = build_model(args, len(vocab))
+    model0 = build_model(args.seed, len(vocab), args.layers, args.dim, args.heads, args.seq)
     n_params = sum(p.numel() for p in model0.parameters())
     print(f"{len(train_ids)} train / {len(val_ids)} val characters, vocab {len(vocab)}; GPT {args.layers}x{args.dim}, "
           f"{n_params / 1e6:.2f}M parameters; {args.steps} steps of {args.batch}x{args.seq} characters")
     scratch = [n for n in args.runs if not n.endswith("-convert")]
     # every from-scratch model is made before any trains: all start from model0's initial weights
-    models = {name: model0 if name == "baseline" else attnres(model0, example, name, args.scale, args) for name in scratch}
+    models = {name: model0 if name == "baseline" else attnres(model0, example, name, args.scale, args.blocks) for name in scratch}
     runs = {}
     for name in scratch:
         snap = args.convert_at if name == "baseline" else None
-        runs[name] = train(name, models[name], make_opt(models[name], args), args, data, val_batches, 0, writer, snapshot_at=snap)
+        runs[name] = train(name, models[name], make_opt(models[name], args.lr), args, data, val_batches, 0, writer, snapshot_at=snap)
     for name in [n for n in args.runs if n.endswith("-convert")]:
         base, snap = runs["baseline"], runs["baseline"]["snapshot"]
-        model = build_model(args, len(vocab))
+        model = build_model(args.seed, len(vocab), args.layers, args.dim, args.heads, args.seq)
         model.load_state_dict(snap["model"])
-        gm = models[name] = attnres(model, example, name.split("-")[0], "preserve", args)
+        gm = models[name] = attnres(model, example, name.split("-")[0], "preserve", args.blocks)
         expect = dict(map(tuple, base["val"]))[args.convert_at]
-        runs[name] = train(name, gm, make_opt(gm, args, snap["adam"]), args, data, val_batches, args.convert_at, writer, expect=expect)
+        runs[name] = train(name, gm, make_opt(gm, args.lr, snap["adam"]), args, data, val_batches, args.convert_at, writer, expect=expect)
         runs[name]["convert_check"] = {"baseline": expect, "rewritten": runs[name]["val"][0][1],
                                        "abs_diff": abs(runs[name]["val"][0][1] - expect)}
     runs.get("baseline", {}).pop("snapshot", None)

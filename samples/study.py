@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curve-batches", type=int, default=6, help="validation batches per curve point (the final loss uses all)")
     p.add_argument("--val-batches", type=int, help="use only this many batches (spread evenly) of each held-out half (default: all)")
     p.add_argument("--workers", type=int, default=2, help="worker processes, one thread each")
-    p.add_argument("--kernel", choices=op.KERNELS, default=os.environ.get("ATTNRES_KERNEL", "auto"),
+    p.add_argument("--kernel", choices=op.KERNELS, default=os.environ.get("ATTNRES_KERNEL") or "auto",
                    help="depth_attention implementation (sets ATTNRES_KERNEL; default: that variable, else auto)")
     p.add_argument("--ratios-from", help="a results.json whose equal-compute ratios to reuse instead of measuring them")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and the plots from OUT/results.json")

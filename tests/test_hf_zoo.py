@@ -106,13 +106,15 @@ RELOAD = textwrap.dedent("""
                         if isinstance(t, torch.Tensor)]
         sess = onnxruntime.InferenceSession(f"{sys.argv[1]}/{name}.onnx", providers=["CPUExecutionProvider"])
         got_onnx = sess.run(None, {i.name: tensors[i.name].numpy() for i in sess.get_inputs()})
+        archive = pt2.load(f"{sys.argv[1]}/{name}.pt2")
         with torch.no_grad():  # non-tensor inputs (use_cache=False) are baked into the archive
-            got_pt2 = pt2.load(f"{sys.argv[1]}/{name}.pt2").program.module()(**tensors)
+            got_pt2 = archive.program.module()(**tensors)
         got_pt2 = [t for t in torch.utils._pytree.tree_leaves(got_pt2) if isinstance(t, torch.Tensor)]
         rel = lambda e, g: float(np.abs(e.numpy() - np.asarray(g)).max() / np.abs(e.numpy()).max())
         out[name] = {"onnx": max(rel(e, g) for e, g in zip(expected, got_onnx)),
                      "pt2": max(rel(e, g) for e, g in zip(expected, got_pt2)),
-                     "outputs": [len(expected), len(got_onnx), len(got_pt2)]}
+                     "outputs": [len(expected), len(got_onnx), len(got_pt2)],
+                     "names": [[o.name for o in sess.get_outputs()], archive.outputs]}
     print(json.dumps(out))
 """)
 # through the CLI: ten architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path)
@@ -240,4 +242,5 @@ def test_cli_onnx_and_pt2_reload_in_a_fresh_process(workers):
     for name, r in {k: v for proc in reloads for k, v in _json(proc).items()}.items():
         print(f"{name}: reloaded at batch 3, max |diff| / max |ref|: onnx {r['onnx']:.1e}, pt2 {r['pt2']:.1e}")
         assert r["outputs"][0] == r["outputs"][1] == r["outputs"][2], (name, r)
+        assert r["names"][0] == r["names"][1], (name, r["names"])  # the model's own output names in both
         assert r["onnx"] <= 1e-5 and r["pt2"] <= 1e-5, (name, r)

@@ -5,6 +5,8 @@ kernels' dispatch and disk cache.
 gradcheck needs float64, which only the eager reference computes; the fused backward is checked
 in float32 (and bfloat16) against the float64 analytic gradient, with dtype-scaled tolerances."""
 
+import os
+
 import pytest
 import torch
 
@@ -207,6 +209,18 @@ def test_threads_follow_torch(one_thread):
         grads.append(w.grad.clone())
         w.grad = None
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
+
+
+def test_small_calls_run_on_one_thread(one_thread):
+    """A call with under BYTES_PER_THREAD of data per thread runs on fewer threads: waking TVM's
+    worker costs more than it saves there. Idle workers sleep instead of spinning on torch's cores."""
+    torch.set_num_threads(2)
+    small = [torch.empty(128, 256) for _ in range(4)]  # 512 KiB
+    large = [torch.empty(1024, 256) for _ in range(4)]  # 4 MiB
+    assert fused._threads(small) == 1 and fused._threads(large) == 2
+    torch.set_num_threads(1)
+    assert fused._threads(large) == 1
+    assert fused.available() and os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
 
 
 def test_kernel_cache_on_disk(tmp_path, monkeypatch, capsys):

@@ -27,6 +27,7 @@ from attnres_compile.backends.tvm.artifact import dim_text
 from attnres_compile.backends.tvm.cli import add_commands
 from attnres_compile.backends.tvm.cpu_rules import Matmul, default_schedule
 from attnres_compile.backends.tvm.importers import import_model
+from attnres_compile.backends.tvm.lower import KERNEL_PREFIX
 from attnres_compile.backends.tvm.pipeline import build, make_target
 from attnres_compile.backends.tvm.profile import format_table, profile
 from attnres_compile.errors import CompileError
@@ -168,8 +169,20 @@ def test_rewritten_model_default_build_matches_onnxruntime(gpt_block):
     for e, (name, a) in zip(expected, actual.items()):
         _close(e, a)
     assert manifest["tuning"] is None and len(manifest["sites"]) == 2  # one layer: attention and MLP sites
+    assert list(actual) == ["logits"]  # the model's own output name, not the exporter's `linear_N`
     dims = [d for io in ("inputs", "outputs") for x in manifest[io] for d in x["shape"]]
     assert all(isinstance(d, int) or "T." not in d for d in dims), dims  # readable symbolic dims
+
+
+def test_each_site_kernel_is_compiled_once(gpt_block):
+    """No dead copy of a site kernel reaches codegen: a copy made by a pass (the weights' layout-free
+    marking) replaces its original, which is not kept alive as an exported symbol."""
+    folder, _, _ = gpt_block
+    built = build(import_model(folder / "gpt.onnx"), make_target("llvm"))
+    kernels = [gv.name_hint for gv, f in built.mod.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.startswith(KERNEL_PREFIX)]
+    distinct = {s[k] for s in built.sites for k in ("kernel", "partial") if k in s}
+    assert len(kernels) == len(distinct) == 2, kernels
 
 
 def test_profile_times_every_kernel(gpt_block):

@@ -20,9 +20,11 @@ import onnxscript
 import torch
 from onnx.defs import OpSchema
 from onnxscript import ir
+from torch.utils import _pytree as pytree
 
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from ..errors import first_line
+from ..pt2 import output_name
 from . import dynamic_dims
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
 from .onnx_grouping import finalize_sites
@@ -82,6 +84,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
         exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         _contiguous_as_clone(exported.graph_module)
+        names = _output_names(exported)
         program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
                                     verbose=False)
         graph = program.model.graph
@@ -90,9 +93,35 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         program.optimize()
         for q in queries:
             graph.inputs.remove(q)
+        _name_outputs(graph, names)
     model = ir.to_proto(program.model)
     finalize_sites(model)
     return model
+
+
+def _output_names(exported: torch.export.ExportedProgram) -> list[str]:
+    """The outputs' names as the .pt2 archive gives them (`logits`, `hidden_states.1`), in the
+    exporter's (pytree) order."""
+    spec = exported.module_call_graph[0].signature.out_spec
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+    return [output_name(path) for path, _ in leaves]
+
+
+def _name_outputs(graph: ir.Graph, names: list[str]) -> None:
+    """Give the graph's outputs the model's own names (the exporter names them after their last
+    op, `linear_21`); an output that is also an input or another output, or whose name another
+    value holds, keeps the exporter's."""
+    if len(names) != len(graph.outputs) or len(set(names)) != len(names):
+        return
+    taken = {v.name for v in graph.inputs} | {v.name for node in graph for v in node.outputs}
+    taken |= set(graph.initializers)
+    outputs = list(graph.outputs)
+    for value, name in zip(outputs, names):
+        if value.name == name or value in graph.inputs or outputs.count(value) > 1 or name in taken:
+            continue
+        taken.discard(value.name)
+        value.name = name
+        taken.add(name)
 
 
 def _contiguous_as_clone(gm: torch.fx.GraphModule) -> None:

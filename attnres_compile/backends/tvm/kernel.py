@@ -212,13 +212,22 @@ def depth_attention_partial_func(
                 stats = [_stats(f"{j}", rows, blk, queries) for j, blk in enumerate(blocks)]
                 e_buf = _alloc("e", *rows, B, J)
                 with _row_block(rows, "softmax") as vr:
+                    # J + B bound scalars: a let per logit and weight, B * J of them nested in one row,
+                    # made TVM's buffer passes quadratic (42 blocks x 7 queries: 6 s to compile)
+                    rinv = [_logit(ss, ss, vr, D, eps)[1] for ss, *_ in stats]
                     for q in range(B):
-                        z = [_logit(ss, dots[q], vr, D, eps)[0] for ss, *dots in stats]
-                        m, e, total, _ = _softmax(z)
+                        z = [dots[q][vr] * r for (_, *dots), r in zip(stats, rinv)]
+                        m = z[0]
+                        for x in z[1:]:
+                            m = T.max(m, x)
+                        m = T.Bind(m)
                         T.buffer_store(m_out, m, [q, *vr])
-                        T.buffer_store(l_out, total, [q, *vr])
-                        for j, x in enumerate(e):
-                            T.buffer_store(e_buf, x, [*vr, q, j])
+                        for j, x in enumerate(z):
+                            T.buffer_store(e_buf, T.exp(x - m), [*vr, q, j])
+                with _row_block(rows, "softmax_sum") as vr:
+                    for q in range(B):
+                        T.buffer_store(l_out, _weighted([(T.float32(1), e_buf[(*vr, q, j)]) for j in range(J)]),
+                                       [q, *vr])
                 for q in range(B):
                     _elementwise(rows, D, f"acc_q{q}", lambda vr, vd, q=q: (
                         acc_out, [q, *vr, vd],

@@ -109,10 +109,16 @@ def flatten_outputs(program: torch.export.ExportedProgram) -> list[str]:
     needs none of the output classes (HF ModelOutputs, ...) registered to be read back.
     """
     signature = program.module_call_graph[0].signature
-    spec = signature.out_spec
+    names = output_names(program)
+    signature.out_spec = pytree.tree_structure(tuple(range(signature.out_spec.num_leaves)))
+    return names
+
+
+def output_names(program: torch.export.ExportedProgram) -> list[str]:
+    """The names of `program`'s outputs, in pytree (flattened) order."""
+    spec = program.module_call_graph[0].signature.out_spec
     leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
-    signature.out_spec = pytree.tree_structure(tuple(range(spec.num_leaves)))
-    return [output_name(p) for p, _ in leaves]
+    return [output_name(path) for path, _ in leaves]
 
 
 def _plain_spec(spec: pytree.TreeSpec) -> bool:

@@ -20,11 +20,10 @@ import onnxscript
 import torch
 from onnx.defs import OpSchema
 from onnxscript import ir
-from torch.utils import _pytree as pytree
 
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from ..errors import first_line
-from ..pt2 import output_name
+from ..pt2 import output_names
 from . import dynamic_dims
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
 from .onnx_grouping import finalize_sites
@@ -84,7 +83,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
         exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         _contiguous_as_clone(exported.graph_module)
-        names = _output_names(exported)
+        names = output_names(exported)  # the .pt2 archive's names (`logits`, `hidden_states.1`)
         program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
                                     verbose=False)
         graph = program.model.graph
@@ -97,14 +96,6 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     model = ir.to_proto(program.model)
     finalize_sites(model)
     return model
-
-
-def _output_names(exported: torch.export.ExportedProgram) -> list[str]:
-    """The outputs' names as the .pt2 archive gives them (`logits`, `hidden_states.1`), in the
-    exporter's (pytree) order."""
-    spec = exported.module_call_graph[0].signature.out_spec
-    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
-    return [output_name(path) for path, _ in leaves]
 
 
 def _name_outputs(graph: ir.Graph, names: list[str]) -> None:

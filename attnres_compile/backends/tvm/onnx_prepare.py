@@ -41,9 +41,22 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
             warnings.simplefilter("ignore")
             folded = ir.from_proto(model)
             onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
+            _register_folded_constants(folded.graph)
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
         return model
+
+
+def _register_folded_constants(graph) -> None:
+    """Constants the optimizer made without registering them (a folded Reshape target of a legacy
+    T5 export: no producer, not an initializer) become initializers, so the file names them."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.inputs:
+            if (value is not None and value.const_value is not None and value.producer() is None
+                    and not value.is_graph_input() and not value.is_initializer()):
+                node.graph.register_initializer(value)
 
 
 def _fold_small_constant_of_shape(node) -> bool | None:

@@ -27,7 +27,7 @@ from ...errors import CompileError, ConfigError, first_line
 from .cpu_rules import default_rules
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
-from .rewrites import ExpandSigmoid, RewritePowers, ScalarsIntoTirVars
+from .rewrites import ExpandSigmoid, RewritePowers, RootBlocks, ScalarsIntoTirVars
 from .schedule import host_target
 from .sites import PACKED_NAME
 
@@ -117,7 +117,8 @@ def schedule(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     from tvm.s_tir import dlight
 
     if target.kind.name == "llvm":
-        passes = [dlight.ApplyDefaultSchedule(*default_rules()), relax.transform.SplitLayoutRewritePreproc(),
+        passes = [dlight.ApplyDefaultSchedule(*default_rules()), RootBlocks(),
+                  relax.transform.SplitLayoutRewritePreproc(),
                   relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()]
     else:
         passes = [dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),

@@ -12,7 +12,9 @@
   of HF GPT-2 gets other strides than at export and its `view` of the transposed output fails
   the same way, while reshape copies when it must;
 - tensor indices of `aten.index` are taken modulo the indexed size: torch wraps negative ones,
-  TVM's converter reads out of bounds (HF Falcon's `fused_qkv[..., [-2], :]`).
+  TVM's converter reads out of bounds (HF Falcon's `fused_qkv[..., [-2], :]`);
+- `aten.cumsum` of bools or small integers gets its int64 result dtype explicitly: the converter
+  keeps the input dtype, and TVM cannot add bools (HF Whisper's decoder positions).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedP
             node.target = torch.ops.aten.reshape.default
         elif node.target is torch.ops.aten.index.Tensor:
             _wrap_negative_indices(graph_module.graph, node)
+        elif node.target is torch.ops.aten.cumsum.default and node.kwargs.get("dtype") is None:
+            _promote_cumsum(node)
     graph_module.recompile()
     signature = ExportGraphSignature(input_specs=specs, output_specs=list(program.graph_signature.output_specs))
     converted = program._update(graph_module, signature)
@@ -69,6 +73,15 @@ def _wrap_negative_indices(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         wrapped.meta["val"] = index.meta["val"]
         indices[axis] = wrapped
     node.args = (source, indices)
+
+
+def _promote_cumsum(node: torch.fx.Node) -> None:
+    """`cumsum` of a bool or integer tensor gets torch's result dtype, int64, spelled out: the
+    frontend keeps the input's dtype, and a cumsum over bools (Whisper's decoder positions from its
+    mask) then fails in TVM's code generator."""
+    dtype = node.args[0].meta["val"].dtype
+    if dtype == torch.bool or (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.int64):
+        node.kwargs = {**node.kwargs, "dtype": torch.int64}
 
 
 def _drop(tree, leaves: set[int]):

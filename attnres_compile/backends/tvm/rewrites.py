@@ -1,12 +1,13 @@
-"""Relax rewrites of pipeline.prepare. Before legalization: powers to multiplications, and sigmoid
+"""Module rewrites of the pipeline. Before legalization: powers to multiplications, and sigmoid
 to exp so that FastMathTransform (which knows exp, tanh, erf and softmax) makes it vectorisable.
-Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument."""
+Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument.
+After the default schedules: a root block for the functions that lack one."""
 
 from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 MAX_POWER = 4  # x**n for integer 1 <= n <= MAX_POWER becomes n - 1 multiplications at most
@@ -132,3 +133,24 @@ class ScalarsIntoTirVars:
             if isinstance(func, relax.Function) and gv not in changed:
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
         return rewriter.builder_.get()
+
+
+@tvm.transform.module_pass(opt_level=0, name="RootBlocks")
+class RootBlocks:
+    """A function whose body is a single block other than "root" (TOPI's hand-written cumsum) gets
+    a root block around it, as every other function has: SplitLayoutRewritePreproc, which reads
+    every function, stops on one without ("There should be a compute block if there is only one
+    subtree under the root")."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {gv: func.with_body(_rooted(func.body)) for gv, func in mod.functions_items()
+                   if isinstance(func, tvm.tirx.PrimFunc) and isinstance(func.body, s_tir.SBlockRealize)
+                   and func.body.block.name_hint != "root"}
+        if not updates:
+            return mod
+        return tvm.IRModule({gv: updates.get(gv, func) for gv, func in mod.functions_items()}, attrs=mod.attrs,
+                            global_infos=mod.global_infos)
+
+
+def _rooted(body: s_tir.SBlockRealize) -> s_tir.SBlockRealize:
+    return s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))

@@ -12,9 +12,10 @@ keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaul
 count (the pool cannot grow later), TVM_BIND_THREADS to 0 (no pinning of a torch process's
 threads) and TVM_THREAD_POOL_SPIN_COUNT to 0: TVM's idle workers otherwise spin for milliseconds
 after each kernel, on the cores torch's next ops need (GPT-2 width 256, 12 sublayers, 2 threads:
-Full 65-78 ms per forward with spinning, 33 ms without, the original 28-30 ms). Small calls run on
-fewer threads (_threads), as a sleeping worker takes longer to wake than the call takes. A child forked after that (a DataLoader worker) runs the kernels on one thread.
-CUDA calls run on torch's current stream.
+Full 65-78 ms per forward with spinning, 33 ms without, the original 28-37 ms). Small calls run on
+fewer threads (_threads), as a sleeping worker takes longer to wake than the call takes. A child
+forked after that (a DataLoader worker) runs the kernels on one thread. CUDA calls run on torch's
+current stream.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _kernel(key: tuple):
 def _threads(args: list) -> int:
     """TVM threads for a CPU call: torch's count, but at least BYTES_PER_THREAD of tensor data per
     thread. Waking a sleeping worker costs more than it saves on a small call (a site at width 256
-    and 128 tokens reads ~1 MiB: 48 us on one thread, 57 us on two)."""
+    and 128 tokens reads ~1 MiB: 52 us on one thread, 57 us on two)."""
     size = sum(t.numel() * t.element_size() for t in args)
     return max(1, min(torch.get_num_threads(), size // BYTES_PER_THREAD))
 

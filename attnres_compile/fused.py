@@ -77,11 +77,11 @@ def _kernel(key: tuple):
     return kernel_cache.get(spec)
 
 
-def _threads(args: list) -> int:
-    """TVM threads for a CPU call: torch's count, but at least BYTES_PER_THREAD of tensor data per
-    thread. Waking a sleeping worker costs more than it saves on a small call (a site at width 256
-    and 128 tokens reads ~1 MiB: 52 us on one thread, 57 us on two)."""
-    size = sum(t.numel() * t.element_size() for t in args)
+def _threads(tensors: int, like: torch.Tensor) -> int:
+    """TVM threads for a CPU call moving `tensors` tensors the size of `like`: torch's count, but at
+    least BYTES_PER_THREAD per thread. Waking a sleeping worker costs more than it saves on a small
+    call (a site at width 256 and 128 tokens reads ~1 MiB: 52 us on one thread, 57 us on two)."""
+    size = tensors * like.numel() * like.element_size()
     return max(1, min(torch.get_num_threads(), size // BYTES_PER_THREAD))
 
 
@@ -118,8 +118,7 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
     if fn is False:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    args = [*sources, query, out]
-    _run(fn, s0.device, args, _threads(args))
+    _run(fn, s0.device, [*sources, query, out], _threads(len(sources) + 1, s0))
     return out
 
 
@@ -127,16 +126,14 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
              dim: int):
     """(source gradients, query gradient) from the fused backward, or None if it does not apply."""
     s0 = sources[0]
-    grad = grad.to(s0.dtype).contiguous()
-    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
-    grad_query = query.new_empty(query.shape, dtype=torch.float32)
-    args = [*sources, query, grad, *grads, grad_query]
-    threads = _threads(args)  # the CPU kernel keeps a partial query gradient per thread: built per count
+    threads = _threads(2 * len(sources) + 1, s0)  # the CPU kernel keeps a partial query gradient per thread
     key = ("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads)
     fn = _KERNELS.get(key)
     if fn is None:
         fn = _KERNELS[key] = _kernel(key)
     if fn is False:
         return None
-    _run(fn, s0.device, args, threads)
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    grad_query = query.new_empty(query.shape, dtype=torch.float32)
+    _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
     return grads, grad_query.to(query.dtype)

@@ -215,11 +215,10 @@ def test_small_calls_run_on_one_thread(one_thread):
     """A call with under BYTES_PER_THREAD of data per thread runs on fewer threads: waking TVM's
     worker costs more than it saves there. Idle workers sleep instead of spinning on torch's cores."""
     torch.set_num_threads(2)
-    small = [torch.empty(128, 256) for _ in range(4)]  # 512 KiB
-    large = [torch.empty(1024, 256) for _ in range(4)]  # 4 MiB
-    assert fused._threads(small) == 1 and fused._threads(large) == 2
+    small, large = torch.empty(128, 256), torch.empty(1024, 256)  # 4 of them: 512 KiB, 4 MiB
+    assert fused._threads(4, small) == 1 and fused._threads(4, large) == 2
     torch.set_num_threads(1)
-    assert fused._threads(large) == 1
+    assert fused._threads(4, large) == 1
     assert fused.available() and os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
 
 

@@ -38,7 +38,9 @@ class OnnxRewriteResult:
 
 def _notes(model, path: Path) -> list[str]:
     producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "unknown producer"
-    return [f"{path.name}: {producer}, opset {default_opset(model)}, IR version {model.ir_version}"]
+    old = onnx_io.converted_from(model)
+    opset = f"opset {old}, converted to {default_opset(model)} on reading" if old else f"opset {default_opset(model)}"
+    return [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
 
 
 def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None) -> Report:

@@ -287,6 +287,48 @@ def _chain_model(path: Path, feature="D", opset: int = 17) -> Path:
     return path
 
 
+def split_model(path: Path) -> Path:
+    """An opset-1 model onnx's version converter cannot bring forward (it has no adapter for Split-1)."""
+    graph = helper.make_graph([helper.make_node("Split", ["x"], ["a", "b"], axis=1)], "split",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2]) for n in "ab"])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 1)], ir_version=3), str(path))
+    return path
+
+
+def _old_chain_model(path: Path, opset: int) -> Path:
+    """h1 = x + relu(x) @ W1, h2 = h1 + sigmoid(h1) @ W2 at an old opset and IR version 3, where every
+    weight is also a graph input (as in the ONNX model zoo's files)."""
+    rng = np.random.default_rng(0)
+    weights = [onnx.numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) / 4, f"w{i}") for i in (1, 2)]
+    nodes = [helper.make_node("Relu", ["x"], ["rx"]), helper.make_node("MatMul", ["rx", "w1"], ["f1"]),
+             helper.make_node("Add", ["x", "f1"], ["h1"]),
+             helper.make_node("Sigmoid", ["h1"], ["sh"]), helper.make_node("MatMul", ["sh", "w2"], ["f2"]),
+             helper.make_node("Add", ["h1", "f2"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])]
+    inputs += [helper.make_tensor_value_info(w.name, TensorProto.FLOAT, [8, 8]) for w in weights]
+    graph = helper.make_graph(nodes, "old", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 8])],
+                              weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=3), str(path))
+    return path
+
+
+def test_old_opsets_are_converted_on_reading(tmp_path):
+    """Opsets below 15 (the rewrite's functions need CastLike) are converted to 17 by onnx's version
+    converter: the note says so, the output is opset 17 with the original in its metadata, and it
+    matches the opset-9 original in onnxruntime."""
+    path = _old_chain_model(tmp_path / "old.onnx", 9)
+    report = inspect_onnx(path)
+    assert [(c["links"], c["status"]) for c in report["chains"]] == [(2, "planned")]
+    assert "old.onnx: unknown producer, opset 9, converted to 17 on reading, IR version 8" in report["notes"]
+    result = rewrite_onnx(path, tmp_path / "new.onnx")
+    (row,) = result.report["verification"]
+    assert row["verdict"] == "pass" and row["ref_max"] > 0.1, row
+    out = onnx.load(str(tmp_path / "new.onnx"))
+    assert next(o.version for o in out.opset_import if o.domain == "") == 17
+    assert {p.key: p.value for p in out.metadata_props}["attnres-compile.converted_from_opset"] == "9"
+
+
 def test_bad_files_are_classified(exported, tmp_path):
     with pytest.raises(InputError, match="no such file"):
         inspect_onnx(tmp_path / "missing.onnx")
@@ -304,8 +346,10 @@ def test_bad_files_are_classified(exported, tmp_path):
     (tmp_path / f"{src.name}.data").write_bytes(Path(f"{src}.data").read_bytes()[:1000])
     with pytest.raises(ExternalDataError, match="truncated"):
         rewrite_onnx(tmp_path / "nodata.onnx", tmp_path / "x.onnx")
-    with pytest.raises(UnsupportedOpsetError):
-        inspect_onnx(_chain_model(tmp_path / "old.onnx", feature=8, opset=11))
+    with pytest.raises(UnsupportedOpsetError, match="No Adapter From Version .1 for Split"):
+        inspect_onnx(split_model(tmp_path / "split1.onnx"))
+    with pytest.raises(UnsupportedOpsetError, match="opset 99 is not supported"):
+        inspect_onnx(_chain_model(tmp_path / "new.onnx", feature=8, opset=99))
     with pytest.raises(DynamicFeatureAxisError):
         rewrite_onnx(_chain_model(tmp_path / "dyn.onnx"), tmp_path / "x.onnx")
     assert not list(tmp_path.glob("x.onnx*")) and not list(tmp_path.glob(".x.onnx*"))

@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
@@ -250,3 +252,65 @@ def test_cumsum_of_a_mask_compiles():
     (actual,) = relax.VirtualMachine(built.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()),
                                                                            tvm.runtime.tensor(mask.numpy()))
     np.testing.assert_allclose(actual.numpy(), Positions()(x, mask).numpy(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- ONNX files from the onnx wheel's test data
+
+ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
+
+
+def test_model_zoo_architecture_at_opset_9_compiles(tmp_path):
+    """ShuffleNet as the onnx wheel ships it (light_shufflenet.onnx: the ONNX model zoo's graph, opset
+    9, IR version 3, every weight also a graph input, the weights ConstantOfShape fills): read
+    through the opset conversion, its weights bound as constants (TVM's importer took them for
+    untyped inputs), built, against onnxruntime on the original file. Constant weights make its
+    logits uniform, so the last residual Sum's feature map is an output too: that one varies."""
+    model = onnx.load(str(ONNX_DATA / "light" / "light_shufflenet.onnx"))
+    last_sum = [n for n in model.graph.node if n.op_type == "Sum"][-1].output[0]
+    inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
+    model.graph.output.append(next(v for v in inferred if v.name == last_sum))  # IR 3: outputs need their shape
+    path = tmp_path / "shufflenet.onnx"
+    onnx.save(model, str(path))
+    image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    feeds = {"gpu_0/data_0": image}
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    imported = import_model(path, {"gpu_0/data_0": image.shape})
+    assert imported.inputs == ["gpu_0/data_0"]
+    built = build(imported, make_target("llvm"), input_shapes={"gpu_0/data_0": image.shape})
+    actual = relax.VirtualMachine(built.executable, tvm.cpu())["main"](tvm.runtime.tensor(image))
+    assert expected[1].std() > 0.05 * np.abs(expected[1]).max()  # it varies: a wrong kernel shows
+    for e, a in zip(expected, actual):
+        _close(e, a.numpy())
+
+
+@pytest.mark.parametrize("case", [1, 2, 3, 4])
+def test_expand_to_a_shape_input_compiles(case):
+    """Expand to a shape that is a graph input (the onnx wheel's simple/test_expand_shape_model<case>:
+    [1, 3, 1] to [3, 1], [1, 3], [3, 1, 3], [3, 3, 1, 3]). TVM's converter broadcast one way only
+    (case 3 gave [3, 1, 3], cases 1-2 failed), and its packed call crashed TVM's FastMathTransform
+    ("'ExternFunc' object has no attribute 'name'"; rewrites.FastMath skips such calls)."""
+    folder = ONNX_DATA / "simple" / f"test_expand_shape_model{case}"
+    feeds = {}
+    for i, name in enumerate(("X", "shape")):
+        tensor = onnx.TensorProto()
+        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
+        feeds[name] = onnx.numpy_helper.to_array(tensor)
+    _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
+    expected = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(actual, expected)
+
+
+def test_sequence_insert_at_a_negative_position():
+    """The onnx wheel's simple/test_sequence_model3: SequenceConstruct(X, Y, Z), erase at -3, insert
+    X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter
+    appended (X was read: a silently different model)."""
+    folder = ONNX_DATA / "simple" / "test_sequence_model3"
+    model = onnx.load(str(folder / "model.onnx"))
+    feeds = {}
+    for i, value in enumerate(model.graph.input[:3]):
+        tensor = onnx.TensorProto()
+        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
+        feeds[value.name] = onnx.numpy_helper.to_array(tensor)
+    _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
+    np.testing.assert_array_equal(actual, feeds["Z"])

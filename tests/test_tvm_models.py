@@ -28,11 +28,12 @@ from onnx import TensorProto, helper
 import attnres_compile as ac
 from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load, lower
+from attnres_compile.backends.tvm import check as tvm_check
 from attnres_compile.backends.tvm.cli import add_commands
 from attnres_compile.backends.tvm.importers import from_onnx, import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, PARTIAL_PREFIX, calls
 from attnres_compile.backends.tvm.pipeline import make_target
-from attnres_compile.errors import ArtifactError, ConfigError, InputError
+from attnres_compile.errors import ArtifactError, ConfigError, InputError, VerificationError
 from attnres_compile.onnx_api import export_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
 from attnres_compile.passes.onnx_export import auto_dynamic_shapes
@@ -378,6 +379,26 @@ def test_cli_compile_and_run(tmp_path, capsys):
         _cli("run", str(out), "--inputs", str(tmp_path / "bad.npz"), "-o", str(tmp_path / "o.npz"))
     with pytest.raises(InputError, match="expected"):
         load(out)({"x": x[:2]})  # the compile fixed x to 3x16
+
+
+def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypatch):
+    """`compile` runs the build against onnxruntime on generated inputs (rows in the manifest and
+    printed); a build that differs (here: its outputs shifted by 1e-3 of their scale, as a
+    miscompiled operator would) writes nothing and says how to skip the check."""
+    path = _chain_onnx(tmp_path)
+    assert _cli("compile", str(path), "-o", str(tmp_path / "art")) == 0
+    printed = capsys.readouterr().out
+    assert "verified against onnxruntime on x [2, 16]:" in printed and "✓ y" in printed
+    check = json.loads((tmp_path / "art" / "manifest.json").read_text())["verification"]
+    (row,) = check["rows"]
+    assert check["reference"] == "onnxruntime" and row["verdict"] == "pass" and row["max_rel"] < 1e-5, row
+    honest = tvm_check.run
+    monkeypatch.setattr(tvm_check, "run", lambda *a: [y + 1e-3 * np.abs(y).max() for y in honest(*a)])
+    with pytest.raises(VerificationError, match=r"differs from onnxruntime on output 'y' .*verify_outputs=False"):
+        compile_model(path, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    manifest = compile_model(path, tmp_path / "unchecked", verify_outputs=False)
+    assert "verification" not in manifest
 
 
 def test_bad_inputs_are_classified(tmp_path):

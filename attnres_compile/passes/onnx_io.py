@@ -1,7 +1,8 @@
 """Reading and writing ONNX files: every failure classified (errors.py), every write atomic.
 
 `load` tells a file that is not ONNX from a truncated or damaged one (ONNX files start with
-the ir_version field, byte 0x08), checks the opset and the external data before reading it:
+the ir_version field, byte 0x08), converts opsets older than the rewrite writes (onnx's version
+converter, noted in the model's metadata), checks the external data before reading it:
 external data must lie inside the model's folder (an absolute location, `..` or a symlink
 that leads out is refused before the file is touched) and hold exactly the tensor's bytes;
 embedded tensors must have a known data type and exactly the bytes their shape needs.
@@ -21,6 +22,7 @@ import secrets
 from pathlib import Path
 
 import onnx
+import onnx.version_converter
 from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
@@ -33,6 +35,8 @@ EXTERNAL_LIMIT = 1 << 30      # weights above this many bytes are always written
 EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the .onnx file
 EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}  # what onnx reads; others are refused
 MAX_SUBGRAPH_DEPTH = 16       # If/Loop/Scan bodies nested deeper are refused (protobuf's parser stops at 32)
+CONVERTED_OPSET = 17          # what older models are converted to on reading (MIN_OPSET, CastLike's, is 15)
+CONVERTED_KEY = "attnres-compile.converted_from_opset"  # metadata of a converted model: its original opset
 
 
 def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
@@ -68,9 +72,36 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     except Exception as exc:  # noqa: BLE001
         raise CorruptModelError(f"{p}: invalid ONNX model ({first_line(exc)})") from None
     check_types(model, p)
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        model = _convert_opset(model, p, opset)
     if with_data:
         load_data(model, p)
     return model
+
+
+def _convert_opset(model: onnx.ModelProto, path: Path, opset: int) -> onnx.ModelProto:
+    """A model older than MIN_OPSET (the ONNX model zoo's are opset 7 to 12) converted to CONVERTED_OPSET
+    by onnx's version converter, before its external data is read; the original opset is kept in the
+    model's metadata (`converted_from`). IR version 8 goes with the new opset; below IR 4 every
+    initializer also had to be a graph input, which tensors the converter adds (Pad's pads) are not."""
+    try:
+        converted = onnx.version_converter.convert_version(model, CONVERTED_OPSET)
+        converted.ir_version = max(converted.ir_version, 8)
+        onnx.checker.check_model(converted)
+    except Exception as exc:  # noqa: BLE001 - the converter's C++ errors and the checker's
+        raise UnsupportedOpsetError(
+            f"{path}: ONNX opset {opset} is older than {MIN_OPSET}, and onnx's version converter could not bring it "
+            f"to opset {CONVERTED_OPSET} ({first_line(exc)}); convert it to opset {MIN_OPSET} or newer first") from None
+    entry = converted.metadata_props.add()
+    entry.key, entry.value = CONVERTED_KEY, str(opset)
+    return converted
+
+
+def converted_from(model: onnx.ModelProto) -> int | None:
+    """The opset `load` converted `model` from, or None if it was read as it is."""
+    value = next((p.value for p in model.metadata_props if p.key == CONVERTED_KEY), None)
+    return int(value) if value is not None else None
 
 
 def _non_utf8_field(message, path: str = "model") -> str | None:
@@ -166,7 +197,7 @@ def check_types(model: onnx.ModelProto, path: Path) -> None:
 
 
 def check_opset(model: onnx.ModelProto, path: Path) -> int:
-    """The default-domain opset of `model`, which must lie in MIN_OPSET..(the installed onnx's newest)."""
+    """The default-domain opset of `model`, which must lie in 1..(the installed onnx's newest)."""
     domains = [o.domain if o.domain != "ai.onnx" else "" for o in model.opset_import]
     twice = next((d for d in domains if domains.count(d) > 1), None)
     if twice is not None:
@@ -176,12 +207,10 @@ def check_opset(model: onnx.ModelProto, path: Path) -> int:
                                 f"opsets {versions}; ONNX allows one import per domain)")
     opset = default_opset(model)
     newest = onnx.defs.onnx_opset_version()
-    if opset is None or not MIN_OPSET <= opset <= newest:
+    if opset is None or not 1 <= opset <= newest:
         what = "imports no ai.onnx opset" if opset is None else f"ONNX opset {opset} is not supported"
-        raise UnsupportedOpsetError(
-            f"{path}: {what} (supported: {MIN_OPSET}..{newest}); "
-            f"convert it first, e.g. onnx.version_converter.convert_version(model, {max(MIN_OPSET, min(17, newest))})"
-        )
+        raise UnsupportedOpsetError(f"{path}: {what} (supported: 1..{newest}, opsets below {MIN_OPSET} converted "
+                                    f"to {CONVERTED_OPSET} on reading); export it at an opset in that range")
     return opset
 
 

@@ -7,7 +7,8 @@ Layout (docs/tvm.md):
     OUT_DIR/device0.cu      CUDA only: the device source, and device0.fatbin compiled from it
     OUT_DIR/device0.fatbin  by nvcc for the arch, served to the runtime at load (cuda_binary.py)
     OUT_DIR/manifest.json   inputs/outputs (names, shapes with symbolic dims as names, dtypes),
-                            sites and their kernels, target, device code, tuning, versions
+                            sites and their kernels, target, device code, tuning, the check
+                            against the source (check.py), versions
 
 The folder is written in a staging folder beside OUT_DIR and swapped into place when complete
 (outputs.staged_folder), so a failed compile leaves nothing (and an existing artifact intact).
@@ -24,7 +25,7 @@ import tvm
 from tvm import relax
 
 from ... import __version__, outputs
-from ...errors import CompileError, InputError, first_line
+from ...errors import CompileError, InputError, VerificationError, first_line
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
@@ -36,14 +37,17 @@ LIBRARY = "model.so"
 def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, target: str = "llvm",
                   arch: str | None = None, tune: bool = False, trials: int | None = None,
                   tuning_db: str | os.PathLike | None = None, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                  force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None) -> dict:
+                  force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None,
+                  verify_outputs: bool = True, verify_timeout: float | None = None) -> dict:
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
 
     Every operator gets a default schedule (no tuning). `input_shapes` ({input: dims}) fixes
     symbolic dims (needed to tune); `tune` runs meta_schedule from the default schedules for
     `trials` trials per task (default 8) and/or `tune_minutes` minutes in all, keeping records
-    in `tuning_db` and reusing them on the next compile. An existing `out_dir` is replaced
-    only with `force`. Returns the manifest.
+    in `tuning_db` and reusing them on the next compile. With `verify_outputs` the built model
+    runs against its source first (check.py: onnxruntime, or torch on the program's example
+    inputs; a CUDA build only where a GPU is present) and a mismatch writes nothing. An existing
+    `out_dir` is replaced only with `force`. Returns the manifest.
     """
     out = Path(out_dir)
     _check_output(out, force)
@@ -54,6 +58,8 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     built = build(imported, tvm_target, input_shapes=input_shapes, tune=tune, trials=trials,
                   tune_minutes=tune_minutes, tuning_db=tuning_db, progress=progress)
     manifest = _manifest(imported, built, model, input_shapes)
+    if verify_outputs:
+        manifest["verification"] = _verify(model, imported, built, tvm_target, input_shapes, verify_timeout)
     with outputs.staged_folder(out) as stage:
         try:
             built.executable.export_library(str(stage / LIBRARY))
@@ -63,6 +69,26 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _verify(model: Any, imported: ImportedModel, built: Built, target, input_shapes: dict | None,
+            timeout: float | None) -> dict:
+    """check.check's result; VerificationError naming the outputs that differ."""
+    from .check import check
+
+    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu()
+    if not device.exist:
+        return {"skipped": "no CUDA device here to run the build on"}
+    result = check(model, imported, built.executable, device, input_shapes, timeout)
+    failed = [r for r in result.get("rows", []) if r.get("ok") is False]
+    if failed:
+        worst = failed[0]
+        detail = worst.get("error") or (f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest "
+                                         f"magnitude against {worst['rtol']:.0e} allowed")
+        raise VerificationError(f"the compiled model differs from {result['reference']} on output {worst['output']!r} "
+                                f"({detail}{f', and {len(failed) - 1} more output(s)' if len(failed) > 1 else ''}); "
+                                "nothing written; verify_outputs=False skips this check")
+    return result
 
 
 def _manifest(imported: ImportedModel, built: Built, model: Any, input_shapes: dict | None) -> dict:

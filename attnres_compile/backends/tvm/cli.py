@@ -14,10 +14,13 @@ from pathlib import Path
 from ... import isolate, outputs
 from ...errors import InputError, first_line
 from ...file_kind import describe
+from ...passes import verify
 
 
 def add_commands(subparsers) -> None:
     """Register `compile` and `run` on `subparsers` (from ArgumentParser.add_subparsers)."""
+    from ...cli import _seconds
+
     comp = subparsers.add_parser("compile", help="compile an AttnRes model (.onnx or .pt2) into a TVM artifact folder")
     comp.add_argument("model", help="rewritten model: MODEL.onnx (attnres-compile rewrite) or MODEL.pt2 (torch.export)")
     comp.add_argument("-o", "--output", required=True, help="artifact folder to write (model.so, manifest.json)")
@@ -35,6 +38,11 @@ def add_commands(subparsers) -> None:
     comp.add_argument("--input-shape", action="append", metavar="NAME:1x128",
                       help="fix an input's symbolic dims (repeatable); needed to tune")
     comp.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    comp.add_argument("--no-verify", action="store_true",
+                      help="skip running the compiled model against its source (onnxruntime, or torch on a .pt2's "
+                           "example inputs)")
+    comp.add_argument("--verify-timeout", type=_seconds, metavar="SECONDS",
+                      help="time limit of the onnxruntime reference run (default: 120 s plus 120 s per GiB of model)")
     comp.set_defaults(handler=compile_command)
 
     run = subparsers.add_parser("run", help="run a compiled artifact on inputs from an .npz file")
@@ -60,7 +68,8 @@ def compile_command(args) -> int:
         manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
                                tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
                                input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                               progress=sys.__stderr__, what="TVM", action="compiling", timeout=None,
+                               progress=sys.__stderr__, verify_outputs=not args.no_verify,
+                               verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
                                consequence="nothing written")
     finally:
         outputs.clean_stale(Path(args.output))  # the staging folder of a child that crashed
@@ -69,6 +78,14 @@ def compile_command(args) -> int:
           f"{manifest['target']['kind']} into {args.output}")
     for io in ("inputs", "outputs"):
         print(f"  {io}: " + ", ".join(f"{x['name']} {x['dtype']}[{dims(x['shape'])}]" for x in manifest[io]))
+    check = manifest.get("verification")
+    if check and "skipped" in check:
+        print(f"  not verified: {check['skipped']}")
+    elif check:
+        shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
+        print(f"  verified against {check['reference']} on {shapes}:")
+        for row in check["rows"]:
+            print(f"    {verify.describe(row)}")
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""

@@ -1,6 +1,7 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
-`simplify` fixes the input dims the user gave (`--input-shape`), then folds constants and
+`simplify` fixes the input dims the user gave (`--input-shape`), makes weights listed as inputs
+(IR < 4) plain initializers, then folds constants and
 infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
 whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
 -> Reshape / ConstantOfShape / Resize); TVM's importer loses the shapes on the way (a Swin's
@@ -8,8 +9,9 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
-Qwen2/Llama/GPT-2), and every converter failure re-raised as one CompileError line naming the
-ONNX op and node.
+Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
+giving wrong shapes), SequenceInsert at a negative position (off by one), and every converter failure re-raised as one CompileError line naming
+the ONNX op and node.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
 
 
 def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
-    """A copy of `model` with the given input dims fixed and constants folded (unchanged if folding fails)."""
+    """A copy of `model` with the given input dims fixed, initializers no longer inputs and constants
+    folded (unchanged if folding fails)."""
     model = fix_input_dims(model, input_shapes)
+    _initializers_not_inputs(model.graph)
     import onnx_ir as ir
     import onnxscript.optimizer
 
@@ -45,6 +49,19 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
         return model
+
+
+def _initializers_not_inputs(graph: onnx.GraphProto) -> None:
+    """Drop the graph inputs that have an initializer of the same name: models of IR version < 4 (the
+    ONNX model zoo's ResNet, VGG, DenseNet ...) list every weight as an input, which onnxruntime runs
+    as an input with a default but TVM's importer takes for a tensor of unknown type ("The type is
+    not populated", BatchNormalization's "'Type' object has no attribute 'dtype'"). The compiled
+    model binds the weights: they are constants there, and nothing could be folded through inputs."""
+    weights = {i.name for i in graph.initializer}
+    if weights & {i.name for i in graph.input}:
+        kept = [i for i in graph.input if i.name not in weights]
+        graph.ClearField("input")
+        graph.input.extend(kept)
 
 
 def _register_folded_constants(graph) -> None:
@@ -93,6 +110,10 @@ class ConverterFixes:
     def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
         if op_name == "ConstantOfShape":
             return _constant_of_shape(inputs[0], attrs, [self._nodes, self._params])
+        if op_name == "Expand" and _runtime_tensor(inputs[1]):
+            return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
+        if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
+            inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
         try:
             return super()._convert_operator(op_name, inputs, attrs, opset)
         except CompileError:
@@ -119,3 +140,36 @@ def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:
     if not isinstance(shape, relax.ShapeExpr):
         shape = relax.op.tensor_to_shape(shape)
     return relax.op.broadcast_to(scalar, shape)
+
+
+def _insert_position(position, length: int) -> relax.Expr:
+    """SequenceInsert's position counted from the front: ONNX reads a negative p as p + n (insert before
+    the last tensor at -1), the stock converter as p + n + 1 (append), a silently different model."""
+    p = int(position.value.numpy())
+    return relax.const(p + length if p < 0 else p, "int64")
+
+
+def _runtime_tensor(expr) -> bool:
+    """Whether `expr` is a tensor known only at run time (not a constant, not a shape)."""
+    return isinstance(expr.ty, relax.TensorType) and not isinstance(expr, (tvm.ir.GenericConst, relax.ShapeExpr))
+
+
+def _expand_to_runtime_shape(bb, data: relax.Expr, shape: relax.Expr) -> relax.Expr:
+    """Expand to a shape read at run time, broadcasting both ways as ONNX does: the shorter of the
+    two is padded with leading 1s and each output dim is the larger (the other is 1 or equal).
+    The stock converter broadcast `data` to `shape` as it stands: Expand([1, 3, 1], [3, 1, 3])
+    gave [3, 1, 3] instead of [3, 3, 3], and a shape shorter than the data failed."""
+    length = int(shape.ty.shape.values[0])
+    as_shape = bb.emit(relax.Call(relax.ExternFunc("vm.builtin.tensor_to_shape"), [shape],
+                                  ty_args=[relax.ShapeType(ndim=length)]))
+    wanted = [tvm.tirx.Var(f"expand_{i}", "int64") for i in range(length)]
+    bb.match_cast(as_shape, relax.ShapeType(wanted))
+    dims = list(data.ty.shape.values)
+    rank = max(length, len(dims))
+    one = tvm.tirx.IntImm("int64", 1)
+    wanted, padded = [one] * (rank - length) + wanted, [one] * (rank - len(dims)) + dims
+    if len(padded) != len(dims):
+        data = bb.emit(relax.op.reshape(data, relax.ShapeExpr(padded)))
+    target = [w if isinstance(d, tvm.tirx.IntImm) and d.value == 1 else d if isinstance(d, tvm.tirx.IntImm)
+              else tvm.tirx.max(w, d) for w, d in zip(wanted, padded)]
+    return relax.op.broadcast_to(data, relax.ShapeExpr(target))

@@ -2,7 +2,7 @@
 
 The lowering runs first, on the imported module, so everything after it sees the kernels as
 already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
-multiplications (no scalar powf, no TVM warning), on CPU `FastMathTransform` swaps exp, tanh,
+multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastMathTransform) swaps exp, tanh,
 erf and softmax for their vectorisable forms (it only acts before legalization), and the
 module is legalized and fused. Then (`schedule`) every operator gets a default schedule:
 cpu_rules.py's on CPU (register-tiled GEMMs with pre-packed weights, dlight's GEMV and
@@ -27,7 +27,7 @@ from ...errors import CompileError, ConfigError, first_line
 from .cpu_rules import default_rules
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
-from .rewrites import ExpandSigmoid, RewritePowers, RootBlocks, ScalarsIntoTirVars
+from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars
 from .schedule import host_target
 from .sites import PACKED_NAME
 
@@ -101,7 +101,7 @@ def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Relax rewrites, legalization and fusion: the fused operators the schedules (or the tuner) see.
     Constants and weights are marked layout-free, so a schedule may pre-pack them."""
     cpu = target.kind.name == "llvm"
-    passes = [RewritePowers(), *([ExpandSigmoid(), relax.transform.FastMathTransform()] if cpu else []),
+    passes = [RewritePowers(), *([ExpandSigmoid(), FastMath()] if cpu else []),
               *relax.pipeline.library_dispatch_passes(target),
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
               relax.transform.FuseOps(), ScalarsIntoTirVars(), relax.transform.FuseTIR(),

@@ -1,5 +1,5 @@
-"""Module rewrites of the pipeline. Before legalization: powers to multiplications, and sigmoid
-to exp so that FastMathTransform (which knows exp, tanh, erf and softmax) makes it vectorisable.
+"""Module rewrites of the pipeline. Before legalization: powers to multiplications, sigmoid to exp
+so that FastMath (which knows exp, tanh, erf and softmax) makes it vectorisable, then FastMath.
 Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument.
 After the default schedules: a root block for the functions that lack one."""
 
@@ -9,6 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.transform.fast_math import FastMathCodeGenerator
 
 MAX_POWER = 4  # x**n for integer 1 <= n <= MAX_POWER becomes n - 1 multiplications at most
 
@@ -79,6 +80,24 @@ class ExpandSigmoid:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return _rewrite(mod, _SigmoidMutator)
+
+
+@mutator
+class _FastMathMutator(FastMathCodeGenerator._cls):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        if isinstance(call.op, tvm.ir.Op):
+            return super().visit_call_(call)
+        return PyExprMutator.visit_call_(self, call)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FastMath")
+class FastMath:
+    """TVM's FastMathTransform (exp, tanh, erf and softmax to their vectorisable approximations),
+    minus its crash on calls of anything but an operator: it reads `call.op.name`, which a call of
+    a packed function (`R.call_packed` of a runtime-shaped Expand) or of a Relax function lacks."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return _rewrite(mod, _FastMathMutator)
 
 
 def _scalars_beside_tir_vars(func) -> list[int]:

@@ -1,0 +1,101 @@
+"""The compiled model against its source, before the artifact is written (`compile_model(verify_outputs=True)`,
+the default; `compile --no-verify` skips it).
+
+An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the same generator
+and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
+torch on the example inputs stored with the program. The built executable runs on the same
+inputs here, and every output must match within RTOL of its largest magnitude (scaled for
+fp16/bf16, as verify.py does). TVM's frontends have converted models into silently different
+ones (a one-way Expand, an off-by-one SequenceInsert: onnx_prepare.py); this is where such a
+model stops instead of being deployed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from ...passes import verify
+from .importers import ImportedModel
+
+RTOL = 1e-4  # float32: kernels and fast-math exp/tanh/erf against onnxruntime or torch (zoo: <= 2.8e-6)
+TOLERANCE = verify.Tolerance(RTOL, rounding=True)
+
+
+def check(model: Any, imported: ImportedModel, executable, device, input_shapes: dict | None,
+          timeout: float | None) -> dict:
+    """{"reference", "inputs" (name -> shape), "rows" (verify.compare rows per output)}, or
+    {"skipped": reason} when there is nothing to compare against."""
+    if imported.kind == "onnx":
+        feeds, expected = _onnxruntime(Path(model), input_shapes, timeout)
+        reference = "onnxruntime"
+    else:
+        program = model if isinstance(model, torch.export.ExportedProgram) else _load_program(Path(model))
+        if program.example_inputs is None:
+            return {"skipped": "the program stores no example inputs"}
+        args, kwargs = program.example_inputs
+        with torch.no_grad():
+            out = program.module()(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        feeds = {name: t.detach().cpu().numpy() for name, t in zip(imported.inputs, tensors)}
+        expected = {name: t.detach().cpu().numpy() for name, t in
+                    zip(imported.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])}
+        reference = "torch"
+    actual = dict(zip(imported.outputs, run(executable, device, [feeds[n] for n in imported.inputs])))
+    from ..onnxruntime import compare_outputs
+
+    return {"reference": reference, "inputs": {k: list(v.shape) for k, v in feeds.items()},
+            "rows": compare_outputs(expected, actual, TOLERANCE)}
+
+
+def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The executable's `main` on `arrays`, its outputs flattened to numpy arrays."""
+    import tvm
+    from tvm import relax
+
+    vm = relax.VirtualMachine(executable, device)
+    result = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in arrays])
+    out: list[np.ndarray] = []
+    stack = [result]
+    while stack:  # depth-first, in order
+        item = stack.pop(0)
+        if isinstance(item, tvm.runtime.Tensor):
+            out.append(item.numpy())
+        else:
+            stack[:0] = list(item)
+    return out
+
+
+def _onnxruntime(path: Path, overrides: dict | None, timeout: float | None) -> tuple[dict, dict]:
+    from .. import onnxruntime as ort_backend
+    from ... import isolate
+    from ...errors import ModelRunError
+
+    try:
+        return isolate.run(_reference, path, overrides, what="onnxruntime", action="verifying",
+                           timeout=timeout or ort_backend.default_timeout(path),
+                           consequence="nothing written", hint="Re-run with verify_outputs=False to skip verification")
+    except isolate.ChildError as exc:
+        raise ModelRunError(f"{exc}{ort_backend.shape_hint(path)}") from None
+
+
+def _reference(path: Path, overrides: dict | None) -> tuple[dict, dict]:
+    """(generated inputs, onnxruntime's outputs) for the ONNX file at `path`."""
+    import onnx
+
+    from .. import onnxruntime as ort_backend
+
+    session = ort_backend.session(path)
+    feeds = ort_backend.make_inputs(session, onnx.load(str(path), load_external_data=False), overrides)
+    return feeds, ort_backend.run(session, feeds)
+
+
+def _load_program(path: Path) -> torch.export.ExportedProgram:
+    from ...pt2 import load
+
+    return load(os.fspath(path)).program

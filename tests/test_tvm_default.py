@@ -314,3 +314,9 @@ def test_sequence_insert_at_a_negative_position():
         feeds[value.name] = onnx.numpy_helper.to_array(tensor)
     _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
     np.testing.assert_array_equal(actual, feeds["Z"])
+
+
+def test_string_tensors_are_refused_in_one_line():
+    """The onnx wheel's StringNormalizer model: TVM's importer failed with "unknown dtype `object`"."""
+    with pytest.raises(CompileError, match=r"string tensors \('x', 'y'\), which TVM cannot compile"):
+        import_model(ONNX_DATA / "simple" / "test_strnorm_model_nostopwords_nochangecase" / "model.onnx")

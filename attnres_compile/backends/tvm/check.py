@@ -1,5 +1,5 @@
-"""The compiled model against its source, before the artifact is written (`compile_model(verify_outputs=True)`,
-the default; `compile --no-verify` skips it).
+"""The compiled model against its source, before the artifact is written (`compile_model`'s
+`verify_outputs`, on by default; `compile --no-verify` skips it).
 
 An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the same generator
 and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
@@ -60,15 +60,10 @@ def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
 
     vm = relax.VirtualMachine(executable, device)
     result = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in arrays])
-    out: list[np.ndarray] = []
-    stack = [result]
-    while stack:  # depth-first, in order
-        item = stack.pop(0)
-        if isinstance(item, tvm.runtime.Tensor):
-            out.append(item.numpy())
-        else:
-            stack[:0] = list(item)
-    return out
+    def flat(item) -> list[np.ndarray]:
+        return [item.numpy()] if isinstance(item, tvm.runtime.Tensor) else [a for x in item for a in flat(x)]
+
+    return flat(result)
 
 
 def _onnxruntime(path: Path, overrides: dict | None, timeout: float | None) -> tuple[dict, dict]:

@@ -102,6 +102,11 @@ def from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] |
     others = {n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
     if others:
         raise CompileError(f"ONNX model uses custom ops TVM cannot import: {sorted(others)}")
+    strings = [v.name for v in [*model.graph.input, *model.graph.output]
+               if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type == onnx.TensorProto.STRING]
+    if strings:
+        raise CompileError(f"ONNX model has string tensors ({', '.join(map(repr, strings))}), which TVM cannot compile: "
+                           "it compiles numeric tensors only")
     importer = _OnnxImporter(None, "float32", keep_params_in_input=False, sanitize=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # per-input "unknown dimension" and renaming notices

@@ -10,8 +10,8 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
 Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
-giving wrong shapes), SequenceInsert at a negative position (off by one), and every converter failure re-raised as one CompileError line naming
-the ONNX op and node.
+giving wrong shapes), SequenceInsert at a negative position (off by one), and every converter
+failure re-raised as one CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations
@@ -110,11 +110,11 @@ class ConverterFixes:
     def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
         if op_name == "ConstantOfShape":
             return _constant_of_shape(inputs[0], attrs, [self._nodes, self._params])
-        if op_name == "Expand" and _runtime_tensor(inputs[1]):
-            return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
-        if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
-            inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
         try:
+            if op_name == "Expand" and _runtime_shape_of_known_length(inputs[0], inputs[1]):
+                return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
+            if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
+                inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
             return super()._convert_operator(op_name, inputs, attrs, opset)
         except CompileError:
             raise
@@ -149,9 +149,14 @@ def _insert_position(position, length: int) -> relax.Expr:
     return relax.const(p + length if p < 0 else p, "int64")
 
 
-def _runtime_tensor(expr) -> bool:
-    """Whether `expr` is a tensor known only at run time (not a constant, not a shape)."""
-    return isinstance(expr.ty, relax.TensorType) and not isinstance(expr, (tvm.ir.GenericConst, relax.ShapeExpr))
+def _runtime_shape_of_known_length(data: relax.Expr, shape: relax.Expr) -> bool:
+    """Whether `shape` is a 1-D tensor known only at run time whose length is static, and `data`'s
+    rank is known: what _expand_to_runtime_shape handles (the stock converter gets the rest)."""
+    if isinstance(shape, (tvm.ir.GenericConst, relax.ShapeExpr)) or not isinstance(shape.ty, relax.TensorType):
+        return False
+    dims = shape.ty.shape.values if isinstance(shape.ty.shape, relax.ShapeExpr) else None
+    return (dims is not None and len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm)
+            and isinstance(data.ty, relax.TensorType) and isinstance(data.ty.shape, relax.ShapeExpr))
 
 
 def _expand_to_runtime_shape(bb, data: relax.Expr, shape: relax.Expr) -> relax.Expr:

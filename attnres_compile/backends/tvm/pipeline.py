@@ -2,8 +2,8 @@
 
 The lowering runs first, on the imported module, so everything after it sees the kernels as
 already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
-multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastMathTransform) swaps exp, tanh,
-erf and softmax for their vectorisable forms (it only acts before legalization), and the
+multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastMathTransform)
+swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization), and the
 module is legalized and fused. Then (`schedule`) every operator gets a default schedule:
 cpu_rules.py's on CPU (register-tiled GEMMs with pre-packed weights, dlight's GEMV and
 Reduction, parallel/vectorised injective operators), dlight's GPU rules on CUDA. With

@@ -327,6 +327,7 @@ def test_old_opsets_are_converted_on_reading(tmp_path):
     out = onnx.load(str(tmp_path / "new.onnx"))
     assert next(o.version for o in out.opset_import if o.domain == "") == 17
     assert {p.key: p.value for p in out.metadata_props}["attnres-compile.converted_from_opset"] == "9"
+    assert "new.onnx: unknown producer, opset 17, IR version 10" in inspect_onnx(tmp_path / "new.onnx")["notes"]
 
 
 def test_bad_files_are_classified(exported, tmp_path):

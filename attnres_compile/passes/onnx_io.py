@@ -75,6 +75,8 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     opset = default_opset(model)
     if opset < MIN_OPSET:
         model = _convert_opset(model, p, opset)
+    else:  # a file we wrote from a converted one: read as it is now, its conversion is history
+        _drop_converted_mark(model)
     if with_data:
         load_data(model, p)
     return model
@@ -96,6 +98,13 @@ def _convert_opset(model: onnx.ModelProto, path: Path, opset: int) -> onnx.Model
     entry = converted.metadata_props.add()
     entry.key, entry.value = CONVERTED_KEY, str(opset)
     return converted
+
+
+def _drop_converted_mark(model: onnx.ModelProto) -> None:
+    kept = [p for p in model.metadata_props if p.key != CONVERTED_KEY]
+    if len(kept) != len(model.metadata_props):
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
 
 
 def converted_from(model: onnx.ModelProto) -> int | None:

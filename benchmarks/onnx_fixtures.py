@@ -76,8 +76,8 @@ def compare(expected: list[np.ndarray], actual: list[np.ndarray]) -> tuple[str, 
 def row(path: Path, cuda: bool) -> dict:
     import onnxruntime as ort
     import tvm
-    from tvm import relax
 
+    from attnres_compile.backends.tvm.check import run
     from attnres_compile.backends.tvm.importers import import_model
     from attnres_compile.backends.tvm.pipeline import build, make_target
 
@@ -96,9 +96,7 @@ def row(path: Path, cuda: bool) -> dict:
         imported = import_model(path, shapes)
         built = build(imported, make_target("llvm"), input_shapes=shapes)
         out["build_s"] = round(time.perf_counter() - start, 2)
-        result = relax.VirtualMachine(built.executable, tvm.cpu())["main"](
-            *[tvm.runtime.tensor(np.ascontiguousarray(inputs[n])) for n in imported.inputs])
-        actual = [o.numpy() for o in ([result] if isinstance(result, tvm.runtime.Tensor) else list(result))]
+        actual = run(built.executable, tvm.cpu(), [inputs[n] for n in imported.inputs])
         out["status"], out["rel_err"] = compare(expected, actual)
     except Exception as exc:  # noqa: BLE001 - recorded in the row
         return out | {"status": "error", "error": first_line(exc)[:300], "error_lines": len(str(exc).splitlines())}

@@ -73,12 +73,10 @@ def _ort(path: Path, feeds: dict) -> list[np.ndarray]:
 
 def _run_built(built, imported, feeds: dict, device=None) -> list[np.ndarray]:
     import tvm
-    from tvm import relax
 
-    device = device or tvm.cpu()
-    vm = relax.VirtualMachine(built.executable, device)
-    out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(feeds[n]), device) for n in imported.inputs])
-    return [o.numpy() for o in ([out] if isinstance(out, tvm.runtime.Tensor) else list(out))]
+    from attnres_compile.backends.tvm.check import run
+
+    return run(built.executable, device or tvm.cpu(), [feeds[n] for n in imported.inputs])
 
 
 def route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:

@@ -140,14 +140,17 @@ def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarra
     return rows
 
 
+def run_generated(path: str | os.PathLike, overrides: dict | None = None, seed: int = 0) -> tuple[dict, dict]:
+    """(generated inputs, outputs) of the model at `path`, in this process (make_inputs' feeds)."""
+    sess = session(path)
+    feeds = make_inputs(sess, onnx.load(str(path), load_external_data=False), overrides, seed)
+    return feeds, run(sess, feeds)
+
+
 def run_pair(original: str | os.PathLike, rewritten: str | os.PathLike, overrides: dict | None = None,
              seed: int = 0) -> tuple[dict, dict, dict[str, tuple]]:
     """Both models on the same generated inputs, in this process: (expected, actual, input shapes)."""
-    ref_sess = session(original)
-    model = onnx.load(str(original), load_external_data=False)
-    feeds = make_inputs(ref_sess, model, overrides, seed)
-    expected = run(ref_sess, feeds)
-    del ref_sess
+    feeds, expected = run_generated(original, overrides, seed)
     actual = run(session(rewritten), feeds)
     return expected, actual, {k: tuple(v.shape) for k, v in feeds.items()}
 

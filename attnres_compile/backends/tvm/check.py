@@ -60,6 +60,7 @@ def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
 
     vm = relax.VirtualMachine(executable, device)
     result = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in arrays])
+
     def flat(item) -> list[np.ndarray]:
         return [item.numpy()] if isinstance(item, tvm.runtime.Tensor) else [a for x in item for a in flat(x)]
 
@@ -72,22 +73,11 @@ def _onnxruntime(path: Path, overrides: dict | None, timeout: float | None) -> t
     from ...errors import ModelRunError
 
     try:
-        return isolate.run(_reference, path, overrides, what="onnxruntime", action="verifying",
+        return isolate.run(ort_backend.run_generated, path, overrides, what="onnxruntime", action="verifying",
                            timeout=timeout or ort_backend.default_timeout(path),
                            consequence="nothing written", hint="Re-run with verify_outputs=False to skip verification")
     except isolate.ChildError as exc:
         raise ModelRunError(f"{exc}{ort_backend.shape_hint(path)}") from None
-
-
-def _reference(path: Path, overrides: dict | None) -> tuple[dict, dict]:
-    """(generated inputs, onnxruntime's outputs) for the ONNX file at `path`."""
-    import onnx
-
-    from .. import onnxruntime as ort_backend
-
-    session = ort_backend.session(path)
-    feeds = ort_backend.make_inputs(session, onnx.load(str(path), load_external_data=False), overrides)
-    return feeds, ort_backend.run(session, feeds)
 
 
 def _load_program(path: Path) -> torch.export.ExportedProgram:

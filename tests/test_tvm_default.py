@@ -316,7 +316,76 @@ def test_sequence_insert_at_a_negative_position():
     np.testing.assert_array_equal(actual, feeds["Z"])
 
 
+@pytest.mark.parametrize("case", [5, 6, 8])
+def test_sequence_models_compile(case):
+    """The onnx wheel's simple/test_sequence_model<case>, through onnxscript's folding: 5 stacks
+    three tensors (ConcatFromSequence, new_axis=1, folded to Unsqueeze with a scalar axis, which
+    TVM's converter iterated over), 6 and 8 take SequenceLength of SplitToSequence (TVM's converter
+    took len() of a call; 8 splits by sizes given at run time: "Dynamic Split not yet supported")."""
+    folder = ONNX_DATA / "simple" / f"test_sequence_model{case}"
+    model = onnx.load(str(folder / "model.onnx"))
+    feeds = {}
+    for i, value in enumerate(model.graph.input):
+        tensor = onnx.TensorProto()
+        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
+        feeds[value.name] = onnx.numpy_helper.to_array(tensor)
+    _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
+    (expected,) = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("axis, sizes", [(1, [1, 3, 2]), (-1, [2, 0, 3]), (0, [1, 1, 2])])
+def test_split_by_sizes_read_at_run_time(tmp_path, axis, sizes):
+    """Split whose sizes are a graph input: one dynamic slice per piece (an empty one included),
+    the other axes whole; every piece against onnxruntime, shapes and values."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], axis=axis)], "split",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6, 5]),
+                               helper.make_tensor_value_info("sizes", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["p", "q", "r"]) for n in "abc"])
+    path = tmp_path / "split.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 6, 5)).astype(np.float32),
+             "sizes": np.array(sizes, np.int64)}
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    built = build(import_model(path), make_target("llvm"))
+    actual = relax.VirtualMachine(built.executable, tvm.cpu())["main"](*[tvm.runtime.tensor(feeds[n]) for n in ("x", "sizes")])
+    for e, a in zip(expected, actual, strict=True):
+        assert a.numpy().shape == e.shape
+        np.testing.assert_array_equal(a.numpy(), e)
+
+
 def test_string_tensors_are_refused_in_one_line():
     """The onnx wheel's StringNormalizer model: TVM's importer failed with "unknown dtype `object`"."""
     with pytest.raises(CompileError, match=r"string tensors \('x', 'y'\), which TVM cannot compile"):
         import_model(ONNX_DATA / "simple" / "test_strnorm_model_nostopwords_nochangecase" / "model.onnx")
+
+
+def test_grouped_convolutions_build_for_cuda():
+    """Grouped and depthwise convolutions (the onnx wheel's Conv{1,2,3}d_groups and depthwise
+    with multiplier): dlight's GPU Reduction rule returns a schedule TVM's cross-thread reduction
+    lowering refuses, and the whole CUDA build failed. gpu_rules.Lowerable rejects that schedule
+    and the next rule takes the operator; a norm-like reduction keeps the Reduction schedule."""
+    from tvm import s_tir, topi
+    from tvm.s_tir import dlight
+
+    from attnres_compile.backends.tvm.gpu_rules import Lowerable
+    from attnres_compile.backends.tvm.pipeline import bind_shapes, lower, prepare
+
+    target = make_target("cuda", "sm_90")
+    path = ONNX_DATA / "pytorch-converted" / "test_Conv2d_groups" / "model.onnx"
+    mod = prepare(lower(bind_shapes(import_model(path), None), target, 0)[0], target)
+    (conv,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    with target:
+        raw = dlight.gpu.Reduction().apply(conv, target, False)
+        with pytest.raises(ValueError, match="Cross-thread reduction"):
+            s_tir.transform.LowerCrossThreadReduction()(raw.mod)
+        assert Lowerable(dlight.gpu.Reduction()).apply(conv, target, False) is None
+        x = te.placeholder((64, 256), name="x")
+        row_sum = te.create_prim_func([x, topi.sum(x, axis=1)])
+        assert Lowerable(dlight.gpu.Reduction()).apply(row_sum, target, False) is not None
+    for name in ("Conv1d_groups", "Conv2d_groups", "Conv3d_groups", "Conv2d_depthwise_with_multiplier"):
+        path = ONNX_DATA / "pytorch-converted" / f"test_{name}" / "model.onnx"
+        build(import_model(path), target)

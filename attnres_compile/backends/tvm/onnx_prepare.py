@@ -115,17 +115,34 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
                 inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
+            if op_name == "SequenceLength" and isinstance(getattr(inputs[0], "ty", None), relax.TupleType):
+                # the stock converter takes len() of the input, which only a literal Tuple has
+                return relax.const(len(inputs[0].ty.fields), "int64")
+            if op_name == "Split" and len(inputs) == 2 and _runtime_shape_of_known_length(inputs[0], inputs[1]):
+                return _split_at_runtime(self.bb, inputs[0], inputs[1], attrs.get("axis", 0))
+            if op_name == "Unsqueeze" and len(inputs) == 2 and isinstance(inputs[1], tvm.ir.GenericConst):
+                # one axis as a scalar (onnxscript's folding of ConcatFromSequence writes it so)
+                inputs = [inputs[0], relax.const(inputs[1].value.numpy().reshape(-1), "int64")]
             return super()._convert_operator(op_name, inputs, attrs, opset)
         except CompileError:
             raise
         except Exception as exc:  # noqa: BLE001 - converters raise ValueError, TVMError, AssertionError, ...
             node = attrs.get("tvm_custom", {}).get("name") or "?"
-            raise CompileError(f"TVM's ONNX frontend cannot convert {op_name} (node {node}): {first_line(exc)}; "
-                               "if the model has symbolic dims, fixing them with --input-shape may help") from None
+            hint = ("; its inputs have dims known only at run time: fixing the model's input dims with "
+                    "--input-shape may help" if any(map(_not_static, inputs)) else "")
+            raise CompileError(f"TVM's ONNX frontend cannot convert {op_name} (node {node}): {first_line(exc)}{hint}") from None
 
     def _construct_nodes(self, graph):
         with contextlib.redirect_stdout(io.StringIO()):  # the stock loop prints each failing node's inputs
             return super()._construct_nodes(graph)
+
+
+def _not_static(value) -> bool:
+    """Whether `value` is a tensor whose shape is not fully known at import."""
+    ty = getattr(value, "ty", None)
+    if not isinstance(ty, relax.TensorType):
+        return False
+    return not isinstance(ty.shape, relax.ShapeExpr) or any(not isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
 
 
 def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:
@@ -178,3 +195,25 @@ def _expand_to_runtime_shape(bb, data: relax.Expr, shape: relax.Expr) -> relax.E
     target = [w if isinstance(d, tvm.tirx.IntImm) and d.value == 1 else d if isinstance(d, tvm.tirx.IntImm)
               else tvm.tirx.max(w, d) for w, d in zip(wanted, padded)]
     return relax.op.broadcast_to(data, relax.ShapeExpr(target))
+
+
+def _split_at_runtime(bb, data: relax.Expr, sizes: relax.Expr, axis: int) -> relax.Expr:
+    """Split by sizes read at run time (a 1-D tensor of static length): a dynamic slice per piece,
+    from the running sum of the sizes before it. The stock converter refuses ("Dynamic Split not
+    yet supported"). The other axes are sliced whole (their end clamped to the dim)."""
+    rank = len(data.ty.shape.values)
+    axis %= rank
+    ends = bb.emit(relax.op.cumsum(relax.op.astype(sizes, "int64"), axis=0))
+    starts = bb.emit(relax.op.subtract(ends, relax.op.astype(sizes, "int64")))
+
+    def vector(at, i: int, rest: int) -> relax.Expr:
+        parts = [relax.const(np.full(axis, rest, np.int64), "int64")] if axis else []
+        parts.append(relax.op.strided_slice(at, axes=[0], begin=[i], end=[i + 1]))
+        if axis < rank - 1:
+            parts.append(relax.const(np.full(rank - axis - 1, rest, np.int64), "int64"))
+        return relax.op.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+
+    ones = relax.const(np.ones(rank, np.int64), "int64")
+    whole = np.iinfo(np.int64).max
+    return relax.Tuple([bb.emit(relax.op.dynamic_strided_slice(data, vector(starts, i, 0), vector(ends, i, whole), ones))
+                        for i in range(int(sizes.ty.shape.values[0]))])

@@ -6,7 +6,8 @@ multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastM
 swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization), and the
 module is legalized and fused. Then (`schedule`) every operator gets a default schedule:
 cpu_rules.py's on CPU (register-tiled GEMMs with pre-packed weights, dlight's GEMV and
-Reduction, parallel/vectorised injective operators), dlight's GPU rules on CUDA. With
+Reduction, parallel/vectorised injective operators), dlight's GPU rules on CUDA (gpu_rules.py:
+a rule's schedule that TVM cannot lower goes to the next rule). With
 tuning, meta_schedule tunes the prepared operators first (tune.py) and the default schedules
 fill in whatever it did not schedule. The rest is TVM's standard lowering.
 """
@@ -24,7 +25,7 @@ from tvm import relax
 from tvm.target import Target
 
 from ...errors import CompileError, ConfigError, first_line
-from .cpu_rules import default_rules
+from . import cpu_rules, gpu_rules
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
 from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars
@@ -117,12 +118,11 @@ def schedule(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     from tvm.s_tir import dlight
 
     if target.kind.name == "llvm":
-        passes = [dlight.ApplyDefaultSchedule(*default_rules()), RootBlocks(),
+        passes = [dlight.ApplyDefaultSchedule(*cpu_rules.default_rules()), RootBlocks(),
                   relax.transform.SplitLayoutRewritePreproc(),
                   relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()]
     else:
-        passes = [dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
-                                              dlight.gpu.GeneralReduction(), dlight.gpu.Fallback())]
+        passes = [dlight.ApplyDefaultSchedule(*gpu_rules.default_rules())]
     with target:
         return tvm.transform.Sequential(passes)(mod)
 

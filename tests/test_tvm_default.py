@@ -259,6 +259,19 @@ def test_cumsum_of_a_mask_compiles():
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 
 
+def _test_data(folder: Path) -> dict[str, np.ndarray]:
+    """{graph input name: array} from a test-data folder's test_data_set_0 (input_<i>.pb in input order)."""
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    feeds = {}
+    for i, value in enumerate(model.graph.input):
+        file = folder / "test_data_set_0" / f"input_{i}.pb"
+        if file.exists():
+            tensor = onnx.TensorProto()
+            tensor.ParseFromString(file.read_bytes())
+            feeds[value.name] = onnx.numpy_helper.to_array(tensor)
+    return feeds
+
+
 def test_model_zoo_architecture_at_opset_9_compiles(tmp_path):
     """ShuffleNet as the onnx wheel ships it (light_shufflenet.onnx: the ONNX model zoo's graph, opset
     9, IR version 3, every weight also a graph input, the weights ConstantOfShape fills): read
@@ -290,11 +303,8 @@ def test_expand_to_a_shape_input_compiles(case):
     (case 3 gave [3, 1, 3], cases 1-2 failed), and its packed call crashed TVM's FastMathTransform
     ("'ExternFunc' object has no attribute 'name'"; rewrites.FastMath skips such calls)."""
     folder = ONNX_DATA / "simple" / f"test_expand_shape_model{case}"
-    feeds = {}
-    for i, name in enumerate(("X", "shape")):
-        tensor = onnx.TensorProto()
-        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
-        feeds[name] = onnx.numpy_helper.to_array(tensor)
+    feeds = _test_data(folder)
+    assert list(feeds) == ["X", "shape"]
     _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
     expected = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert actual.shape == expected.shape
@@ -306,12 +316,7 @@ def test_sequence_insert_at_a_negative_position():
     X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter
     appended (X was read: a silently different model)."""
     folder = ONNX_DATA / "simple" / "test_sequence_model3"
-    model = onnx.load(str(folder / "model.onnx"))
-    feeds = {}
-    for i, value in enumerate(model.graph.input[:3]):
-        tensor = onnx.TensorProto()
-        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
-        feeds[value.name] = onnx.numpy_helper.to_array(tensor)
+    feeds = _test_data(folder)
     _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
     np.testing.assert_array_equal(actual, feeds["Z"])
 
@@ -323,12 +328,7 @@ def test_sequence_models_compile(case):
     TVM's converter iterated over), 6 and 8 take SequenceLength of SplitToSequence (TVM's converter
     took len() of a call; 8 splits by sizes given at run time: "Dynamic Split not yet supported")."""
     folder = ONNX_DATA / "simple" / f"test_sequence_model{case}"
-    model = onnx.load(str(folder / "model.onnx"))
-    feeds = {}
-    for i, value in enumerate(model.graph.input):
-        tensor = onnx.TensorProto()
-        tensor.ParseFromString((folder / "test_data_set_0" / f"input_{i}.pb").read_bytes())
-        feeds[value.name] = onnx.numpy_helper.to_array(tensor)
+    feeds = _test_data(folder)
     _, actual = _build_and_run(folder / "model.onnx", feeds, {k: v.shape for k, v in feeds.items()})
     (expected,) = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert actual.shape == expected.shape

@@ -201,10 +201,11 @@ def _split_at_runtime(bb, data: relax.Expr, sizes: relax.Expr, axis: int) -> rel
     """Split by sizes read at run time (a 1-D tensor of static length): a dynamic slice per piece,
     from the running sum of the sizes before it. The stock converter refuses ("Dynamic Split not
     yet supported"). The other axes are sliced whole (their end clamped to the dim)."""
-    rank = len(data.ty.shape.values)
+    rank, pieces = len(data.ty.shape.values), int(sizes.ty.shape.values[0])
     axis %= rank
-    ends = bb.emit(relax.op.cumsum(relax.op.astype(sizes, "int64"), axis=0))
-    starts = bb.emit(relax.op.subtract(ends, relax.op.astype(sizes, "int64")))
+    sizes = bb.emit(relax.op.astype(sizes, "int64"))
+    ends = bb.emit(relax.op.cumsum(sizes, axis=0))
+    starts = bb.emit(relax.op.subtract(ends, sizes))
 
     def vector(at, i: int, rest: int) -> relax.Expr:
         parts = [relax.const(np.full(axis, rest, np.int64), "int64")] if axis else []
@@ -216,4 +217,4 @@ def _split_at_runtime(bb, data: relax.Expr, sizes: relax.Expr, axis: int) -> rel
     ones = relax.const(np.ones(rank, np.int64), "int64")
     whole = np.iinfo(np.int64).max
     return relax.Tuple([bb.emit(relax.op.dynamic_strided_slice(data, vector(starts, i, 0), vector(ends, i, whole), ones))
-                        for i in range(int(sizes.ty.shape.values[0]))])
+                        for i in range(pieces)])

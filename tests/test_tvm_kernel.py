@@ -212,6 +212,22 @@ def test_cpu_schedule_keeps_per_row_state_only():
         assert np.prod([int(d) for d in dims]) <= 77, shape
 
 
+def test_cpu_row_reductions_keep_eight_partial_sums_in_the_forward_family():
+    """On a 16-lane (AVX-512) target the forward, partial and merge reduce each row over 8 partial
+    sums (their scalar sums dominated a 42-block partial at 16); the backward keeps 16."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+
+    def lanes(func) -> set[int]:
+        return {int(b.shape[0]) for b in schedule_cpu(func, target).body.block.alloc_buffers
+                if b.name.endswith(".rf") and not b.name.startswith("dw")}
+
+    assert lanes(depth_attention_func(3, 256)) == {8}
+    assert lanes(depth_attention_partial_func(3, 2, 256)) == {8}
+    assert lanes(depth_attention_merge_func(2, 96, scale=5.0)) == {8}
+    assert lanes(depth_attention_backward_func(3, 256)) == {16}
+    assert lanes(depth_attention_func(3, 100)) == {5}  # the largest divisor of D up to 8
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cuda_builds_and_compiles_with_nvcc(dtype):
     if shutil.which("nvcc") is None:

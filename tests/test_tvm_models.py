@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -160,6 +161,10 @@ def test_one_kernel_call_per_site_and_no_unfused_copy(exported, artifact, name):
     partials = Counter(r["partial"] for r in lowering.lowered if "partial" in r)
     assert {k: v for k, v in counted.items() if k.startswith(PARTIAL_PREFIX)} == {k: 1 for k in partials}
     assert sorted(partials.values()) == ([2, 3] if name == "gpt_full" else [])
+    # [batch, seq, D] sources go to site and merge kernels as they are: the only reshapes the lowering
+    # adds are a partial's, its history to [rows, D] and its state (m, l, acc) back
+    histories = [int(re.search(r"_j(\d+)_", k).group(1)) for k in partials]
+    assert counted["relax.reshape"] - calls(imported)["relax.reshape"] == sum(j + 3 for j in histories)
     manifest = load(artifact(name)).manifest
     assert [s["sources"] for s in manifest["sites"]] == [len(s.sources) for s in sites]
     assert all(s["kernel"].startswith(KERNEL_PREFIX) for s in manifest["sites"])

@@ -7,6 +7,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+RF_LANES = 8  # partial sums per row reduction of a forward-family kernel on CPU (schedule_cpu)
 CUDA_CHUNKS = 256  # row chunks of the backward on CUDA: thread blocks, each with its own partial dw
 
 
@@ -90,8 +91,14 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     lanes = _lanes(target)
     max_acc = 24 if lanes >= 16 else 12  # of 32 (AVX-512) or 16 vector registers
     size = next(int(sch.get(sch.get_loops(b)[1]).extent) for n, b in _stages(sch) if n.startswith("stats"))
-    # rfactor over a predicated split is not affine: partial sums over a divisor of D
-    factor = _divisor(size, lanes)
+    backward = "dw" in [name for name, _ in _stages(sch)]
+    # rfactor over a predicated split is not affine: partial sums over a divisor of D. The forward
+    # family keeps at most RF_LANES of them: every reduction ends in a scalar sum of its partials,
+    # and with 16 (AVX-512) those sums were most of a phase-1 partial's instructions (42 blocks,
+    # 7 queries, 1 thread: 1.31 ms at 16, 0.95 ms at 8; a one-pass site over 42 sources 0.27 ms
+    # against 0.23 ms). The backward's 16 stay: its dw partial shares the split, and at 8 it ran
+    # 1.5x slower (9 sources, 2048 x 1024).
+    factor = _divisor(size, lanes if backward else min(lanes, RF_LANES))
     for name, block in _stages(sch):
         if name.startswith("stats") and factor > 1:
             sch.rfactor(sch.split(sch.get_loops(block)[1], [None, factor])[1], 0)

@@ -8,6 +8,7 @@ module. CUDA builds and compiles its device code with nvcc here, without a GPU.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -30,6 +32,7 @@ import attnres_compile as ac
 from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load, lower
 from attnres_compile.backends.tvm import check as tvm_check
+from attnres_compile.backends.tvm import tune
 from attnres_compile.backends.tvm.cli import add_commands
 from attnres_compile.backends.tvm.importers import from_onnx, import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, PARTIAL_PREFIX, calls
@@ -281,15 +284,21 @@ def _records(database: Path) -> int:
 
 @pytest.mark.slow
 def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
+    """Also the time budget (--tune-minutes): spent before the first batch is back, it ends the search
+    there and the build goes on. (The stop used to terminate meta_schedule's tasks from the measure
+    callback, which failed the scheduler's "!task->is_terminated" check when it had already picked
+    one: a 20-minute tuned build of Llama was lost that way. It now raises out of the search.)"""
     path = _chain_onnx(tmp_path)
     database = tmp_path / "db"
-    first = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database, input_shapes={"x": (4, 16)})
+    first = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tune_minutes=1e-4, tuning_db=database,
+                          input_shapes={"x": (4, 16)})
     assert first["tuning"]["tuned"] == 1 and first["tuning"]["measured"] >= 1
     assert first["input_shapes"] == {"x": [4, 16]} and first["inputs"][0]["shape"] == [4, 16]
     records = _records(database)
     assert records >= 1
     progress = capfd.readouterr().err
     assert "tune [1/1] fused_relu_multiply" in progress  # the kernels themselves are never tuned
+    assert re.search(r"tune: time budget reached after \d+ trials: stopping", progress)
     second = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database,
                            input_shapes={"x": (4, 16)}, force=True)
     assert second["tuning"] == {**first["tuning"], "reused": 1, "tuned": 0, "measured": 0}
@@ -329,6 +338,25 @@ def test_a_task_no_trial_can_run_is_recorded_and_not_retried(tmp_path, capfd):
     ids = np.array([0, 3, 9, 3])
     expected = ort_backend.run(ort_backend.session(tmp_path / "embed_attnres.onnx"), {"ids": ids})["y"]
     assert np.abs(load(tmp_path / "b")({"ids": ids})["y"] - expected).max() <= ATOL
+
+
+def test_the_time_budget_raises_out_of_the_search_and_terminates_no_task():
+    """The progress callback stops the search by raising, never by terminating the scheduler's tasks
+    from inside its own loop (which failed its "!task->is_terminated" check once it had picked one)."""
+
+    class Scheduler:
+        tasks_ = [SimpleNamespace(is_terminated=False)] * 2
+
+        def terminate_task(self, task_id):
+            raise AssertionError(f"task {task_id} terminated from the measure callback")
+
+    progress = io.StringIO()
+    callback = getattr(tune._Progress(["a", "b"], tune.UNBOUNDED_TRIALS, progress, minutes=1e-9), "_inst")
+    ran = SimpleNamespace(error_msg=None, run_secs=[1e-5])
+    callback.apply(Scheduler(), 0, [], [], [ran])  # the budget waits for every task's first batch
+    with pytest.raises(tune.BudgetReached, match="after 2 trials"):
+        callback.apply(Scheduler(), 1, [], [], [ran])
+    assert callback.stopped and "time budget reached after 2 trials" in progress.getvalue()
 
 
 def test_tuning_needs_static_shapes(tmp_path):

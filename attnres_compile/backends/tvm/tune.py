@@ -111,11 +111,15 @@ def tune(mod: tvm.IRModule, target: Target, database_dir: str | Path, *, trials:
             (database_dir / DEFAULTS).write_text(json.dumps(defaults, indent=1, sort_keys=True) + "\n")
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
                 todo, str(database_dir), num_threads=cores)
-            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(database_dir),
-                          max_trials_global=trials * len(todo), max_trials_per_task=trials,
-                          num_trials_per_iter=min(trials, BATCH if minutes else 64), database=database,
-                          cost_model=cost_model, builder=builder, runner=runner,
-                          measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
+            try:
+                ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(database_dir),
+                              max_trials_global=trials * len(todo), max_trials_per_task=trials,
+                              num_trials_per_iter=min(trials, BATCH if minutes else 64), database=database,
+                              cost_model=cost_model, builder=builder, runner=runner,
+                              measure_callbacks=[*ms.MeasureCallback.create("default"), callback])
+            except Exception:  # the callback's stop arrives wrapped by the FFI: tell it by the flag it set
+                if not callback.stopped:
+                    raise
     failed = [t for t in todo if not _tuned(database, t)]
     if failed:
         untunable.update({_key(t): t.task_name for t in failed})
@@ -263,10 +267,14 @@ def _cores(target: Target) -> int:
     return int(target.attrs.get("num-cores", 1))
 
 
+class BudgetReached(Exception):
+    """Raised by the progress callback to end meta_schedule's search at the time budget."""
+
+
 @derived_object
 class _Progress(PyMeasureCallback):
-    """One stderr line per measured batch (task i/n, trials done, best time so far); stops every
-    task once `minutes` have passed and each task has had its first batch (meta_schedule's
+    """One stderr line per measured batch (task i/n, trials done, best time so far); ends the search
+    (BudgetReached) once `minutes` have passed and each task has had its first batch (meta_schedule's
     scheduler hands out the first batches round-robin and cannot skip one)."""
 
     def __init__(self, names: list[str], trials: int, stream: TextIO, minutes: float | None = None):
@@ -291,8 +299,10 @@ class _Progress(PyMeasureCallback):
         print(f"tune [{task_id + 1}/{len(self.names)}] {self.names[task_id]}: {self.done[task_id]}{of} trials, "
               f"{best} ({time.monotonic() - self.start:.0f} s)", file=self.stream, flush=True)
         if self.deadline and not self.stopped and time.monotonic() > self.deadline and all(self.done):
+            # Stop by raising out of the scheduler: terminating its tasks from here raced with it
+            # (a task it had already picked, or was about to terminate itself, failed its
+            # "!task->is_terminated" check, and the whole tuned build with it). Every measured
+            # batch is in the database already: the default callbacks before this one add it.
             self.stopped = True
             print(f"tune: time budget reached after {self.total} trials: stopping", file=self.stream, flush=True)
-            for i, record in enumerate(task_scheduler.tasks_):
-                if not record.is_terminated:
-                    task_scheduler.terminate_task(i)
+            raise BudgetReached(f"tuning budget reached after {self.total} trials")

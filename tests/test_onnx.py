@@ -137,7 +137,7 @@ def test_block_variant_terms_and_scales(exported, tmp_path, way):
     # one Partial per block over its completed history, one Merge per site over its partial block sum;
     # the last block's two sites over a short history stay DepthAttention nodes
     assert [s.node.op_type for s in sites] == [MERGE] * 6 + [OP_TYPE] * 2
-    assert [len(s.node.input) - 3 for s in sites[:6]] == [1] * 6
+    assert [len(s.node.input) - 4 for s in sites[:6]] == [1] * 6
     partials = [{a.name: a.i for a in n.attribute if a.name in ("carry", "queries")} | {"inputs": len(n.input)}
                 for n in model.graph.node if n.op_type == PARTIAL]
     # the second appends one entry (b_1) to the history (v_0) the first stacked

@@ -101,6 +101,42 @@ def test_full_rewrite_grows_linearly_with_depth(tmp_path):
         assert function_nodes < 40 * MAX_GROUP**2 // 2 and references <= links * (MAX_GROUP + 3)
 
 
+def test_onnxruntime_reads_a_shared_source_once_per_group_for_its_logits(tmp_path):
+    """Where a source is a term of several sites, the parts of its logits that do not depend on the
+    site are computed once (onnxruntime's common-subexpression elimination over the inlined
+    bodies): its mean square once in all, and under a Merge its dots with all of the group's
+    queries in one MatMul per (source, group), instead of an RMSNorm pass per (source, site)."""
+    out = tmp_path / "full.onnx"
+    rewrite_onnx(models.onnx_chain(tmp_path / "chain.onnx", 16), out, verify_outputs=False)
+    model = onnx.load(str(out))
+    rng = np.random.default_rng(0)
+    found = sites(model.graph)
+    for init in model.graph.initializer:  # trained queries: no two sites' columns alike
+        if init.name in {s.query for s in found}:
+            init.CopyFrom(numpy_helper.from_array(rng.standard_normal(list(init.dims)).astype(np.float32), init.name))
+    onnx.save(model, str(out))
+    one_pass = [s for s in found if s.node.op_type == OP_TYPE]
+    groups: dict[str, set] = {}  # a Partial's columns output -> the extras of its Merges with more than one
+    for s in found:
+        if s.node.op_type == MERGE and len(s.node.input) - 4 > 1:
+            groups.setdefault(s.node.input[2], set()).update(s.node.input[3:-1])
+    pairs = sum(len(s.node.input) - 1 for s in one_pass)
+    per_group = sum(len(extras) for extras in groups.values())
+    per_site = sum(len(s.node.input) - 4 for s in found if s.node.op_type == MERGE and s.node.input[2] in groups)
+    assert len(groups) >= 2 and per_site > per_group
+    options = ort_backend.ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.graph_optimization_level = ort_backend.ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    ort_backend.ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    weights = {i.name for i in model.graph.initializer}
+    columns = {i.name for i in optimized.graph.initializer if len(i.dims) == 2 and i.dims[0] == 8 and i.name not in weights}
+    logits = [n for n in optimized.graph.node if n.op_type == "MatMul" and n.input[1] in columns]
+    assert len(logits) == pairs + per_group + sum(n.op_type == PARTIAL for n in model.graph.node)  # + each Partial's own
+    terms = {t for s in found for t in s.sources}  # an entry's RMS: once as an extra, once in the next Partial
+    assert sum(n.op_type == "ReduceMean" for n in optimized.graph.node) <= 2 * len(terms) < pairs + per_site
+
+
 @pytest.fixture(scope="module")
 def rewritten(tmp_path_factory) -> onnx.ModelProto:
     """A Block rewrite of a 12-link chain: Partials (one carrying the other's history) and Merges."""
@@ -125,7 +161,7 @@ def _mutations():
 
     def drop_input(m):
         node = _node(m, MERGE)
-        del node.input[2]
+        del node.input[3]
 
     def rewire(m):  # a Merge reading another Partial's acc with its own lse
         merge, second = _node(m, MERGE), _node(m, PARTIAL, 1)
@@ -164,8 +200,8 @@ def _mutations():
         "axis 1": (attr(PARTIAL, "axis", 1), "axis is 1"),
         "carry 2": (attr(PARTIAL, "carry", 2), "expected carry 0 or 1"),
         "float index": (attr(MERGE, "index", 0.5), "attribute index is not a plain int"),
-        "missing extra": (drop_input, "3 inputs, expected lse, acc"),
-        "rewired state": (rewire, "not the lse and acc outputs of one earlier Partial"),
+        "missing extra": (drop_input, "4 inputs, expected lse, acc, columns"),
+        "rewired state": (rewire, "not the lse, acc and columns outputs of one earlier Partial"),
         "user function under our name": (collide, "defines its own function attnres.DepthAttention"),
         "edited body": (edit_body, "differs from the one attnres-compile writes"),
         "unknown op": (unknown_op, "has no operator 'DepthAttentionFast'"),

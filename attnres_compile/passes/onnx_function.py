@@ -8,31 +8,45 @@ standard ops only, in float32 (`onnx_grouping.finalize_sites` chooses between th
         x_i = Cast(s_i, float32);  z_i = ReduceSum(query * x_i / Sqrt(ReduceMean(Pow(x_i, 2)) + eps))
         out = CastLike(Sum_i(scale * softmax_i(z) * x_i), s_1)
     attnres.DepthAttentionPartial([history, rms,] h_new_1..h_new_K, q_1..q_B)
-            -> (history_out, rms_out, lse, acc)                          one per group of sites
+            -> (history_out, rms_out, lse, acc, columns)                 one per group of sites
         phase 1 for B sites whose source lists start with the same history h_0..h_(J-1)
         (Block: a block's sites; Full: ~sqrt(L) consecutive sites). history_out [.., J, D] is the
         history stacked before the feature axis and rms_out [.., J, 1] the entries' RMS: with
         carry = 1 the previous Partial's two outputs with the K new entries appended, so each
         source is named once in the file and its RMS computed once. lse [.., 1, B] and
-        acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history.
+        acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history;
+        columns [D, B] the B queries in float32, one per column.
         attributes eps, axis (-1), queries (B), carry (0 or 1).
-    attnres.DepthAttentionMerge(lse, acc, e_1..e_E, query) -> out        one per site
+    attnres.DepthAttentionMerge(lse, acc, columns, e_1..e_E, query) -> out   one per site
         phase 2: row `index` of a Partial's state as one more term beside the site's own
         extras e (Block: its partial block sum; Full: the group's sources up to the site):
         out = CastLike(scale * (w_0 * acc_index + Sum_i w_i * e_i), e_1), w = softmax([lse, z]).
-        attributes index, eps, scale, axis (-1); `query` repeats the Partial's query at `index`.
+        attributes index, eps, scale, axis (-1); `query` repeats the Partial's query at `index`,
+        which is column `index` of `columns`.
 
 Why function nodes rather than inlined ops with metadata: a site stays one node (or one Merge)
 that a backend matches by (domain, op_type) and reads its sources, query and attributes from,
 without pattern-matching ~10n ops; onnxruntime runs them by inlining the bodies.
 Why these bodies (onnxruntime runs each op as a pass over its tensors, at ~10 GB/s here):
-a term's logit is the RMSNorm pattern Pow/ReduceMean/Add/Sqrt/Div/Mul-by-query, which
-onnxruntime fuses into one SimplifiedLayerNormalization, then ReduceSum; two terms are weighted
-by a Sigmoid (a two-way softmax in elementwise ops, no per-row Concat/Softmax/Split); the scale
-goes on the small weights, and a function ends in Sum, never Add, which onnxruntime would fuse
-with a following LayerNorm into its slow SkipLayerNormalization. A Partial reads its history in
-two MatMuls (logits of all B queries; the weighted means of all B sites, batched over the rows),
-which is where grouping saves: the history is read once per group instead of once per site.
+a term's logit takes one of two forms. The RMSNorm pattern Pow/ReduceMean/Add/Sqrt/Div/
+Mul-by-query, then ReduceSum, which onnxruntime fuses into one SimplifiedLayerNormalization pass,
+serves a Merge with one extra (Block: its partial block sum is a term of that site only) and
+feature axes other than the last. Elsewhere on the last axis (DepthAttention sites, a Merge's
+extras under Full) a source is a term of several sites: there the logit is a read-only MatMul
+with query columns over the source's own RMS, ReduceMean(Mul(x, x)), and onnxruntime's
+common-subexpression elimination computes the parts shared by several sites once: the RMS once
+per source, and in a Merge, whose MatMul takes all of its group's queries (`columns`, each site
+then picks its own column), the dots once per source and group. onnxruntime packs a constant
+right-hand side into 16-column panels, so one query column costs what sixteen do.
+Two terms are weighted by a Sigmoid (a two-way softmax in elementwise ops, no per-row
+Concat/Softmax/Split); the scale goes on the small weights, and a function ends in Sum, never
+Add, which onnxruntime would fuse with a following LayerNorm into its slow
+SkipLayerNormalization. A Partial reads its history in two MatMuls (logits of all B queries; the
+weighted means of all B sites, batched over the rows), which is where grouping saves: the
+history is read once per group instead of once per site. Its logits are turned to [.., B, J]
+before the softmax, so every reduction runs over the last axis, and its logsumexp is written
+out as max + log(sum(exp)): onnxruntime's Softmax on an inner axis and its ReduceLogSumExp took
+most of a Partial's time (J = 8, B = 6: 362 -> 321 us; J = 21, B = 7: 888 -> 678 us).
 Why DepthAttention bakes its values into one function per (arity, axis, scale, eps) (overload
 "n<arity>_axis<a>_scale<c>_eps<e>"): inlined, its body is then tensor Constants and static axes
 only, which tvm.relax.frontend.onnx imports. The Partial and Merge functions are one per structure
@@ -109,7 +123,8 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     qshape = b.const("qshape", TensorProto.INT64, [-1] + [1] * (-axis - 1))  # [D, 1, .., 1]: broadcast on the axis
     query = b.op("Reshape", [b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT), qshape], "qb")
     xs = [b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT) for i in range(n)]
-    b.op("CastLike", [_attend(b, xs, query, eps_c, scale_c, axes, axis, opset), "s0"], "output")
+    columns = (b.op("Unsqueeze", [query, b.const("col", TensorProto.INT64, [1])], "qcol"), None) if axis == -1 else None
+    b.op("CastLike", [_attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns), "s0"], "output")
     fn = helper.make_function(DOMAIN, OP_TYPE, [f"s{i}" for i in range(n)] + ["query"], ["output"], b.nodes,
                               [helper.make_opsetid("", opset)], attributes=["eps", "scale", "axis"],
                               doc_string=f"AttnRes depth attention over {n} sources (attnres-compile): {fn_name}")
@@ -118,19 +133,31 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
 
 
 def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str, axis: int, opset: int,
-            state: tuple[str, str] | None = None) -> str:
+            state: tuple[str, str] | None = None, columns: tuple[str, str | None] | None = None) -> str:
     """scale * sum_i softmax_i(z_i) x_i over float32 terms `xs`, z_i = query . RMSNorm(x_i) along `axis`;
     `state` (lse, acc) is one more term, a history already reduced to its logsumexp and weighted mean.
 
-    Per term the RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which
-    onnxruntime fuses into one SimplifiedLayerNormalization, then ReduceSum; the scale goes on
-    the (small) weights, and the sum of the weighted terms is the last op: a Sum, never an Add."""
-    two = b.const("two", TensorProto.FLOAT, [2.0], [])
+    Logits: with `columns` (matrix [D, C], pick) (the last axis only) MatMul(x, matrix), column
+    `pick` of it where C > 1, over sqrt(ReduceMean(x * x) + eps): onnxruntime computes the parts
+    that do not depend on the site once for all the sites a source is a term of. Without, the
+    RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which onnxruntime fuses
+    into one SimplifiedLayerNormalization, then ReduceSum. The scale goes on the (small) weights,
+    and the sum of the weighted terms is the last op: a Sum, never an Add."""
     zs = [state[0]] if state else []
-    for i, x in enumerate(xs):
-        mean_sq = _reduce(b, "ReduceMean", b.op("Pow", [x, two], f"sq{i}"), axes, axis, f"ms{i}", opset)
-        normed = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")], f"k{i}")
-        zs.append(_reduce(b, "ReduceSum", b.op("Mul", [normed, query], f"kq{i}"), axes, axis, f"z{i}", opset))
+    if columns:
+        matrix, pick = columns
+        for i, x in enumerate(xs):
+            mean_sq = _reduce(b, "ReduceMean", b.op("Mul", [x, x], f"sq{i}"), axes, axis, f"ms{i}", opset)
+            rms = b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")
+            dot = b.op("MatMul", [x, matrix], f"dots{i}")
+            dot = b.op("Gather", [dot, pick], f"dot{i}", axis=-1) if pick else dot          # [.., 1]
+            zs.append(b.op("Div", [dot, rms], f"z{i}"))
+    else:
+        two = b.const("two", TensorProto.FLOAT, [2.0], [])
+        for i, x in enumerate(xs):
+            mean_sq = _reduce(b, "ReduceMean", b.op("Pow", [x, two], f"sq{i}"), axes, axis, f"ms{i}", opset)
+            normed = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")], f"k{i}")
+            zs.append(_reduce(b, "ReduceSum", b.op("Mul", [normed, query], f"kq{i}"), axes, axis, f"z{i}", opset))
     terms = ([state[1]] if state else []) + xs
     if len(terms) == 2:  # a two-way softmax is a sigmoid: elementwise ops, no per-row Concat/Softmax/Split
         second = b.op("Mul", [b.op("Sigmoid", [b.op("Sub", [zs[1], zs[0]], "gap")], "t"), scale], "p1")
@@ -156,7 +183,7 @@ def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.Function
     if node.op_type == PARTIAL:
         structure = partial_structure(node)
         return partial_overload(*structure), lambda opset: partial_function(*structure, opset)
-    extras = len(node.input) - 3
+    extras = len(node.input) - 4
     return merge_overload(extras), lambda opset: merge_function(extras, opset)
 
 
@@ -191,17 +218,17 @@ def attach_functions(model: onnx.ModelProto) -> int:
 def partial_node(carried: list[str], new: list[str], queries: list[str], outputs: list[str], *, eps: float,
                  name: str) -> onnx.NodeProto:
     """A Partial over `carried` (a previous Partial's (history_out, rms_out), or []) plus `new` entries,
-    for `queries`; `outputs` are (history_out, rms_out, lse, acc)."""
+    for `queries`; `outputs` are (history_out, rms_out, lse, acc, columns)."""
     carry = int(bool(carried))
     node = helper.make_node(PARTIAL, [*carried, *new, *queries], outputs, name=name, domain=DOMAIN, eps=float(eps),
                             axis=-1, queries=len(queries), carry=carry)
     node.overload = partial_overload(carry, len(new), len(queries))
     return node
 
-def merge_node(lse: str, acc: str, extras: list[str], query: str, output: str, *, index: int, eps: float,
-               scale: float, name: str) -> onnx.NodeProto:
+def merge_node(lse: str, acc: str, columns: str, extras: list[str], query: str, output: str, *, index: int,
+               eps: float, scale: float, name: str) -> onnx.NodeProto:
     """The Merge of one site: row `index` of a Partial's state (lse, acc) with the site's `extras`."""
-    node = helper.make_node(MERGE, [lse, acc, *extras, query], [output], name=name, domain=DOMAIN,
+    node = helper.make_node(MERGE, [lse, acc, columns, *extras, query], [output], name=name, domain=DOMAIN,
                             index=int(index), eps=float(eps), scale=float(scale), axis=-1)
     node.overload = merge_overload(len(extras))
     return node
@@ -263,10 +290,16 @@ def partial_function(carry: int, new: int, queries: int, opset: int) -> onnx.Fun
           for i, q in enumerate(inputs[len(carried) + new:])]
     q_cols = b.op("Transpose", [_concat(b, qs, "qrows", 0)], "qcols", perm=[1, 0])    # [D, B]
     z = b.op("Div", [b.op("MatMul", [stacked, q_cols], "dots"), norms], "z")           # [.., J, B]
-    _reduce(b, "ReduceLogSumExp", z, m2, -2, "lse", opset)
-    p = b.op("Einsum", [b.op("Softmax", [z], "p", axis=-2)], "pt", equation="...jb->...bj")
-    b.op("MatMul", [p, stacked], "acc")
-    return _function(PARTIAL, partial_overload(carry, new, queries), inputs, ["history_out", "rms_out", "lse", "acc"],
+    zt = b.op("Einsum", [z], "zt", equation="...jb->...bj")                            # [.., B, J]
+    top = _reduce(b, "ReduceMax", zt, m1, -1, "top", opset)                            # [.., B, 1]
+    ez = b.op("Exp", [b.op("Sub", [zt, top], "shifted")], "ez")
+    total = _reduce(b, "ReduceSum", ez, m1, -1, "total", opset)
+    lse = b.op("Add", [top, b.op("Log", [total], "log_total")], "lse_rows")
+    b.op("Einsum", [lse], "lse", equation="...bo->...ob")                              # [.., 1, B]
+    b.op("MatMul", [b.op("Div", [ez, total], "p"), stacked], "acc")
+    b.op("Identity", [q_cols], "columns")
+    return _function(PARTIAL, partial_overload(carry, new, queries), inputs,
+                     ["history_out", "rms_out", "lse", "acc", "columns"],
                      b, opset, ["eps", "axis", "queries", "carry"], "AttnRes phase 1 over a shared history")
 
 
@@ -281,11 +314,14 @@ def merge_function(extras: int, opset: int) -> onnx.FunctionProto:
     eps = _ref(b, "eps_c", "eps", AttributeProto.FLOAT)
     scale = _ref(b, "scale_c", "scale", AttributeProto.FLOAT)
     index = _ref(b, "index", "index", AttributeProto.INT)
-    inputs = ["lse", "acc"] + [f"e{i}" for i in range(extras)] + ["query"]
+    inputs = ["lse", "acc", "columns"] + [f"e{i}" for i in range(extras)] + ["query"]
     lse = b.op("Gather", ["lse", index], "lse_i", axis=-1)           # [.., 1]
     acc = b.op("Gather", ["acc", index], "acc_i", axis=-2)           # [.., D]
-    xs = [b.op("Cast", [e], f"x{i}", to=TensorProto.FLOAT) for i, e in enumerate(inputs[2:-1])]
+    xs = [b.op("Cast", [e], f"x{i}", to=TensorProto.FLOAT) for i, e in enumerate(inputs[3:-1])]
     query = b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT)
-    b.op("CastLike", [_attend(b, xs, query, eps, scale, m1, -1, opset, (lse, acc)), "e0"], "output")
+    # one extra (Block): the fused RMSNorm form; more (Full): the group's dots, shared by its Merges
+    pick = b.op("Unsqueeze", [index, b.const("zero", TensorProto.INT64, [0])], "pick") if extras > 1 else None
+    columns = ("columns", pick) if extras > 1 else None
+    b.op("CastLike", [_attend(b, xs, query, eps, scale, m1, -1, opset, (lse, acc), columns=columns), "e0"], "output")
     return _function(MERGE, merge_overload(extras), inputs, ["output"], b, opset, ["index", "eps", "scale", "axis"],
                      "AttnRes phase 2 of one site")

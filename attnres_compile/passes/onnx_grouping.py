@@ -98,7 +98,7 @@ def group_sites(graph: onnx.GraphProto) -> int:
             carried = stacked is not None and history[:len(stacked[0])] == stacked[0]
             new = history[len(stacked[0]):] if carried else history
             base = f"{first.name or first.output[0]}/partial"
-            outs = [names.fresh(f"{base}/{what}") for what in ("history", "rms", "lse", "acc")]
+            outs = [names.fresh(f"{base}/{what}") for what in ("history", "rms", "lse", "acc", "columns")]
             before[members[start]] = partial_node(stacked[1] if carried else [], new,
                                                   [n.input[-1] for n in nodes[start:end]], outs, eps=eps,
                                                   name=names.fresh(base))
@@ -106,7 +106,7 @@ def group_sites(graph: onnx.GraphProto) -> int:
             for index, node in enumerate(nodes[start:end]):
                 attrs = _attrs(node)
                 replace[members[start + index]] = merge_node(
-                    outs[2], outs[3], terms[start + index][length:], node.input[-1], node.output[0], index=index,
+                    outs[2], outs[3], outs[4], terms[start + index][length:], node.input[-1], node.output[0], index=index,
                     eps=eps, scale=attrs["scale"], name=node.name)
                 merges += 1
     if not replace:
@@ -156,6 +156,6 @@ def sites(graph: onnx.GraphProto) -> list[Site]:
             entries = carried + list(node.input[2 * attrs["carry"]:len(node.input) - attrs["queries"]])
             stacked[node.output[0]] = history[node.output[2]] = entries
         elif node.op_type in (OP_TYPE, MERGE):
-            sources = (history[node.input[0]] + list(node.input[2:-1])) if node.op_type == MERGE else list(node.input[:-1])
+            sources = (history[node.input[0]] + list(node.input[3:-1])) if node.op_type == MERGE else list(node.input[:-1])
             out.append(Site(node, sources, node.input[-1], attrs["eps"], attrs["scale"], attrs["axis"]))
     return out

@@ -8,7 +8,7 @@ line (CorruptModelError, exit 9) before inspect, rewrite or compile trust its si
   DepthAttentionMerge of the main graph (none inside subgraphs or functions), with its inputs,
   outputs and attributes (types, eps > 0 and finite, scale > 0 and finite, axis negative and,
   for the two-phase pair, -1; index below the Partial's query count);
-- a Merge reads the lse and acc outputs of one Partial, with the query that Partial holds at
+- a Merge reads the lse, acc and columns outputs of one Partial, with the query that Partial holds at
   its index; a Partial with carry = 1 reads the history and rms outputs of an earlier Partial;
 - where types are known, the sources of a site share one float type and the query is a float
   vector of their feature size;
@@ -122,9 +122,9 @@ def _check_node(node: onnx.NodeProto, partials: dict, types: dict) -> None:
         return
     if node.op_type == PARTIAL:
         queries, carry = attrs["queries"], attrs["carry"]
-        if carry not in (0, 1) or queries < 1 or len(node.output) != 4:
+        if carry not in (0, 1) or queries < 1 or len(node.output) != 5:
             raise _Bad(f"carry {carry}, queries {queries} and {len(node.output)} outputs: expected carry 0 or 1, "
-                       "at least one query and 4 outputs")
+                       "at least one query and 5 outputs")
         shape = partial_structure(node)
         if shape[1] < (0 if carry else 1):
             raise _Bad(f"{len(node.input)} inputs are too few for carry {carry} and {queries} queries")
@@ -135,18 +135,18 @@ def _check_node(node: onnx.NodeProto, partials: dict, types: dict) -> None:
         for q in node.input[len(node.input) - queries:]:
             _check_types([], q, -1, types)
         return
-    if len(node.input) < 4 or len(node.output) != 1:
-        raise _Bad(f"{len(node.input)} inputs, expected lse, acc, at least one extra term and a query")
-    source = [partials.get(i) for i in node.input[:2]]
-    if None in source or [s[1] for s in source] != [2, 3] or source[0][0] is not source[1][0]:
-        raise _Bad("its lse and acc inputs are not the lse and acc outputs of one earlier Partial")
+    if len(node.input) < 5 or len(node.output) != 1:
+        raise _Bad(f"{len(node.input)} inputs, expected lse, acc, columns, at least one extra term and a query")
+    source = [partials.get(i) for i in node.input[:3]]
+    if None in source or [s[1] for s in source] != [2, 3, 4] or not source[0][0] is source[1][0] is source[2][0]:
+        raise _Bad("its lse, acc and columns inputs are not the lse, acc and columns outputs of one earlier Partial")
     partial = source[0][0]
     queries = partial_structure(partial)[2]
     if not 0 <= attrs["index"] < queries:
         raise _Bad(f"index {attrs['index']} is outside its Partial's {queries} queries")
     if node.input[-1] != partial.input[len(partial.input) - queries + attrs["index"]]:
         raise _Bad(f"its query {node.input[-1]!r} is not its Partial's query at index {attrs['index']}")
-    _check_types(list(node.input[2:-1]), node.input[-1], -1, types)
+    _check_types(list(node.input[3:-1]), node.input[-1], -1, types)
 
 
 def _check_types(sources: list[str], query: str, axis: int, types: dict) -> None:

@@ -58,9 +58,9 @@ class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
             inputs = list(inputs)  # onnx_input slices mishandle negative bounds
             carried = list(inputs[0].fields) if attrs["carry"] else []
             entries = relax.Tuple(carried + [self.bb.normalize(x) for x in inputs[2 * attrs["carry"]:-attrs["queries"]]])
-            return relax.Tuple([entries] * 4)
+            return relax.Tuple([entries] * 5)
         if op_name == MERGE:
-            *extras, query = [self.bb.normalize(x) for x in list(inputs)[2:]]
+            *extras, query = [self.bb.normalize(x) for x in list(inputs)[3:]]
             return self.bb.normalize(site_call([*inputs[0].fields, *extras], query, attrs["eps"], attrs["scale"], attrs["axis"]))
         if op_name == "Range":
             bounds = [_int_scalar(x, [self._nodes, self._params]) for x in inputs]

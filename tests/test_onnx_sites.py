@@ -104,8 +104,9 @@ def test_full_rewrite_grows_linearly_with_depth(tmp_path):
 def test_onnxruntime_reads_a_shared_source_once_per_group_for_its_logits(tmp_path):
     """Where a source is a term of several sites, the parts of its logits that do not depend on the
     site are computed once (onnxruntime's common-subexpression elimination over the inlined
-    bodies): its mean square once in all, and under a Merge its dots with all of the group's
-    queries in one MatMul per (source, group), instead of an RMSNorm pass per (source, site)."""
+    bodies): its mean square at most twice (among the Merges, and in the Partial that stacks it),
+    and under a Merge its dots with all of the group's queries in one MatMul per (source, group),
+    instead of an RMSNorm pass per (source, site)."""
     out = tmp_path / "full.onnx"
     rewrite_onnx(models.onnx_chain(tmp_path / "chain.onnx", 16), out, verify_outputs=False)
     model = onnx.load(str(out))

@@ -19,7 +19,6 @@ import importlib
 import statistics
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -28,8 +27,11 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attnres_compile.bench import timing  # noqa: E402
 from attnres_compile.bench.model import make_inputs, make_model, make_variants  # noqa: E402
+from attnres_compile.bench.model_worker import onnxruntime_options  # noqa: E402
 from attnres_compile.passes import onnx_export, onnx_function, onnx_grouping, onnx_io  # noqa: E402
+
 
 def other_passes(checkout: Path):
     """The other checkout's onnx_function and onnx_grouping, loaded as the package `other_passes`."""
@@ -58,10 +60,7 @@ def final_form(model: onnx.ModelProto, grouping) -> bytes:
 
 
 def session(model) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, onnxruntime_options(1), providers=["CPUExecutionProvider"])
 
 
 def compare(name: str, sublayers: int, other, rounds: int, folder: Path) -> None:
@@ -78,18 +77,13 @@ def compare(name: str, sublayers: int, other, rounds: int, folder: Path) -> None
         sessions[f"{variant}, this checkout"] = session(final_form(sites, onnx_grouping))
         sessions[f"{variant}, --other"] = session(final_form(sites, other))
         sessions[f"{variant}, --other again"] = session(final_form(sites, other))
-    for s in sessions.values():
-        s.run(None, feeds)
-    times = {k: [] for k in sessions}
-    for _ in range(rounds):
-        for k, s in sessions.items():
-            start = time.process_time()
-            s.run(None, feeds)
-            times[k].append(time.process_time() - start)
+    samples = timing.interleaved_clocks({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
+                                        rounds, min_time=0)  # one run per session per round
+    times = {k: clocks["cpu"] for k, clocks in samples.items()}
     print(f"{name} 256/{sublayers}: original {1e3 * statistics.median(times['original']):.2f} ms CPU at 1 thread, "
           f"median of {rounds} interleaved runs")
     for k, t in times.items():
-        ratio = statistics.median(a / b - 1 for a, b in zip(t, times["original"]))
+        ratio = timing.paired_ratio(t, times["original"]) - 1
         print(f"  {k:24s} {1e3 * statistics.median(t):8.2f} ms  {100 * ratio:+6.1f}%", flush=True)
 
 

@@ -321,7 +321,7 @@ def merge_function(extras: int, opset: int) -> onnx.FunctionProto:
     query = b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT)
     # one extra (Block): the fused RMSNorm form; more (Full): the group's dots, shared by its Merges
     pick = b.op("Unsqueeze", [index, b.const("zero", TensorProto.INT64, [0])], "pick") if extras > 1 else None
-    columns = ("columns", pick) if extras > 1 else None
+    columns = ("columns", pick) if pick else None
     b.op("CastLike", [_attend(b, xs, query, eps, scale, m1, -1, opset, (lse, acc), columns=columns), "e0"], "output")
     return _function(MERGE, merge_overload(extras), inputs, ["output"], b, opset, ["index", "eps", "scale", "axis"],
                      "AttnRes phase 2 of one site")

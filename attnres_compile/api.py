@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from . import pytree_warning
 from .config import AttnResConfig
 from .errors import InputError, TraceError, first_line
 from .passes import dynamic_dims, verify
@@ -63,9 +63,9 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dy
 def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | None) -> Traced:
     args, kwargs = split_inputs(example_inputs)
     if isinstance(model, torch.export.ExportedProgram):
-        return Traced(make_mode_switchable(copy.deepcopy(model.module(check_guards=False)), False), "ExportedProgram", args, kwargs, [])
+        return Traced(make_mode_switchable(pytree_warning.deepcopy(model.module(check_guards=False)), False), "ExportedProgram", args, kwargs, [])
     if isinstance(model, fx.GraphModule):
-        gm = make_mode_switchable(copy.deepcopy(model), model.training)
+        gm = make_mode_switchable(pytree_warning.deepcopy(model), model.training)
         _ensure_shapes(gm, args, kwargs)
         return Traced(gm, "GraphModule", args, kwargs, [])
     if not isinstance(model, nn.Module):
@@ -74,7 +74,7 @@ def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | 
         raise InputError("example_inputs are required to trace an nn.Module: pass a tuple of args or a dict of kwargs")
     notes = [] if not model.training else ["model traced in training mode: dropout is recorded as active; call model.eval() first for an exact rewrite"]
     try:
-        model = copy.deepcopy(model)
+        model = pytree_warning.deepcopy(model)
     except Exception as exc:  # noqa: BLE001 - a module holding a lock, a generator, an open file...
         raise InputError(f"{type(model).__name__} cannot be copied (copy.deepcopy: {first_line(exc)}); the rewrite "
                          "works on a copy to leave the model passed in unchanged: make it deep-copyable") from None

@@ -243,6 +243,7 @@ def compile_tvm(variant: Variant, onnx_path: Path, folder: Path, s: Settings, pr
                 tuned: bool) -> Path:
     """The ONNX file built with static input shapes into an exported library: the default build
     (no tuning), or tuned on the CPU (shared database). Build time is recorded on both clocks."""
+    from ..backends.tvm import vm_files
     from ..backends.tvm.importers import import_model
     from ..backends.tvm.pipeline import build, make_target
     from ..backends.tvm.schedule import host_target
@@ -268,7 +269,7 @@ def compile_tvm(variant: Variant, onnx_path: Path, folder: Path, s: Settings, pr
                                              + (f", {t['untunable']} untunable" if t.get("untunable") else ""))
     progress.log(f"  {variant.name}: TVM compiled, {how} ({variant.times[f'{kind}_build']:.1f} s)")
     path = folder / f"{variant.name}{'.tuned' if tuned else ''}.so"
-    built.executable.export_library(str(path))
+    vm_files.save(built.executable, path)
     if s.device == "cuda":
         import json
 

@@ -144,6 +144,8 @@ def load_tvm(path: str | Path, device: str, memory_cfg: str | None = None):
     import tvm
     from tvm import relax
 
+    from ..backends.tvm import vm_files
+
     path = Path(path)
     if device == "cuda":
         import json
@@ -152,7 +154,7 @@ def load_tvm(path: str | Path, device: str, memory_cfg: str | None = None):
 
         serve_fatbins(path.parent, json.loads(path.with_suffix(".cuda.json").read_text()))
     dev = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
-    return relax.VirtualMachine(tvm.runtime.load_module(str(path)), dev, memory_cfg=memory_cfg), dev
+    return relax.VirtualMachine(vm_files.load(path), dev, memory_cfg=memory_cfg), dev
 
 
 def _tvm(path: str | Path, inputs: dict[str, np.ndarray], device: str, release: bool) -> tuple[Call, Outputs]:

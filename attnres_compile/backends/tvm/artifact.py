@@ -29,6 +29,7 @@ from ...errors import CompileError, InputError, VerificationError, first_line
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
+from . import vm_files
 from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 
 LIBRARY = "model.so"
@@ -62,7 +63,7 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
         manifest["verification"] = _verify(model, imported, built, tvm_target, input_shapes, verify_timeout)
     with outputs.staged_folder(out) as stage:
         try:
-            built.executable.export_library(str(stage / LIBRARY))
+            vm_files.save(built.executable, stage / LIBRARY)
         except Exception as exc:  # noqa: BLE001
             raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
         if tvm_target.kind.name == "cuda":

@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
+from ... import pytree_warning
 from ...errors import CompileError, first_line
 from ...passes import onnx_io
 from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, default_opset
@@ -181,7 +182,8 @@ def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
             sites.append({"name": node.name, "query": params.get(query.name, query.name), "sources": len(sources),
                           "axis": int(dim), "eps": float(eps), "scale": float(scale)})
     try:
-        mod = from_exported_program(program)
+        with pytree_warning.silenced():  # the frontend copies the program
+            mod = from_exported_program(program)
     except Exception as exc:  # noqa: BLE001 - the frontend asserts on unsupported ops
         raise CompileError(f"TVM's PyTorch frontend cannot import this program: {first_line(exc)}") from None
     return ImportedModel(mod, "torch", list(signature.user_inputs), [str(o) for o in signature.user_outputs], sites)

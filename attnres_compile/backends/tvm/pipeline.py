@@ -28,7 +28,7 @@ from ...errors import CompileError, ConfigError, first_line
 from . import cpu_rules, gpu_rules
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
-from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars
+from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars, WrapTakeIndices
 from .schedule import host_target
 from .sites import PACKED_NAME
 
@@ -102,7 +102,7 @@ def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Relax rewrites, legalization and fusion: the fused operators the schedules (or the tuner) see.
     Constants and weights are marked layout-free, so a schedule may pre-pack them."""
     cpu = target.kind.name == "llvm"
-    passes = [RewritePowers(), *([ExpandSigmoid(), FastMath()] if cpu else []),
+    passes = [RewritePowers(), WrapTakeIndices(), *([ExpandSigmoid(), FastMath()] if cpu else []),
               *relax.pipeline.library_dispatch_passes(target),
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
               relax.transform.FuseOps(), ScalarsIntoTirVars(), relax.transform.FuseTIR(),

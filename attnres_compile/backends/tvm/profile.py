@@ -22,6 +22,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from . import vm_files
 from .lower import KERNEL_PREFIX
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -38,7 +39,7 @@ def load_vm(model: Any, device: str = "cpu") -> tuple[relax.VirtualMachine, tvm.
         names = [i["name"] for i in manifest["inputs"]]
         model = Path(model) / manifest["library"]
     if isinstance(model, (str, os.PathLike)):
-        model = tvm.runtime.load_module(str(model))
+        model = vm_files.load(model)
     return relax.VirtualMachine(model, dev), dev, names
 
 

@@ -19,18 +19,17 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, InputKind
 
+from ... import pytree_warning
 from ...passes.onnx_export import _contiguous_as_clone
 
 
 def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of `program` without non-tensor user inputs and with explicit contiguous copies."""
-    graph_module = copy.deepcopy(program.graph_module)
+    graph_module = pytree_warning.deepcopy(program.graph_module)
     placeholders = {n.name: n for n in graph_module.graph.nodes if n.op == "placeholder"}
     specs, dropped, user = [], set(), 0
     for spec in program.graph_signature.input_specs:
@@ -52,7 +51,8 @@ def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedP
             _promote_cumsum(node)
     graph_module.recompile()
     signature = ExportGraphSignature(input_specs=specs, output_specs=list(program.graph_signature.output_specs))
-    converted = program._update(graph_module, signature)
+    with pytree_warning.silenced():
+        converted = program._update(graph_module, signature)
     if dropped:  # the calling convention (pytree of the user inputs) without them
         call = converted._module_call_graph[0].signature
         tree = pytree.tree_unflatten(list(range(call.in_spec.num_leaves)), call.in_spec)

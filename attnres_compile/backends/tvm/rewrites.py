@@ -1,5 +1,6 @@
-"""Module rewrites of the pipeline. Before legalization: powers to multiplications, sigmoid to exp
-so that FastMath (which knows exp, tanh, erf and softmax) makes it vectorisable, then FastMath.
+"""Module rewrites of the pipeline. Before legalization: powers to multiplications, `take` in a
+mode that cannot read out of bounds, sigmoid to exp so that FastMath (which knows exp, tanh, erf
+and softmax) makes it vectorisable, then FastMath.
 Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument.
 After the default schedules: a root block for the functions that lack one."""
 
@@ -80,6 +81,26 @@ class ExpandSigmoid:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return _rewrite(mod, _SigmoidMutator)
+
+
+@mutator
+class _TakeMutator(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not _is_op(call, "relax.take") or call.attrs.mode != "fast":
+            return call
+        return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="wrap")
+
+
+@tvm.transform.module_pass(opt_level=0, name="WrapTakeIndices")
+class WrapTakeIndices:
+    """`take` (embedding lookups, Gather) in mode "wrap" instead of the frontends' "fast": fast
+    reads out of bounds on an index past the table (a token id beyond the vocabulary), where the
+    process may crash, and TVM warns at every such take when it builds. Wrap reads index mod
+    size: the same element for every index torch and ONNX accept, negative ones included."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return _rewrite(mod, _TakeMutator)
 
 
 @mutator

@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 
 from ...errors import ArtifactError, InputError, first_line
+from . import vm_files
 from .cuda_binary import serve_fatbins
 
 FORMAT = "attnres-compile-tvm"
@@ -35,7 +36,7 @@ class Artifact:
         if "cuda" in self.manifest:
             serve_fatbins(self.folder, self.manifest["cuda"])
         try:
-            library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
+            library = vm_files.load(self.folder / self.manifest["library"])
         except Exception as exc:  # noqa: BLE001
             raise ArtifactError(f"{self.folder}: cannot load {self.manifest['library']} ({first_line(exc)})") from None
         self.vm = relax.VirtualMachine(library, self.device)

@@ -23,6 +23,7 @@ from attnres_compile.backends.tvm import (
     host_target,
     schedule_cpu,
 )
+from attnres_compile.backends.tvm.kernel import depth_attention_merge_indexed_func
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Relative to the output's magnitude. float32: accumulation order only. Reduced precision: the
@@ -186,6 +187,29 @@ def test_two_phase_matches_reference(dtype):
         out = np.zeros((rows, size), NP_DTYPES[dtype])
         result = _run(merge, m[q], l[q], acc[q], *extra, queries[q], out)[-1].numpy()
         _assert_close(result, reference(blocks + extra, queries[q], 1e-6, scale), dtype)
+
+
+def _layer_norm(x, gamma, beta, eps):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta
+
+
+def test_layer_norm_of_the_output_is_fused():
+    """With norm_eps the site kernel and the two-phase merge store LayerNorm(out) (gamma, beta):
+    a PreNorm model's next norm, which the lowering fuses. The sources sit around +3, so the
+    one-pass variance (sum of squares minus the squared mean) is checked where it cancels."""
+    S, rows, size, norm_eps = 5, 37, 96, 1e-5
+    rng = np.random.default_rng(11)
+    srcs = [s + 3 for s in _sources(rng, S, rows, size, "float32")]
+    w, gamma, beta = _query(rng, size), rng.standard_normal(size).astype(np.float32), rng.standard_normal(size).astype(np.float32)
+    site = build(depth_attention_func(S, size, "float32", 1e-6, 1.0, 2, norm_eps), host_target(2))
+    out = _run(site, *srcs, w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
+    _assert_close(out, _layer_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps), "float32")
+    queries = np.stack([_query(rng, size), w])
+    state = [np.zeros((2, rows), np.float32), np.zeros((2, rows), np.float32), np.zeros((2, rows, size), np.float32)]
+    state = [t.numpy() for t in _run(_compiled("partial", 3, 2, size, "float32"), *srcs[:3], queries, *state)[-3:]]
+    merge = build(depth_attention_merge_indexed_func(2, 1, 2, size, "float32", 1e-6, 1.0, 2, norm_eps), host_target(2))
+    out = _run(merge, *state, *srcs[3:], w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
+    _assert_close(out, _layer_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps), "float32")
 
 
 def test_cpu_schedule_keeps_per_row_state_only():

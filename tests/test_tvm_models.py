@@ -145,6 +145,22 @@ def test_artifact_matches_onnxruntime(exported, artifact, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_prenorm_layer_norms_are_fused_into_their_sites(exported, name):
+    """The sample GPT is PreNorm with LayerNorm: every site's output is read by the next norm
+    only (ln_f after the last), so each site kernel stores the normed tensor (an `_ln` kernel)
+    and that many layer_norm calls are gone; the embedding's norm stays. HF Llama's RMSNorm is
+    decomposed (mean, rsqrt, multiply): not matched, nothing fused. The artifact test checks the
+    numbers against onnxruntime."""
+    imported = import_model(exported(name)).mod
+    counted = calls(LowerDepthAttention(make_target("llvm"))(imported))
+    fused = sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith("_ln"))
+    assert fused == (MODELS[name][2] if name.startswith("gpt") else 0)
+    assert calls(imported)["relax.nn.layer_norm"] - counted["relax.nn.layer_norm"] == fused
+    assert calls(LowerDepthAttention(make_target("cuda"))(imported))["relax.nn.layer_norm"] == \
+        calls(imported)["relax.nn.layer_norm"]  # CUDA keeps them: its schedule has no fused-norm stages
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_one_kernel_call_per_site_and_no_unfused_copy(exported, artifact, name):
     path = exported(name)
     sites = _sites(path)

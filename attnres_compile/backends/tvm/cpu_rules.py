@@ -6,7 +6,8 @@ wins; the kernels, already scheduled, are never touched):
 
 - `Matmul`: C[s, i, j] = sum_k A[s, i, k] * B[s, k, j] with an injective epilogue (bias,
   residual add, activation) computed per register tile. Tile: 4 rows x 4 vectors of the
-  target's width (4 x 64 float32 on AVX-512, 16 accumulator registers), K unrolled by 4; the
+  target's width (4 x 64 float32 on AVX-512, 16 of its 32 vector registers as accumulators;
+  4 x 3 vectors, 4 x 24, where there are 16: AVX2), K unrolled by 4; the
   column tile is the outer (parallel) loop and the row tiles run inside it, so the K x 64
   panel of B stays in cache across row tiles. Long K is split into blocks of ~512 so that
   the panel and a block of A stay in L2. A weight B (a constant, `layout_free_buffers`) is
@@ -30,10 +31,12 @@ from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits, make_iter_fusion_index_map
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+
+from .schedule import vector_bits
 
 ROWS = 4  # rows of the register tile
-VECTORS = 4  # vectors per row of the register tile
+VECTORS = 4  # vectors per row of the register tile with 32 vector registers (AVX-512)
+VECTORS_NARROW = 3  # ... with 16 (AVX2): 12 accumulators, 3 operand vectors and a broadcast
 K_UNROLL = 4
 K_BLOCK = 512  # K beyond 2 * K_BLOCK is split into blocks of about this size
 PARALLEL_MIN = 1 << 14  # elements an injective operator needs before it runs in parallel
@@ -57,8 +60,7 @@ def default_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | No
 
 def lanes(target: Target, bits: int) -> int:
     """Elements of `bits` bits per vector register of the target (at least 4 bytes' worth)."""
-    width = llvm_get_vector_width(target)
-    return max((width if width > 0 else 128) // bits, 1)
+    return max(vector_bits(target) // bits, 1)
 
 
 def _extent(sch: s_tir.Schedule, loop) -> int | None:
@@ -116,7 +118,8 @@ class Matmul(_SafeRule):
         m, n, kdim = _extent(sch, i), _extent(sch, j), _extent(sch, k)
         lane = lanes(target, block.writes[0].source.dtype.bits)
         vec = n if n is not None and n < lane else lane  # one short vector for narrow outputs
-        cols = vec * (VECTORS if n is None else min(VECTORS, math.ceil(n / vec)))
+        vectors = VECTORS if vector_bits(target) >= 512 else VECTORS_NARROW
+        cols = vec * (vectors if n is None else min(vectors, math.ceil(n / vec)))
         rows = ROWS if m is None else min(ROWS, m)
         _pack_weight(sch, main, func, cols, 1 if cols_kind == IterKind.kIter_J else 0)
         _fuse_epilogue(sch, main, writer)

@@ -142,9 +142,10 @@ def _check(count: int, what: str, size: int, dtype: str):
         raise ValueError(f"unsupported storage dtype {dtype!r}; expected one of {DTYPES}")
 
 
-def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, start=None):
+def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, start=None, norm=None):
     """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l.
-    `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None."""
+    `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
+    (gamma, beta, eps) a LayerNorm over the features applied to that sum before it is stored."""
     stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
     K = len(srcs)
     e_buf, coef = _alloc("e", *rows, K + 1), _alloc("coef", *rows)
@@ -155,13 +156,30 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, 
             T.buffer_store(e_buf, x, [*vr, k])
         T.buffer_store(coef, T.float32(scale) / total, list(vr))
 
+    h = out if norm is None else _alloc("h", *rows, size)
+
     def body(vr, vd):
         terms = [(e_buf[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]
         if start is not None:
             terms.append((e_buf[(*vr, K)], start[2](vr, vd)))
-        return out, [*vr, vd], _weighted(terms) * coef[vr]
+        return h, [*vr, vd], _weighted(terms) * coef[vr]
 
     _elementwise(rows, size, "out", body)
+    if norm is not None:
+        _layer_norm(rows, size, h, out, *norm)
+
+
+def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
+    """out = (h - mean) / sqrt(var + eps) * gamma + beta over the features of each row, with
+    mean and var from one pass (sum and sum of squares), as TVM's own layer_norm computes them."""
+    ss, total = _stats("h", rows, h, [lambda vr, vd: T.float32(1)])
+    mean, rstd = _alloc("mean", *rows), _alloc("rstd", *rows)
+    with _row_block(rows, "softmax_norm") as vr:
+        mu = T.Bind(total[vr] * T.float32(1.0 / size))
+        T.buffer_store(mean, mu, list(vr))
+        T.buffer_store(rstd, T.rsqrt(ss[vr] * T.float32(1.0 / size) - mu * mu + T.float32(eps)), list(vr))
+    _elementwise(rows, size, "normed", lambda vr, vd: (
+        out, [*vr, vd], (h[(*vr, vd)] - mean[vr]) * rstd[vr] * _f32(gamma, vd) + _f32(beta, vd)))
 
 
 def depth_attention_func(
@@ -171,12 +189,15 @@ def depth_attention_func(
     eps: float = 1e-6,
     scale: float | None = None,
     rank: int = 2,
+    norm_eps: float | None = None,
 ) -> tirx.PrimFunc:
     """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources
     of rank `rank` (symbolic row dims).
 
     Softmax over the sources with float32 accumulation. `scale` None means `num_sources`
-    (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum."""
+    (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum.
+    With `norm_eps`, `depth_attention(s0, ..., w, gamma, beta, out)` stores the LayerNorm of the
+    site's output instead (the next sublayer's norm in a PreNorm model, fused: lower.py)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     scale = float(S) if scale is None else float(scale)
@@ -185,9 +206,10 @@ def depth_attention_func(
             T.func_name("depth_attention")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
+            norm = None if norm_eps is None else (_param("gamma", (D,), F32), _param("beta", (D,), F32), norm_eps)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
-                _site(rows, D, srcs, w, out, eps, scale)
+                _site(rows, D, srcs, w, out, eps, scale, norm=norm)
     return ib.get()
 
 
@@ -261,17 +283,19 @@ def depth_attention_merge_indexed_func(
     eps: float = 1e-6,
     scale: float = 1.0,
     rank: int = 2,
+    norm_eps: float | None = None,
 ) -> tirx.PrimFunc:
     """`depth_attention_merge_func` reading query `index` of a whole partial state, `merge(m[B, rows..],
     l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, out)`: the lowering passes the partial's
-    outputs as they are, with no slice (a copy) per site."""
+    outputs as they are, with no slice (a copy) per site. `norm_eps`: as in depth_attention_func
+    (`gamma`, `beta` after `w`)."""
     if not 0 <= index < num_queries:
         raise ValueError(f"index {index} is outside the {num_queries} queries of the partial state")
-    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank)
+    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank, norm_eps)
 
 
 def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str, eps: float, scale: float,
-           rank: int) -> tirx.PrimFunc:
+           rank: int, norm_eps: float | None = None) -> tirx.PrimFunc:
     """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows,
     read at the indices `at` there (a single query's state: both empty)."""
     _check(num_extra, "extra source", feature_size, dtype)
@@ -283,11 +307,12 @@ def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str
             acc_in = _param("acc", (*lead, *rows, D), F32)
             extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
+            norm = None if norm_eps is None else (_param("gamma", (D,), F32), _param("beta", (D,), F32), norm_eps)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
                 start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],
                          lambda vr, vd: acc_in[(*at, *vr, vd)])
-                _site(rows, D, extra, w, out, eps, float(scale), start)
+                _site(rows, D, extra, w, out, eps, float(scale), start, norm)
     return ib.get()
 
 

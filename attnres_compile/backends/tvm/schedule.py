@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 RF_LANES = 8  # partial sums per row reduction of a forward-family kernel on CPU (schedule_cpu)
 CUDA_CHUNKS = 256  # row chunks of the backward on CUDA: thread blocks, each with its own partial dw
@@ -20,10 +20,21 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def vector_bits(target: Target) -> int:
+    """The width of the target's vector registers. LLVM's own answer (llvm_get_vector_width)
+    reads 512 on x86 CPUs without AVX-512 (znver3): a 16-float vector is then two registers,
+    and tiles sized for 32 registers of 512 bits spill on the 16 of 256 bits."""
+    if target.kind.name == "llvm" and target_has_features("avx512f", target):
+        return 512
+    if target.kind.name == "llvm" and target_has_features("avx", target):
+        return 256
+    width = llvm_get_vector_width(target)
+    return width if width > 0 else 128
+
+
 def _lanes(target: Target) -> int:
     """float32 lanes of the target's vector registers."""
-    width = llvm_get_vector_width(target)
-    return max((width if width > 0 else 128) // 32, 4)
+    return max(vector_bits(target) // 32, 4)
 
 
 def _divisor(size: int, lanes: int) -> int:
@@ -110,6 +121,11 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     sch.parallel(sch.get_loops(stages[0][1])[0])
     groups, count = [[]], 0
     for name, block in stages:
+        if not name.startswith("stats") and groups[-1]:
+            # a later stage's reductions (a fused norm's, over the site's output) depend on this
+            # one: their loops start a group of their own
+            groups.append([])
+            count = 0
         if name.endswith("_rf") and name.startswith("stats"):
             k = len(sch.get(block).writes)
             previous = groups[-1] and _source(sch.get(groups[-1][-1]).name_hint) == _source(name)

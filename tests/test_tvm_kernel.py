@@ -210,6 +210,10 @@ def test_layer_norm_of_the_output_is_fused():
     merge = build(depth_attention_merge_indexed_func(2, 1, 2, size, "float32", 1e-6, 1.0, 2, norm_eps), host_target(2))
     out = _run(merge, *state, *srcs[3:], w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
     _assert_close(out, _layer_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps), "float32")
+    # constant rows at large magnitudes: sum of squares minus the squared mean rounds below zero
+    levels = np.linspace(100, 5000, rows, dtype=np.float32)[:, None] + np.zeros(size, np.float32)
+    out = _run(site, *[levels] * S, w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
+    assert np.isfinite(out).all()
 
 
 def test_cpu_schedule_keeps_per_row_state_only():

@@ -171,13 +171,15 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, 
 
 def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
     """out = (h - mean) / sqrt(var + eps) * gamma + beta over the features of each row, with
-    mean and var from one pass (sum and sum of squares), as TVM's own layer_norm computes them."""
+    mean and var from one pass (sum and sum of squares), as TVM's own layer_norm computes them;
+    var is clamped at 0, where rounding makes E[h^2] - mean^2 of a near-constant row negative."""
     ss, total = _stats("h", rows, h, [lambda vr, vd: T.float32(1)])
     mean, rstd = _alloc("mean", *rows), _alloc("rstd", *rows)
     with _row_block(rows, "softmax_norm") as vr:
         mu = T.Bind(total[vr] * T.float32(1.0 / size))
         T.buffer_store(mean, mu, list(vr))
-        T.buffer_store(rstd, T.rsqrt(ss[vr] * T.float32(1.0 / size) - mu * mu + T.float32(eps)), list(vr))
+        var = T.max(ss[vr] * T.float32(1.0 / size) - mu * mu, T.float32(0))
+        T.buffer_store(rstd, T.rsqrt(var + T.float32(eps)), list(vr))
     _elementwise(rows, size, "normed", lambda vr, vd: (
         out, [*vr, vd], (h[(*vr, vd)] - mean[vr]) * rstd[vr] * _f32(gamma, vd) + _f32(beta, vd)))
 

@@ -26,10 +26,10 @@ from tvm import relax
 
 from ... import __version__, outputs
 from ...errors import CompileError, InputError, VerificationError, first_line
+from . import vm_files
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
-from . import vm_files
 from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 
 LIBRARY = "model.so"

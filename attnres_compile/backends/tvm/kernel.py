@@ -184,6 +184,11 @@ def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
         out, [*vr, vd], (h[(*vr, vd)] - mean[vr]) * rstd[vr] * _f32(gamma, vd) + _f32(beta, vd)))
 
 
+def _norm_params(size: int, norm_eps: float | None):
+    """The fused LayerNorm's (gamma, beta, eps) parameters after `w`, or None without one."""
+    return None if norm_eps is None else (_param("gamma", (size,), F32), _param("beta", (size,), F32), norm_eps)
+
+
 def depth_attention_func(
     num_sources: int,
     feature_size: int,
@@ -208,7 +213,7 @@ def depth_attention_func(
             T.func_name("depth_attention")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
-            norm = None if norm_eps is None else (_param("gamma", (D,), F32), _param("beta", (D,), F32), norm_eps)
+            norm = _norm_params(D, norm_eps)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
                 _site(rows, D, srcs, w, out, eps, scale, norm=norm)
@@ -309,7 +314,7 @@ def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str
             acc_in = _param("acc", (*lead, *rows, D), F32)
             extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
-            norm = None if norm_eps is None else (_param("gamma", (D,), F32), _param("beta", (D,), F32), norm_eps)
+            norm = _norm_params(D, norm_eps)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
                 start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],

@@ -193,27 +193,41 @@ def _layer_norm(x, gamma, beta, eps):
     return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta
 
 
-def test_layer_norm_of_the_output_is_fused():
-    """With norm_eps the site kernel and the two-phase merge store LayerNorm(out) (gamma, beta):
-    a PreNorm model's next norm, which the lowering fuses. The sources sit around +3, so the
-    one-pass variance (sum of squares minus the squared mean) is checked where it cancels."""
+def _rms_norm(x, gamma, beta, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gamma
+
+
+@pytest.mark.parametrize("norm, ref_norm", [("layer", _layer_norm), ("rms", _rms_norm)])
+def test_next_norm_of_the_output_is_fused(norm, ref_norm):
+    """With norm_eps the site kernel and the two-phase merge store LayerNorm(out) (gamma, beta) or
+    RMSNorm(out) (gamma): a PreNorm model's next norm, which the lowering fuses. The sources sit
+    around +3, so the one-pass variance (sum of squares minus the squared mean) is checked where
+    it cancels."""
     S, rows, size, norm_eps = 5, 37, 96, 1e-5
     rng = np.random.default_rng(11)
     srcs = [s + 3 for s in _sources(rng, S, rows, size, "float32")]
     w, gamma, beta = _query(rng, size), rng.standard_normal(size).astype(np.float32), rng.standard_normal(size).astype(np.float32)
-    site = build(depth_attention_func(S, size, "float32", 1e-6, 1.0, 2, norm_eps), host_target(2))
-    out = _run(site, *srcs, w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
-    _assert_close(out, _layer_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps), "float32")
+    affine = [gamma, beta] if norm == "layer" else [gamma]
+    site = build(depth_attention_func(S, size, "float32", 1e-6, 1.0, 2, norm_eps, norm), host_target(2))
+    out = _run(site, *srcs, w, *affine, np.zeros((rows, size), np.float32))[-1].numpy()
+    expected = ref_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps)
+    _assert_close(out, expected, "float32")
     queries = np.stack([_query(rng, size), w])
     state = [np.zeros((2, rows), np.float32), np.zeros((2, rows), np.float32), np.zeros((2, rows, size), np.float32)]
     state = [t.numpy() for t in _run(_compiled("partial", 3, 2, size, "float32"), *srcs[:3], queries, *state)[-3:]]
-    merge = build(depth_attention_merge_indexed_func(2, 1, 2, size, "float32", 1e-6, 1.0, 2, norm_eps), host_target(2))
-    out = _run(merge, *state, *srcs[3:], w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
-    _assert_close(out, _layer_norm(reference(srcs, w, 1e-6, 1.0), gamma, beta, norm_eps), "float32")
+    merge = build(depth_attention_merge_indexed_func(2, 1, 2, size, "float32", 1e-6, 1.0, 2, norm_eps, norm),
+                  host_target(2))
+    out = _run(merge, *state, *srcs[3:], w, *affine, np.zeros((rows, size), np.float32))[-1].numpy()
+    _assert_close(out, expected, "float32")
     # constant rows at large magnitudes: sum of squares minus the squared mean rounds below zero
     levels = np.linspace(100, 5000, rows, dtype=np.float32)[:, None] + np.zeros(size, np.float32)
-    out = _run(site, *[levels] * S, w, gamma, beta, np.zeros((rows, size), np.float32))[-1].numpy()
+    out = _run(site, *[levels] * S, w, *affine, np.zeros((rows, size), np.float32))[-1].numpy()
     assert np.isfinite(out).all()
+
+
+def test_unknown_norm_is_refused():
+    with pytest.raises(ValueError, match="unknown fused norm 'group'"):
+        depth_attention_func(2, 8, norm_eps=1e-5, norm="group")
 
 
 def test_cpu_schedule_keeps_per_row_state_only():

@@ -145,19 +145,23 @@ def test_artifact_matches_onnxruntime(exported, artifact, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_prenorm_layer_norms_are_fused_into_their_sites(exported, name):
-    """The sample GPT is PreNorm with LayerNorm: every site's output is read by the next norm
-    only (ln_f after the last), so each site kernel stores the normed tensor (an `_ln` kernel)
-    and that many layer_norm calls are gone; the embedding's norm stays. HF Llama's RMSNorm is
-    decomposed (mean, rsqrt, multiply): not matched, nothing fused. The artifact test checks the
-    numbers against onnxruntime."""
+def test_prenorm_norms_are_fused_into_their_sites(exported, name):
+    """Both models are PreNorm: every site's output is read by the next norm only (the final norm
+    after the last), so each site kernel stores the normed tensor and that many norms are gone;
+    the embedding's norm stays. The sample GPT's LayerNorm: `_ln` kernels, fewer layer_norm calls.
+    HF Llama's RMSNorm arrives decomposed (power, mean, add, sqrt, divide, multiply by the row and
+    by gamma): `_rms` kernels, and each of those ops once per site fewer. The artifact test checks
+    the numbers against onnxruntime."""
     imported = import_model(exported(name)).mod
     counted = calls(LowerDepthAttention(make_target("llvm"))(imported))
-    fused = sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith("_ln"))
-    assert fused == (MODELS[name][2] if name.startswith("gpt") else 0)
-    assert calls(imported)["relax.nn.layer_norm"] - counted["relax.nn.layer_norm"] == fused
-    assert calls(LowerDepthAttention(make_target("cuda"))(imported))["relax.nn.layer_norm"] == \
-        calls(imported)["relax.nn.layer_norm"]  # CUDA keeps them: its schedule has no fused-norm stages
+    suffix, ops = ("_ln", {"relax.nn.layer_norm": 1}) if name.startswith("gpt") else (
+        "_rms", {"relax.power": 1, "relax.mean": 1, "relax.sqrt": 1, "relax.divide": 1, "relax.multiply": 2})
+    fused = sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith(suffix))
+    assert fused == MODELS[name][2]
+    assert {op: calls(imported)[op] - counted[op] for op in ops} == {op: n * fused for op, n in ops.items()}
+    lowered = calls(LowerDepthAttention(make_target("cuda"))(imported))
+    assert {op: lowered[op] for op in ops} == {op: calls(imported)[op] for op in ops}  # CUDA keeps them: its
+    # schedule has no fused-norm stages
 
 
 @pytest.mark.parametrize("name", MODELS)

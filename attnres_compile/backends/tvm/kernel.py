@@ -145,7 +145,8 @@ def _check(count: int, what: str, size: int, dtype: str):
 def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, start=None, norm=None):
     """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l.
     `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
-    (gamma, beta, eps) a LayerNorm over the features applied to that sum before it is stored."""
+    (kind, gamma, beta, eps) a LayerNorm ("layer") or RMSNorm ("rms", beta None) over the
+    features applied to that sum before it is stored."""
     stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
     K = len(srcs)
     e_buf, coef = _alloc("e", *rows, K + 1), _alloc("coef", *rows)
@@ -166,7 +167,8 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, 
 
     _elementwise(rows, size, "out", body)
     if norm is not None:
-        _layer_norm(rows, size, h, out, *norm)
+        kind, *affine = norm
+        (_layer_norm if kind == "layer" else _rms_norm)(rows, size, h, out, *affine)
 
 
 def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
@@ -184,9 +186,28 @@ def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
         out, [*vr, vd], (h[(*vr, vd)] - mean[vr]) * rstd[vr] * _f32(gamma, vd) + _f32(beta, vd)))
 
 
-def _norm_params(size: int, norm_eps: float | None):
-    """The fused LayerNorm's (gamma, beta, eps) parameters after `w`, or None without one."""
-    return None if norm_eps is None else (_param("gamma", (size,), F32), _param("beta", (size,), F32), norm_eps)
+def _rms_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
+    """out = h / sqrt(mean(h^2) + eps) * gamma over the features of each row (beta is None):
+    the decomposed RMSNorm of HF Llama and its kin, in its order of operations."""
+    (ss,) = _stats("h", rows, h, [])
+    rstd = _alloc("rstd", *rows)
+    with _row_block(rows, "softmax_norm") as vr:
+        T.buffer_store(rstd, T.rsqrt(ss[vr] * T.float32(1.0 / size) + T.float32(eps)), list(vr))
+    _elementwise(rows, size, "normed", lambda vr, vd: (out, [*vr, vd], h[(*vr, vd)] * rstd[vr] * _f32(gamma, vd)))
+
+
+NORMS = ("layer", "rms")
+
+
+def _norm_params(size: int, norm_eps: float | None, norm: str):
+    """The fused norm's (kind, gamma, beta, eps), its parameters after `w` (gamma and, for a
+    LayerNorm, beta), or None without one."""
+    if norm_eps is None:
+        return None
+    if norm not in NORMS:
+        raise ValueError(f"unknown fused norm {norm!r}; expected one of {NORMS}")
+    gamma = _param("gamma", (size,), F32)  # parameters in this order
+    return norm, gamma, _param("beta", (size,), F32) if norm == "layer" else None, norm_eps
 
 
 def depth_attention_func(
@@ -197,6 +218,7 @@ def depth_attention_func(
     scale: float | None = None,
     rank: int = 2,
     norm_eps: float | None = None,
+    norm: str = "layer",
 ) -> tirx.PrimFunc:
     """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources
     of rank `rank` (symbolic row dims).
@@ -204,7 +226,8 @@ def depth_attention_func(
     Softmax over the sources with float32 accumulation. `scale` None means `num_sources`
     (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum.
     With `norm_eps`, `depth_attention(s0, ..., w, gamma, beta, out)` stores the LayerNorm of the
-    site's output instead (the next sublayer's norm in a PreNorm model, fused: lower.py)."""
+    site's output instead, or with norm="rms" `depth_attention(s0, ..., w, gamma, out)` its
+    RMSNorm (the next sublayer's norm in a PreNorm model, fused: norm_fusion.py)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     scale = float(S) if scale is None else float(scale)
@@ -213,10 +236,10 @@ def depth_attention_func(
             T.func_name("depth_attention")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
-            norm = _norm_params(D, norm_eps)
+            fused = _norm_params(D, norm_eps, norm)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
-                _site(rows, D, srcs, w, out, eps, scale, norm=norm)
+                _site(rows, D, srcs, w, out, eps, scale, norm=fused)
     return ib.get()
 
 
@@ -291,18 +314,19 @@ def depth_attention_merge_indexed_func(
     scale: float = 1.0,
     rank: int = 2,
     norm_eps: float | None = None,
+    norm: str = "layer",
 ) -> tirx.PrimFunc:
     """`depth_attention_merge_func` reading query `index` of a whole partial state, `merge(m[B, rows..],
     l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, out)`: the lowering passes the partial's
-    outputs as they are, with no slice (a copy) per site. `norm_eps`: as in depth_attention_func
-    (`gamma`, `beta` after `w`)."""
+    outputs as they are, with no slice (a copy) per site. `norm_eps`, `norm`: as in
+    depth_attention_func (`gamma`[, `beta`] after `w`)."""
     if not 0 <= index < num_queries:
         raise ValueError(f"index {index} is outside the {num_queries} queries of the partial state")
-    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank, norm_eps)
+    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank, norm_eps, norm)
 
 
 def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str, eps: float, scale: float,
-           rank: int, norm_eps: float | None = None) -> tirx.PrimFunc:
+           rank: int, norm_eps: float | None = None, norm: str = "layer") -> tirx.PrimFunc:
     """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows,
     read at the indices `at` there (a single query's state: both empty)."""
     _check(num_extra, "extra source", feature_size, dtype)
@@ -314,12 +338,12 @@ def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str
             acc_in = _param("acc", (*lead, *rows, D), F32)
             extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
-            norm = _norm_params(D, norm_eps)
+            fused = _norm_params(D, norm_eps, norm)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
                 start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],
                          lambda vr, vd: acc_in[(*at, *vr, vd)])
-                _site(rows, D, extra, w, out, eps, float(scale), start, norm)
+                _site(rows, D, extra, w, out, eps, float(scale), start, fused)
     return ib.get()
 
 

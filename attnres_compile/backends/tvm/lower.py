@@ -34,6 +34,7 @@ from tvm.target import Target
 
 from ...errors import CompileError
 from ...passes.onnx_grouping import site_groups
+from . import norm_fusion
 from .kernel import DTYPES, depth_attention_func, depth_attention_merge_indexed_func, depth_attention_partial_func
 from .schedule import schedule_cpu, schedule_cuda
 from .sites import Site, parse
@@ -101,13 +102,13 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         self.kernels: dict[tuple, relax.GlobalVar] = {}
         self.lowered: list[dict] = []
         self.groups: dict[relax.Call, tuple[_Group, int]] = {}  # placeholder -> (its group, its index there)
-        self.norms: dict[relax.Call, tuple[relax.Expr, relax.Expr, float]] = {}  # placeholder -> (gamma, beta, eps)
-        self.normed: set[relax.Var] = set()  # sites' vars whose LayerNorm their kernel applies
+        self.norms = norm_fusion.Plan()  # the next norms the site kernels apply (CPU)
 
     def plan(self, func: relax.Function) -> None:
         """Group the placeholders of `func` that share a history where the two-phase form wins,
-        and find the LayerNorms to fuse into their sites' kernels."""
-        self.plan_norms(func)
+        and find the norms to fuse into their sites' kernels (norm_fusion)."""
+        if self.target.kind.name == "llvm":  # the CUDA schedule has no fused-norm stages
+            self.norms.add(func)
         found: list[relax.Call] = []
         relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) and parse(e) else None)
         chains: dict[tuple, list[tuple[relax.Call, Site]]] = {}
@@ -126,38 +127,20 @@ class _SiteLowerer(expr_functor.PyExprMutator):
                 group = _Group(list(sites[0].sources[:length]), [site.query for site in sites])
                 self.groups.update({call: (group, i) for i, (call, _) in enumerate(members[start:end])})
 
-    def plan_norms(self, func: relax.Function) -> None:
-        """Sites (CPU) whose output only a LayerNorm over its features reads, as in a PreNorm
-        model where the next sublayer's norm reads the stream: the kernel stores the normed
-        tensor and the norm becomes that value (the norm's own pass over the tensor is gone)."""
-        if self.target.kind.name != "llvm" or not isinstance(func.body, relax.SeqExpr):
-            return
-        uses: Counter = Counter()
-        relax.analysis.post_order_visit(func.body, lambda e: uses.update([e]) if isinstance(e, relax.Var) else None)
-        sites = {}
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                value = getattr(binding, "value", None)
-                if isinstance(value, relax.Call) and parse(value) and _f32_tensor(value.ty):
-                    sites[binding.var] = value
-                elif _is_layer_norm(value) and value.args[0] in sites and uses[value.args[0]] == 1:
-                    data, gamma, beta = value.args
-                    if all(_f32_tensor(x.ty) and x.ty.ndim == 1 for x in (gamma, beta)) and \
-                            parse(sites[data]).axis % data.ty.ndim == data.ty.ndim - 1 and \
-                            list(value.attrs.axes) in ([-1], [data.ty.ndim - 1]):
-                        self.norms[sites[data]] = (gamma, beta, float(value.attrs.epsilon))
-                        self.normed.add(data)
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var not in self.norms.dropped:  # a fused norm's intermediate: not emitted
+            super().visit_var_binding_(binding)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        planned, norm = self.groups.get(call), self.norms.get(call)
-        if _is_layer_norm(call) and call.args[0] in self.normed:
-            return self.visit_expr(call.args[0])  # the site's kernel applied it
+        planned, norm = self.groups.get(call), self.norms.norms.get(call)
+        if call in self.norms.replaced:
+            return self.visit_expr(self.norms.replaced[call])  # the site's kernel applied the norm
         call = super().visit_call_(call)
         site = parse(call)
         return call if site is None else self.lower(site, call.ty, planned, norm)
 
     def lower(self, site: Site, ty: relax.TensorType, planned: tuple[_Group, int] | None,
-              norm: tuple[relax.Expr, relax.Expr, float] | None = None) -> relax.Expr:
+              norm: norm_fusion.Norm | None = None) -> relax.Expr:
         bb = self.builder_
         ndim, dtype = ty.ndim, str(ty.dtype)
         if dtype not in DTYPES:
@@ -180,8 +163,9 @@ class _SiteLowerer(expr_functor.PyExprMutator):
                   "eps": site.eps, "scale": site.scale}
         params, affine = (site.eps, site.scale), []
         if norm is not None:
-            params, affine = (*params, norm[2]), [self.visit_expr(norm[0]), self.visit_expr(norm[1])]
-            record["layer_norm_eps"] = norm[2]
+            params = (*params, norm.kind, norm.eps)
+            affine = [self.visit_expr(t) for t in (norm.gamma, norm.beta) if t is not None]
+            record[f"{norm.kind}_norm_eps"] = norm.eps
         if planned:
             group, index = planned
             if group.state is None:
@@ -255,16 +239,6 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         return self.kernels[key]
 
 
-def _f32_tensor(ty) -> bool:
-    return isinstance(ty, relax.TensorType) and str(ty.dtype) == "float32" and ty.ndim >= 1
-
-
-def _is_layer_norm(expr) -> bool:
-    """A LayerNorm with both gamma and beta."""
-    return (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.nn.layer_norm"
-            and bool(expr.attrs.center) and bool(expr.attrs.scale))
-
-
 def _native(order: list[int]) -> bool:
     """Whether sources with this axis order (feature axis last) go to the kernel as they are."""
     return len(order) >= 2 and order == list(range(len(order)))
@@ -275,17 +249,19 @@ def _make_kernel(kind: str, shape: list[int], dtype: str, params: tuple, variant
     """(name, unscheduled function) of a site, merge or partial kernel over rank-`rank` sources;
     `variant` tells apart kernels of one shape and dtype with another eps, scale or rank."""
     tail = f"_{dtype}" + (f"_{variant}" if variant else "")
-    if kind in ("site", "merge"):  # params (eps, scale[, layer_norm_eps]): "_ln" kernels store the normed output
-        eps, scale, *norm = params
-        norm_eps, ln = (norm[0], "_ln") if norm else (None, "")
+    if kind in ("site", "merge"):  # params (eps, scale[, norm kind, norm eps]): "_ln" / "_rms" kernels
+        eps, scale, *norm = params  # store the normed output
+        norm_kind, norm_eps = norm if norm else ("layer", None)
+        suffix = {"layer": "_ln", "rms": "_rms"}[norm_kind] if norm else ""
     if kind == "site":
         sources, size = shape
-        return (kernel_name(sources, size, dtype, variant) + ln,
-                depth_attention_func(sources, size, dtype, eps, scale, rank, norm_eps))
+        return (kernel_name(sources, size, dtype, variant) + suffix,
+                depth_attention_func(sources, size, dtype, eps, scale, rank, norm_eps, norm_kind))
     if kind == "merge":
         queries, index, extras, size = shape
-        return (f"{KERNEL_PREFIX}_merge_q{queries}i{index}_e{extras}_d{size}{tail}{ln}",
-                depth_attention_merge_indexed_func(queries, index, extras, size, dtype, eps, scale, rank, norm_eps))
+        return (f"{KERNEL_PREFIX}_merge_q{queries}i{index}_e{extras}_d{size}{tail}{suffix}",
+                depth_attention_merge_indexed_func(queries, index, extras, size, dtype, eps, scale, rank, norm_eps,
+                                                   norm_kind))
     (history, queries, size), (eps,) = shape, params
     return (f"{PARTIAL_PREFIX}_j{history}_q{queries}_d{size}{tail}",
             depth_attention_partial_func(history, queries, size, dtype, eps, rank))

@@ -1,0 +1,175 @@
+"""The next norm, fused into a site's kernel: in a PreNorm model a site's output is read by the
+next sublayer's norm (or the final one) and by nothing else, so the kernel can store the normed
+row from the row still in cache, and the norm's own pass over the tensor is gone.
+
+Two patterns, each over the last axis of a float32 site value that nothing else reads:
+- `relax.nn.layer_norm(x, gamma, beta)` (HF GPT-2, BERT-style PreNorm models);
+- RMSNorm as exporters write it, `gamma * (x * r)` with r = rsqrt(mean(x^2) + eps) or
+  1 / sqrt(mean(x^2) + eps) (HF Llama, Mistral, Qwen; no Relax op exists for it), every
+  intermediate read once.
+`Plan.add` finds them; the lowering then gives the site an `_ln` / `_rms` kernel, replaces the
+norm's last binding by the site's value and drops the intermediates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from .sites import parse
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm a site's kernel applies: kind "layer" (gamma, beta) or "rms" (gamma; beta None)."""
+
+    kind: str
+    eps: float
+    gamma: relax.Expr
+    beta: relax.Expr | None = None
+
+
+@dataclass
+class Plan:
+    """norms: site call -> its fused norm; replaced: the norm's last call -> the site's var (its
+    value now); dropped: the vars of the norm's intermediate bindings, no longer emitted."""
+
+    norms: dict = field(default_factory=dict)
+    replaced: dict = field(default_factory=dict)
+    dropped: set = field(default_factory=set)
+
+    def add(self, func: relax.Function) -> None:
+        """The sites of `func` whose value only a norm over the features reads, and that norm."""
+        if not isinstance(func.body, relax.SeqExpr):
+            return
+        b = _Bindings(func)
+        for var, value in b.value.items():
+            site = parse(value) if isinstance(value, relax.Call) and _f32_tensor(value.ty) else None
+            if site is None or site.axis % value.ty.ndim != value.ty.ndim - 1:
+                continue
+            match = _layer_norm(b, var) or _rms_norm(b, var)
+            if match is not None:
+                norm, last, steps = match
+                self.norms[value] = norm
+                self.replaced[b.value[last]] = var
+                self.dropped.update(steps)
+
+
+def _op(expr, *names: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
+
+
+def _f32_tensor(ty, ndim: int | None = None) -> bool:
+    return (isinstance(ty, relax.TensorType) and str(ty.dtype) == "float32" and ty.ndim >= 1
+            and (ndim is None or ty.ndim == ndim))
+
+
+def _affine(param: relax.Expr, x: relax.Var) -> bool:
+    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known)."""
+    if not _f32_tensor(param.ty, 1):
+        return False
+    shapes = [t.ty.shape for t in (param, x)]
+    if not all(isinstance(s, relax.ShapeExpr) for s in shapes):
+        return True
+    size, features = shapes[0].values[0], shapes[1].values[-1]
+    return not (isinstance(size, tvm.tirx.IntImm) and isinstance(features, tvm.tirx.IntImm)) or int(size) == int(features)
+
+
+def _scalar(expr) -> float | None:
+    """The value of a one-element float constant, else None."""
+    if isinstance(expr, tvm.ir.GenericConst):
+        array = expr.value.numpy()
+        if array.size == 1 and array.dtype.kind == "f":
+            return float(array.item())
+    return None
+
+
+def _last_axis(call: relax.Call, ndim: int) -> bool:
+    axes = call.attrs.axes if _op(call, "relax.nn.layer_norm") else call.attrs.axis
+    return axes is not None and [int(a) for a in axes] in ([-1], [ndim - 1])
+
+
+class _Bindings:
+    """The bindings of a function: value per var, and which bindings read each var."""
+
+    def __init__(self, func: relax.Function):
+        self.value: dict[relax.Var, relax.Expr] = {}
+        self.readers: dict[relax.Var, list[relax.Var]] = {}
+        self.uses: Counter = Counter()  # references anywhere
+        self.args: Counter = Counter()  # references as a call's argument
+        relax.analysis.post_order_visit(func.body, lambda e: self.uses.update([e]) if isinstance(e, relax.Var) else None)
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = getattr(binding, "value", None)
+                self.value[binding.var] = value
+                if isinstance(value, relax.Call):
+                    for arg in value.args:
+                        if isinstance(arg, relax.Var):
+                            self.args[arg] += 1
+                            if not any(v.same_as(binding.var) for v in self.readers.get(arg, [])):
+                                self.readers.setdefault(arg, []).append(binding.var)
+
+    def read_by(self, var: relax.Var) -> list[relax.Var]:
+        """The bindings whose calls read `var`, when nothing else does (a tuple, the output)."""
+        return self.readers.get(var, []) if self.uses[var] == self.args[var] else []
+
+    def only_reader(self, var: relax.Var, *ops: str) -> relax.Var | None:
+        """The single binding reading `var` (read nowhere else), if its value is one of `ops`."""
+        readers = self.read_by(var)
+        if len(readers) == 1 and _op(self.value[readers[0]], *ops):
+            return readers[0]
+        return None
+
+
+def _layer_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None:
+    ln = b.only_reader(x, "relax.nn.layer_norm")
+    if ln is None:
+        return None
+    call = b.value[ln]
+    data, gamma, beta = call.args
+    if not (call.attrs.center and call.attrs.scale and _last_axis(call, x.ty.ndim)
+            and all(_affine(t, x) for t in (gamma, beta))):
+        return None
+    return Norm("layer", float(call.attrs.epsilon), gamma, beta), ln, []
+
+
+def _rms_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None:
+    """gamma * (x * r), r = rsqrt(mean(x^2) + eps) or 1 / sqrt(...): x is read by the square and
+    the product only, each intermediate by the next step only."""
+    readers = b.read_by(x)
+    if len(readers) != 2:
+        return None
+    squares = [v for v in readers if _op(b.value[v], "relax.power") and _scalar(b.value[v].args[1]) == 2.0
+               or _op(b.value[v], "relax.multiply") and all(a.same_as(x) for a in b.value[v].args)]
+    if len(squares) != 1:
+        return None
+    (square,), (scaled,) = squares, [v for v in readers if not v.same_as(squares[0])]
+    mean = b.only_reader(square, "relax.mean")
+    if mean is None or not (b.value[mean].attrs.keepdims and _last_axis(b.value[mean], x.ty.ndim)):
+        return None
+    shifted = b.only_reader(mean, "relax.add")
+    eps = None if shifted is None else next((v for v in map(_scalar, b.value[shifted].args) if v is not None), None)
+    if eps is None:
+        return None
+    steps = [square, mean, shifted]
+    rinv = b.only_reader(shifted, "relax.rsqrt")
+    if rinv is None:
+        root = b.only_reader(shifted, "relax.sqrt")
+        rinv = None if root is None else b.only_reader(root, "relax.divide")
+        if rinv is None or _scalar(b.value[rinv].args[0]) != 1.0:
+            return None
+        steps.append(root)
+    steps.append(rinv)
+    product = b.only_reader(rinv, "relax.multiply")
+    if product is None or not product.same_as(scaled):
+        return None
+    normed = b.only_reader(scaled, "relax.multiply")
+    if normed is None:
+        return None
+    gamma = next((a for a in b.value[normed].args if not a.same_as(scaled)), None)
+    if gamma is None or not _affine(gamma, x):
+        return None
+    return Norm("rms", eps, gamma), normed, [*steps, scaled]

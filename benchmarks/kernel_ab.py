@@ -1,0 +1,95 @@
+"""Side-by-side CPU time of the TVM site kernels of this checkout and of another one.
+
+Builds each kernel (phase-1 partial `p:J:B`, one-pass site `s:S`, merge `m:E`) from this
+checkout's kernel.py/schedule.py and from those of another checkout (`--other`, e.g.
+`git worktree add /tmp/old REV`), checks that both compute the same numbers, and times them
+interleaved at 1 thread on [rows, D] float32 sources: per round each build runs `--min-time`
+seconds, and the figure is the median over rounds of (this / other). This checkout's build is
+timed a second time as an identical copy (the noise floor).
+
+    python benchmarks/kernel_ab.py --other /tmp/old p:25:7 p:42:7 p:7:6 s:26 m:3 [--rows 128 --size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attnres_compile.bench import timing  # noqa: E402
+
+
+def kernels(checkout: Path, tag: str):
+    """(kernel, schedule) modules of `checkout`, loaded under names of their own."""
+    mods = []
+    for name in ("kernel", "schedule"):
+        spec = importlib.util.spec_from_file_location(f"{tag}_{name}", checkout / "attnres_compile/backends/tvm" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        mods.append(module)
+    return mods
+
+
+def build(kernel, schedule, spec: str, size: int):
+    """The compiled function of `spec` (p:J:B, s:S, m:E)."""
+    kind, *n = spec.split(":")
+    n = list(map(int, n))
+    if kind == "p":
+        func = kernel.depth_attention_partial_func(n[0], n[1], size)
+    else:
+        func = kernel.depth_attention_func(n[0], size) if kind == "s" else kernel.depth_attention_merge_func(n[0], size)
+    return schedule.build(func, schedule.host_target(1))[func.attrs["global_symbol"]]
+
+
+def arguments(spec: str, rows: int, size: int, rng) -> list:
+    kind, *n = spec.split(":")
+    n = list(map(int, n))
+    def normal(*shape):
+        return tvm.runtime.tensor(rng.standard_normal(shape).astype("float32"))
+    def zeros(*shape):
+        return tvm.runtime.tensor(np.zeros(shape, "float32"))
+    if kind == "p":
+        J, B = n
+        return [normal(rows, size) for _ in range(J)] + [normal(B, size), zeros(B, rows), zeros(B, rows), zeros(B, rows, size)]
+    if kind == "s":
+        return [normal(rows, size) for _ in range(n[0])] + [normal(size), zeros(rows, size)]
+    state = [tvm.runtime.tensor(np.zeros(rows, "float32")), tvm.runtime.tensor(np.ones(rows, "float32")), normal(rows, size)]
+    return state + [normal(rows, size) for _ in range(n[0])] + [normal(size), zeros(rows, size)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="+", help="p:J:B (partial), s:S (site), m:E (merge)")
+    parser.add_argument("--other", type=Path, required=True, help="the other checkout")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--min-time", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    this, other = kernels(Path(__file__).resolve().parents[1], "this"), kernels(args.other.resolve(), "other")
+    rng = np.random.default_rng(0)
+    print(f"{'kernel':>10}  {'this us':>9}  {'other us':>9}  {'this/other':>10}  {'copy/this':>9}")
+    for spec in args.specs:
+        fns = {"this": build(*this, spec, args.size), "other": build(*other, spec, args.size)}
+        tensors = arguments(spec, args.rows, args.size, rng)
+        outs = {}
+        for name, fn in fns.items():
+            fn(*tensors)
+            outs[name] = [t.numpy().copy() for t in tensors[-3:]]
+        for a, b in zip(outs["this"], outs["other"]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30))
+        calls = {name: (lambda fn=fn: fn(*tensors)) for name, fn in fns.items()}
+        calls["copy"] = calls["this"]
+        cpu = {k: v["cpu"] for k, v in timing.interleaved_clocks(calls, args.rounds, args.min_time).items()}
+        median = {k: float(np.median(v)) * 1e6 for k, v in cpu.items()}
+        print(f"{spec:>10}  {median['this']:9.1f}  {median['other']:9.1f}  "
+              f"{timing.paired_ratio(cpu['this'], cpu['other']):10.3f}  {timing.paired_ratio(cpu['copy'], cpu['this']):9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The next norm fused into a site kernel (backends/tvm/norm_fusion.py): which Relax patterns
+match, which must not, and the lowered module's numbers against the unfused one."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from attnres_compile.backends.tvm import LowerDepthAttention
+from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, calls
+from attnres_compile.backends.tvm.norm_fusion import Plan
+from attnres_compile.backends.tvm.pipeline import finish, make_target, prepare, schedule
+from attnres_compile.backends.tvm.sites import site_call
+
+D, EPS = 16, 1e-5
+
+
+def _rms(bb, x, gamma, form: str):
+    """RMSNorm as exporters write it: the ONNX form (1 / sqrt) or torch.export's (rsqrt)."""
+    square = bb.emit(relax.op.power(x, relax.const(2.0, "float32")) if form != "square"
+                     else relax.op.multiply(x, x))
+    mean = bb.emit(relax.op.mean(square, axis=[-1], keepdims=True))
+    shifted = bb.emit(relax.op.add(mean, relax.const(EPS, "float32")))
+    if form == "sqrt":
+        rinv = bb.emit(relax.op.divide(relax.const(1.0, "float32"), bb.emit(relax.op.sqrt(shifted))))
+    else:
+        rinv = bb.emit(relax.op.rsqrt(shifted))
+    return bb.emit(relax.op.multiply(gamma, bb.emit(relax.op.multiply(x, rinv))))
+
+
+def _module(norm: str, form: str = "sqrt", extra_reader: bool = False) -> tvm.IRModule:
+    """main(s0, s1, w, gamma, beta) = norm(site(s0, s1)) [+ the site's value, read a second time]."""
+    bb = relax.BlockBuilder()
+    s0, s1 = (relax.Var(f"s{i}", relax.TensorType((2, 5, D), "float32")) for i in range(2))
+    w, gamma, beta = (relax.Var(n, relax.TensorType((D,), "float32")) for n in ("w", "gamma", "beta"))
+    with bb.function("main", [s0, s1, w, gamma, beta]):
+        with bb.dataflow():
+            x = bb.emit(site_call([s0, s1], w, 1e-6, 2.0, -1))
+            if norm == "layer":
+                y = bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=EPS))
+            else:
+                y = _rms(bb, x, gamma, form)
+            if extra_reader:
+                y = bb.emit(relax.op.add(y, x))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("norm, form", [("layer", ""), ("rms", "sqrt"), ("rms", "rsqrt"), ("rms", "square")])
+def test_a_norm_read_only_by_its_site_is_planned(norm, form):
+    plan = Plan()
+    plan.add(_module(norm, form)["main"])
+    (fused,) = plan.norms.values()
+    assert (fused.kind, fused.eps) == (norm, pytest.approx(EPS))
+    assert (fused.beta is None) == (norm == "rms")
+    assert len(plan.replaced) == 1
+    # the RMSNorm's steps before its last multiply: square, mean, add, [sqrt,] 1/x, x * r
+    assert len(plan.dropped) == {"layer": 0, "sqrt": 6, "rsqrt": 5, "square": 5}[form or "layer"]
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_site_value_read_elsewhere_too_is_not_fused(norm):
+    plan = Plan()
+    plan.add(_module(norm, "sqrt", extra_reader=True)["main"])
+    assert plan.norms == {} and plan.dropped == set()
+
+
+@pytest.mark.parametrize("norm, form", [("layer", ""), ("rms", "sqrt"), ("rms", "rsqrt")])
+def test_lowered_with_the_norm_fused_matches_float64(norm, form):
+    """The CPU lowering gives the site an `_ln` / `_rms` kernel and leaves none of the norm's ops;
+    the compiled module matches the site and the norm in float64 (numpy)."""
+    lowered = LowerDepthAttention(make_target("llvm"))(_module(norm, form))
+    counted = calls(lowered)
+    suffix = "_ln" if norm == "layer" else "_rms"
+    assert sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith(suffix)) == 1
+    assert not {"relax.nn.layer_norm", "relax.mean", "relax.power", "relax.multiply", "relax.sqrt"} & set(counted)
+    target = make_target("llvm")
+    exe = tvm.compile(schedule(prepare(lowered, target), target), target, relax_pipeline=finish(target))
+    rng = np.random.default_rng(0)
+    s0, s1 = (rng.standard_normal((2, 5, D)).astype("float32") + 2 for _ in range(2))
+    w, gamma, beta = (rng.standard_normal(D).astype("float32") for _ in range(3))
+    got = relax.VirtualMachine(exe, tvm.cpu())["main"](*map(tvm.runtime.tensor, (s0, s1, w, gamma, beta))).numpy()
+    v = np.stack([s0, s1]).astype(np.float64)
+    z = np.einsum("d,s...d->s...", w, v) / np.sqrt((v**2).mean(-1) + 1e-6)
+    p = np.exp(z - z.max(0))
+    x = 2.0 * np.einsum("s...,s...d->...d", p / p.sum(0), v)
+    if norm == "layer":
+        expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * gamma + beta
+    else:
+        expected = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * gamma
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

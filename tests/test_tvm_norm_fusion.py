@@ -28,14 +28,17 @@ def _rms(bb, x, gamma, form: str):
     return bb.emit(relax.op.multiply(gamma, bb.emit(relax.op.multiply(x, rinv))))
 
 
-def _module(norm: str, form: str = "sqrt", extra_reader: bool = False) -> tvm.IRModule:
-    """main(s0, s1, w, gamma, beta) = norm(site(s0, s1)) [+ the site's value, read a second time]."""
+def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamma: bool = False) -> tvm.IRModule:
+    """main(s0, s1, w, gamma, beta) = norm(site(s0, s1)) [+ the site's value, read a second time]
+    [with gamma + 1 as the norm's gain, computed after the site, as Gemma's norm does]."""
     bb = relax.BlockBuilder()
     s0, s1 = (relax.Var(f"s{i}", relax.TensorType((2, 5, D), "float32")) for i in range(2))
     w, gamma, beta = (relax.Var(n, relax.TensorType((D,), "float32")) for n in ("w", "gamma", "beta"))
     with bb.function("main", [s0, s1, w, gamma, beta]):
         with bb.dataflow():
             x = bb.emit(site_call([s0, s1], w, 1e-6, 2.0, -1))
+            if late_gamma:
+                gamma = bb.emit(relax.op.add(gamma, relax.const(1.0, "float32")))
             if norm == "layer":
                 y = bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=EPS))
             else:
@@ -60,9 +63,10 @@ def test_a_norm_read_only_by_its_site_is_planned(norm, form):
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_a_site_value_read_elsewhere_too_is_not_fused(norm):
+@pytest.mark.parametrize("case", ["site value read elsewhere too", "gain computed after the site"])
+def test_not_fused(norm, case):
     plan = Plan()
-    plan.add(_module(norm, "sqrt", extra_reader=True)["main"])
+    plan.add(_module(norm, "sqrt", extra_reader=case.startswith("site"), late_gamma=case.startswith("gain"))["main"])
     assert plan.norms == {} and plan.dropped == set()
 
 

@@ -67,9 +67,11 @@ def _f32_tensor(ty, ndim: int | None = None) -> bool:
             and (ndim is None or ty.ndim == ndim))
 
 
-def _affine(param: relax.Expr, x: relax.Var) -> bool:
-    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known)."""
-    if not _f32_tensor(param.ty, 1):
+def _affine(param: relax.Expr, x: relax.Var, b: _Bindings) -> bool:
+    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known) that
+    exists where the site's kernel is called: a constant, a parameter or a value bound before
+    the site (Gemma's `1 + weight`, computed at the norm, would be used before it is defined)."""
+    if not _f32_tensor(param.ty, 1) or not b.before(param, x):
         return False
     shapes = [t.ty.shape for t in (param, x)]
     if not all(isinstance(s, relax.ShapeExpr) for s in shapes):
@@ -101,9 +103,11 @@ class _Bindings:
         self.uses: Counter = Counter()  # references anywhere
         self.args: Counter = Counter()  # references as a call's argument
         relax.analysis.post_order_visit(func.body, lambda e: self.uses.update([e]) if isinstance(e, relax.Var) else None)
+        self.order: dict[relax.Var, int] = {}  # binding position
         for block in func.body.blocks:
             for binding in block.bindings:
                 value = getattr(binding, "value", None)
+                self.order[binding.var] = len(self.order)
                 self.value[binding.var] = value
                 if isinstance(value, relax.Call):
                     for arg in value.args:
@@ -111,6 +115,12 @@ class _Bindings:
                             self.args[arg] += 1
                             if not any(v.same_as(binding.var) for v in self.readers.get(arg, [])):
                                 self.readers.setdefault(arg, []).append(binding.var)
+
+    def before(self, expr: relax.Expr, var: relax.Var) -> bool:
+        """Whether `expr` is defined where `var` is bound: not a var bound at or after it."""
+        if not isinstance(expr, relax.Var) or expr not in self.order:
+            return True
+        return self.order[expr] < self.order[var]
 
     def read_by(self, var: relax.Var) -> list[relax.Var]:
         """The bindings whose calls read `var`, when nothing else does (a tuple, the output)."""
@@ -131,7 +141,7 @@ def _layer_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | No
     call = b.value[ln]
     data, gamma, beta = call.args
     if not (call.attrs.center and call.attrs.scale and _last_axis(call, x.ty.ndim)
-            and all(_affine(t, x) for t in (gamma, beta))):
+            and all(_affine(t, x, b) for t in (gamma, beta))):
         return None
     return Norm("layer", float(call.attrs.epsilon), gamma, beta), ln, []
 
@@ -170,6 +180,6 @@ def _rms_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None
     if normed is None:
         return None
     gamma = next((a for a in b.value[normed].args if not a.same_as(scaled)), None)
-    if gamma is None or not _affine(gamma, x):
+    if gamma is None or not _affine(gamma, x, b):
         return None
     return Norm("rms", eps, gamma), normed, [*steps, scaled]

@@ -192,7 +192,7 @@ def _rms_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
     (ss,) = _stats("h", rows, h, [])
     rstd = _alloc("rstd", *rows)
     with _row_block(rows, "softmax_norm") as vr:
-        T.buffer_store(rstd, T.rsqrt(ss[vr] * T.float32(1.0 / size) + T.float32(eps)), list(vr))
+        T.buffer_store(rstd, _rinv(ss, vr, size, eps), list(vr))
     _elementwise(rows, size, "normed", lambda vr, vd: (out, [*vr, vd], h[(*vr, vd)] * rstd[vr] * _f32(gamma, vd)))
 
 

@@ -13,7 +13,9 @@ count (the pool cannot grow later), TVM_BIND_THREADS to 0 (no pinning of a torch
 threads) and TVM_THREAD_POOL_SPIN_COUNT to 0: TVM's idle workers otherwise spin for milliseconds
 after each kernel, on the cores torch's next ops need (GPT-2 width 256, 12 sublayers, 2 threads:
 Full 65-78 ms per forward with spinning, 33 ms without, the original 28-37 ms). Small calls run on
-fewer threads (_threads), as a sleeping worker takes longer to wake than the call takes. A child
+fewer threads (_threads), as a sleeping worker takes longer to wake than the call takes, and a
+one-thread call runs a kernel built without a parallel loop: it never enters TVM's pool, whose
+launch alone cost 10 us per call, 40-55 us after other work let the worker sleep. A child
 forked after that (a DataLoader worker) runs the kernels on one thread. CUDA calls run on torch's
 current stream.
 """
@@ -90,7 +92,7 @@ def _run(fn, device: torch.device, args: list, threads: int) -> None:
     argument checks reject before running) is retried as a contiguous float copy. Never on the
     common path: that is the kernel call alone."""
     if device.type == "cpu":
-        if _local.__dict__.get("threads") != threads and not _forked:
+        if threads > 1 and _local.__dict__.get("threads") != threads and not _forked:
             _ffi.get_global_func("runtime.config_threadpool")(1, threads)
             _local.threads = threads
         try:
@@ -111,14 +113,15 @@ def _dense(args: list) -> list:
 def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
     """The fused forward's output, or None if it does not apply."""
     s0 = sources[0]
-    key = ("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, 1)
+    threads = _threads(len(sources) + 1, s0)  # a one-thread call gets the kernel without a parallel loop
+    key = ("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads)
     fn = _KERNELS.get(key)
     if fn is None:
         fn = _KERNELS[key] = _kernel(key)
     if fn is False:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    _run(fn, s0.device, [*sources, query, out], _threads(len(sources) + 1, s0))
+    _run(fn, s0.device, [*sources, query, out], threads)
     return out
 
 

@@ -224,6 +224,21 @@ def test_small_calls_run_on_one_thread(one_thread):
     assert fused.available() and os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
 
 
+def test_forward_kernel_follows_the_call_threads(one_thread):
+    """A one-thread forward runs the kernel without a parallel loop (never entering TVM's pool), a
+    two-thread one the parallel kernel; both agree with the reference."""
+    torch.set_num_threads(2)
+    w = torch.randn(256)
+    for rows, threads in ((128, 1), (1024, 2)):
+        sources = [torch.randn(rows, 256) for _ in range(3)]  # with the output: 512 KiB, 4 MiB
+        ref = _float64_reference(sources, w, 1e-6, 3.0, -1)  # float32 accumulation: 1e-5 of the output's size
+        torch.testing.assert_close(fused.forward(sources, w, 1e-6, 3.0, -1).double(), ref,
+                                   atol=1e-5 * ref.abs().max().item(), rtol=0)
+        keys = [k for k in fused._KERNELS if k[:2] == ("forward", 3) and k[5] == 256 and k[8] == 3.0]
+        assert {k[-1] for k in keys} >= {threads}
+    assert {k[-1] for k in keys} >= {1, 2}
+
+
 def test_kernel_cache_on_disk(tmp_path, monkeypatch, capsys):
     """A built kernel is found on disk by a fresh memory cache (as by a second process) without a
     build; a damaged file is rebuilt and replaced, never a crash."""

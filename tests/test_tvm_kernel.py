@@ -254,6 +254,32 @@ def test_cpu_schedule_keeps_per_row_state_only():
         assert np.prod([int(d) for d in dims]) <= 77, shape
 
 
+@pytest.mark.parametrize("make", [
+    lambda: depth_attention_func(3, 64), lambda: depth_attention_backward_func(3, 64),
+    lambda: depth_attention_partial_func(3, 2, 64), lambda: depth_attention_merge_func(2, 64, scale=5.0)],
+    ids=["forward", "backward", "partial", "merge"])
+def test_cpu_row_loop_is_parallel_only_on_more_than_one_core(make):
+    """A kernel for one core keeps its row loop serial: a parallel loop enters TVM's thread pool on
+    every call, even for one task (~10 us, 40-55 us after the worker slept)."""
+    assert "T.parallel" in schedule_cpu(make(), host_target(2)).script()
+    assert "T.parallel" not in schedule_cpu(make(), host_target(1)).script()
+
+
+def test_one_core_kernels_match_reference():
+    rng = np.random.default_rng(5)
+    sources, w, g = _sources(rng, 4, 130, 77, "float32"), _query(rng, 77), rng.standard_normal((130, 77))
+    forward = build(depth_attention_func(4, 77, scale=4.0), host_target(1))
+    _assert_close(_run(forward, *sources, w, np.empty_like(sources[0]))[-1].numpy(),
+                  reference(sources, w, 1e-6, 4.0), "float32")
+    backward = build(depth_attention_backward_func(4, 77, scale=4.0), host_target(1))
+    out = _run(backward, *sources, w, g.astype(np.float32), *[np.empty_like(s) for s in sources],
+               np.empty(77, np.float32))
+    ds, dw = backward_reference(sources, w, g, 1e-6, 4.0)
+    for got, ref in zip(out[6:10], ds):
+        _assert_close(got.numpy(), ref, "float32")
+    _assert_close(out[-1].numpy(), dw, "float32")
+
+
 def test_cpu_row_reductions_keep_eight_partial_sums_in_the_forward_family():
     """On a 16-lane (AVX-512) target the forward, partial and merge reduce each row over 8 partial
     sums (their scalar sums dominated a 42-block partial at 16); the backward keeps 16."""

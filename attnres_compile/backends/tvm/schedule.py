@@ -89,7 +89,8 @@ def _merge_rows(sch: s_tir.Schedule) -> None:
 
 
 def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
-    """Rows in parallel, feature loops vectorised at the target's vector width.
+    """Rows in parallel (on a target of more than one core), feature loops vectorised at the
+    target's vector width.
 
     All stages are merged under one row loop (the backward: a parallel loop over as many row
     chunks as the target has cores, each with its own partial query gradient). Per row, the stats
@@ -118,7 +119,11 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
         _merge_rows(sch)
     depth = 2 if chunked else 1  # row loops above the feature loops
     stages = _stages(sch)
-    sch.parallel(sch.get_loops(stages[0][1])[0])
+    if _cores(target) > 1:
+        # on one core the row loop stays serial: a parallel loop goes through TVM's thread pool
+        # even when the pool runs one task, ~10 us per call, 40-55 us when its worker slept
+        # (width 256, 128 tokens, 2 sources: 15 us of work)
+        sch.parallel(sch.get_loops(stages[0][1])[0])
     reductions = [(name, block) for name, block in stages if name.startswith("stats") and name.endswith("_rf")]
     per_source: dict[str, int] = {}  # accumulators of all of a source's reductions
     for name, block in reductions:

@@ -266,6 +266,7 @@ def test_cpu_row_loop_is_parallel_only_on_more_than_one_core(make):
 
 
 def test_one_core_kernels_match_reference():
+    """The serial (one-core) forward and backward against float64, as the parallel ones above."""
     rng = np.random.default_rng(5)
     sources, w, g = _sources(rng, 4, 130, 77, "float32"), _query(rng, 77), rng.standard_normal((130, 77))
     forward = build(depth_attention_func(4, 77, scale=4.0), host_target(1))

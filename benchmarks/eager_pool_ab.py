@@ -1,25 +1,28 @@
 """The eager forward with one-core (serial) site kernels against the same kernels with a parallel
 row loop, side by side in one process: the cost of entering TVM's thread pool for one-thread calls.
 
-    python benchmarks/eager_pool_ab.py --models gpt,llama --sublayers 24 --rounds 80
+    python benchmarks/eager_pool_ab.py --models gpt,llama --sublayers 24 --rounds 60
 
 Torch runs on 1 thread; TVM's pool has TVM_NUM_THREADS workers (default: the CPU count, as in
-a user's process). Each round runs the original, then Block and Full with each kernel set,
-timing process CPU time; the table gives medians over the rounds and the overhead over the
-original. With TVM_NUM_THREADS=1 the two sets should agree (TVM then runs a parallel loop inline).
+a user's process). The original, an identical copy of it (the noise floor), and Block and Full
+with each kernel set are timed in interleaved rounds (bench/timing.py; by default one forward per
+candidate and round: on a shared machine finer alternation cancels more drift); the table gives each
+one's process CPU time per forward (median over rounds) and its paired ratio over the original.
+With TVM_NUM_THREADS=1 the two sets should agree (TVM then runs a parallel loop inline).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
-import time
 
 import torch
 
 from attnres_compile import fused
 from attnres_compile.bench.model import make_inputs, make_model, make_variants
+from attnres_compile.bench.timing import interleaved_clocks, paired_ratio
 from attnres_compile.kernel_cache import Spec, get
 
 
@@ -39,7 +42,8 @@ def main() -> None:
     p.add_argument("--models", default="gpt,llama")
     p.add_argument("--sublayers", type=int, default=24)
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=80)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--min-time", type=float, default=0.0, help="seconds per candidate and round (0: one forward)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'unset (the CPU count)')}, torch 1 thread, "
@@ -49,23 +53,26 @@ def main() -> None:
         model = make_model(name, args.sublayers // 2, args.width, 128)
         inputs = tuple(torch.from_numpy(a) for a in make_inputs(1, 128).values())
         modules = {v.name: v.program.module() for v in make_variants(model, inputs, 8)}
+        modules["copy"] = copy.deepcopy(modules["original"])
         with torch.no_grad():
             for module in modules.values():
                 module(*inputs)  # loads (or builds) the one-core kernels
             sets = kernel_sets()
-            runs = [("original", None)] + [(v, k) for v in ("block", "full") for k in sets]
-            times: dict[tuple, list[float]] = {run: [] for run in runs}
-            for _ in range(args.rounds):
-                for variant, kernels in runs:
+
+            def call(variant: str, kernels: str | None = None):
+                def run():
                     if kernels:
                         fused._KERNELS.update(sets[kernels])
-                    start = time.process_time()
                     modules[variant](*inputs)
-                    times[(variant, kernels)].append(time.process_time() - start)
-        base = statistics.median(times[runs[0]])
-        for (variant, kernels), t in times.items():
-            ms = statistics.median(t)
-            print(f"{name:6s} {variant:8s} {kernels or '-':9s} {ms * 1e3:8.2f} {(ms / base - 1) * 100:+8.1f}%")
+                return run
+
+            candidates = {("original", None): call("original"), ("copy", None): call("copy"),
+                          **{(v, k): call(v, k) for v in ("block", "full") for k in sets}}
+            cpu = {c: s["cpu"] for c, s in interleaved_clocks(candidates, args.rounds, args.min_time).items()}
+        base = cpu[("original", None)]
+        for (variant, kernels), t in cpu.items():
+            print(f"{name:6s} {variant:8s} {kernels or '-':9s} {statistics.median(t) * 1e3:8.2f} "
+                  f"{(paired_ratio(t, base) - 1) * 100:+8.1f}%")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,14 @@ def llama_factory(layers: int = 2):
     return tf.LlamaForCausalLM(cfg).eval(), {**_text_inputs(100), "use_cache": False}
 
 
+def opt_factory(layers: int = 1):
+    """OPT: learned positions computed from the mask, `cumsum(attention_mask) * mask - 1`."""
+    torch.manual_seed(0)
+    cfg = tf.OPTConfig(num_hidden_layers=layers, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=100,
+                       max_position_embeddings=32, word_embed_proj_dim=32)
+    return tf.OPTForCausalLM(cfg).eval(), {**_text_inputs(100), "use_cache": False}
+
+
 def vit_factory(layers: int = 2):
     torch.manual_seed(0)
     cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,

@@ -204,6 +204,14 @@ def _bad_inputs(tmp: Path, gpt_onnx: Path) -> dict:
     }
 
 
+def test_the_parser_does_not_import_tvm():
+    """Building the parser (every command, every usage error) leaves TVM unimported: its import
+    took 3.5 s of the 7.7 s a mistyped path cost. Commands that use TVM import it themselves."""
+    code = "import sys; from attnres_compile import cli; cli._parser(); print('tvm' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+
+
 def test_every_error_code_through_a_subprocess(gpt_onnx, tmp_path):
     cases = _bad_inputs(tmp_path, gpt_onnx)
     runs = cli_all([args for args, _ in cases.values()] + [["--debug", "inspect", tmp_path / "text.onnx"]])

@@ -1,11 +1,13 @@
 """HF architectures from tiny configs (samples/hf_zoo.py): link counts a person derives from each
 architecture (the derivation is written next to each), exact preserve rewrites (Full and Block)
-on the fx path, the CLI's `.onnx` and `.pt2` outputs reloaded in a fresh process at another
-batch size, and the fx and ONNX analyses agreeing on every HF model of the suite.
+on the fx path, the CLI's `.onnx` outputs (and `.pt2` for one model of each family) reloaded in
+a fresh process at another batch size, and the fx and ONNX analyses agreeing on every HF model of
+the suite.
 
 The ONNX exports are the expensive part (~3-9 s of CPU each): two worker processes, started by
 the first test, make them (the original model's ONNX file for the agreement test, then the CLI's
-`rewrite FACTORY -o X.onnx` and `-o X.pt2`) while the fx tests run, so a 2-core runner is busy.
+`rewrite FACTORY -o X.onnx`, and `-o X.pt2` for PT2) while the fx tests run, so a 2-core runner
+is busy.
 """
 
 import functools
@@ -72,7 +74,8 @@ WORKER = textwrap.dedent("""
     from samples import hf_models, hf_zoo
 
     torch.set_num_threads(1)
-    folder, names, cli_names = sys.argv[1], sys.argv[3:], sys.argv[2].split(",")
+    folder, names = sys.argv[1], sys.argv[4:]
+    cli_names, pt2_names = sys.argv[2].split(","), sys.argv[3].split(",")
     results = {}
     for name in names:
         factory = hf_zoo.ZOO.get(name) or getattr(hf_models, f"{name}_factory")
@@ -80,7 +83,7 @@ WORKER = textwrap.dedent("""
         onnx.save(onnx_export.export(model, (), inputs), f"{folder}/{name}.original.onnx")
         if name not in cli_names:
             continue
-        for suffix in ("onnx", "pt2"):
+        for suffix in ("onnx", "pt2") if name in pt2_names else ("onnx",):
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 code = cli.main(["rewrite", f"samples.hf_zoo:{name}_factory", "-o", f"{folder}/{name}.{suffix}",
@@ -90,7 +93,7 @@ WORKER = textwrap.dedent("""
 """)
 
 RELOAD = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import numpy as np, onnxruntime, torch
     import attnres_compile
     from attnres_compile import pt2
@@ -106,19 +109,25 @@ RELOAD = textwrap.dedent("""
                         if isinstance(t, torch.Tensor)]
         sess = onnxruntime.InferenceSession(f"{sys.argv[1]}/{name}.onnx", providers=["CPUExecutionProvider"])
         got_onnx = sess.run(None, {i.name: tensors[i.name].numpy() for i in sess.get_inputs()})
-        archive = pt2.load(f"{sys.argv[1]}/{name}.pt2")
-        with torch.no_grad():  # non-tensor inputs (use_cache=False) are baked into the archive
-            got_pt2 = archive.program.module()(**tensors)
-        got_pt2 = [t for t in torch.utils._pytree.tree_leaves(got_pt2) if isinstance(t, torch.Tensor)]
         rel = lambda e, g: float(np.abs(e.numpy() - np.asarray(g)).max() / np.abs(e.numpy()).max())
         out[name] = {"onnx": max(rel(e, g) for e, g in zip(expected, got_onnx)),
-                     "pt2": max(rel(e, g) for e, g in zip(expected, got_pt2)),
-                     "outputs": [len(expected), len(got_onnx), len(got_pt2)],
-                     "names": [[o.name for o in sess.get_outputs()], archive.outputs]}
+                     "outputs": [len(expected), len(got_onnx)], "names": [[o.name for o in sess.get_outputs()]]}
+        if os.path.exists(f"{sys.argv[1]}/{name}.pt2"):
+            archive = pt2.load(f"{sys.argv[1]}/{name}.pt2")
+            with torch.no_grad():  # non-tensor inputs (use_cache=False) are baked into the archive
+                got_pt2 = archive.program.module()(**tensors)
+            got_pt2 = [t for t in torch.utils._pytree.tree_leaves(got_pt2) if isinstance(t, torch.Tensor)]
+            out[name]["pt2"] = max(rel(e, g) for e, g in zip(expected, got_pt2))
+            out[name]["outputs"].append(len(got_pt2))
+            out[name]["names"].append(archive.outputs)
     print(json.dumps(out))
 """)
 # through the CLI: ten architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path)
 CLI = [name for name in EXPECTED if name not in ("deit", "gemma")]
+# `-o X.pt2` for one of each family (encoder-decoder, windowed vision, CNN, parallel decoder): the
+# archive's path does not depend on the architecture beyond its inputs and outputs, and each costs
+# a torch.export (the other six took 60 s of CPU)
+PT2 = ["whisper", "swin", "convnext", "phi"]
 # two halves of about equal export cost (the encoder-decoders and the convnets cost most)
 HALVES = (["t5", "mobilenetv2", "falcon", "qwen2", "gpt_neox", "deit", "gpt2", "vit", "resnet"],
           ["whisper", "swin", "phi", "gemma", "dinov2", "convnext", "llama", "bert"])
@@ -141,7 +150,7 @@ class Workers:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.procs = [_python(WORKER, str(folder), ",".join(CLI), *half) for half in HALVES]
+        self.procs = [_python(WORKER, str(folder), ",".join(CLI), ",".join(PT2), *half) for half in HALVES]
         self._results = None
 
     def results(self) -> dict:
@@ -222,12 +231,13 @@ def test_fx_and_onnx_analyses_agree(name, workers):
 
 @pytest.mark.slow
 def test_cli_onnx_and_pt2_reload_in_a_fresh_process(workers):
-    """`rewrite FACTORY -o X.onnx` and `-o X.pt2` (Block) for ten zoo models (in the worker
-    processes), then fresh processes load each file, run it at batch 3 (traced at 2) and match
-    the original: that is the verification (the CLI's own runs are skipped to save CI time)."""
+    """`rewrite FACTORY -o X.onnx` (Block) for ten zoo models and `-o X.pt2` for four (in the
+    worker processes), then fresh processes load each file, run it at batch 3 (traced at 2) and
+    match the original: that is the verification (the CLI's own runs are skipped to save CI time)."""
     results = workers.results()
+    assert set(PT2) <= set(CLI)
     for name in CLI:
-        for suffix in ("onnx", "pt2"):
+        for suffix in ("onnx", "pt2") if name in PT2 else ("onnx",):
             run = results[f"{name}.{suffix}"]
             assert run["code"] == 0, (name, suffix, run["stderr"])
             assert max(len(line) for line in run["stdout"].splitlines()) < 200  # no shape expressions
@@ -240,7 +250,9 @@ def test_cli_onnx_and_pt2_reload_in_a_fresh_process(workers):
     assert isinstance(dims[0], str) and dims[1:] == [3, 32, 32]  # Swin: dynamic batch, static image size
     reloads = [_python(RELOAD, str(workers.folder), *[n for n in half if n in CLI]) for half in HALVES]
     for name, r in {k: v for proc in reloads for k, v in _json(proc).items()}.items():
-        print(f"{name}: reloaded at batch 3, max |diff| / max |ref|: onnx {r['onnx']:.1e}, pt2 {r['pt2']:.1e}")
-        assert r["outputs"][0] == r["outputs"][1] == r["outputs"][2], (name, r)
-        assert r["names"][0] == r["names"][1], (name, r["names"])  # the model's own output names in both
-        assert r["onnx"] <= 1e-5 and r["pt2"] <= 1e-5, (name, r)
+        pt2_err = f", pt2 {r['pt2']:.1e}" if "pt2" in r else ""
+        print(f"{name}: reloaded at batch 3, max |diff| / max |ref|: onnx {r['onnx']:.1e}{pt2_err}")
+        assert ("pt2" in r) == (name in PT2), name
+        assert len(set(r["outputs"])) == 1 and len(r["outputs"]) == 2 + (name in PT2), (name, r)
+        assert all(names == r["names"][0] for names in r["names"]), (name, r["names"])  # the model's own output names
+        assert r["onnx"] <= 1e-5 and r.get("pt2", 0) <= 1e-5, (name, r)

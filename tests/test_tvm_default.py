@@ -286,6 +286,48 @@ def test_cumsum_of_a_mask_compiles():
     np.testing.assert_allclose(actual.numpy(), Positions()(x, mask).numpy(), rtol=1e-6)
 
 
+def test_cumsum_over_symbolic_dims_matches_numpy(tmp_path):
+    """ONNX CumSum (inclusive and exclusive, float and int64, inner and outer axes) on inputs whose
+    dims are all symbolic, built once and run at two shapes: TOPI's scan, which TVM dispatches
+    cumsum to, left the shape variables unbound in its function (cumsum.LegalizeCumsum)."""
+    cases = [(1, 0, onnx.TensorProto.FLOAT), (-1, 1, onnx.TensorProto.FLOAT), (0, 0, onnx.TensorProto.INT64), (2, 1, onnx.TensorProto.INT64)]
+    nodes = [onnx.helper.make_node("CumSum", [f"x{i}", f"axis{i}"], [f"y{i}"], exclusive=ex) for i, (_, ex, _) in enumerate(cases)]
+    axes = [onnx.numpy_helper.from_array(np.array(axis, np.int64), f"axis{i}") for i, (axis, _, _) in enumerate(cases)]
+    graph = onnx.helper.make_graph(nodes, "cumsum", [onnx.helper.make_tensor_value_info(f"x{i}", t, ["a", "b", "c"])
+                                                for i, (_, _, t) in enumerate(cases)],
+                              [onnx.helper.make_tensor_value_info(f"y{i}", t, ["a", "b", "c"]) for i, (_, _, t) in enumerate(cases)],
+                              initializer=axes)
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "c.onnx")
+    vm = relax.VirtualMachine(build(import_model(tmp_path / "c.onnx"), make_target("llvm")).executable, tvm.cpu())
+    rng = np.random.default_rng(0)
+    for shape in [(2, 5, 3), (1, 9, 4)]:
+        xs = [rng.standard_normal(shape).astype(np.float32) if t == onnx.TensorProto.FLOAT
+              else rng.integers(-3, 4, shape).astype(np.int64) for _, _, t in cases]
+        outs = vm["main"](*[tvm.runtime.tensor(x) for x in xs])
+        for (axis, exclusive, _), x, out in zip(cases, xs, outs):
+            expected = np.cumsum(x, axis=axis, dtype=x.dtype) - (x if exclusive else 0)
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(x).sum())
+
+
+def test_opt_from_a_pt2_with_dynamic_dims_compiles_and_matches_a_padded_batch(tmp_path, capsys):
+    """HF OPT computes its positions as `cumsum(attention_mask)` over the (symbolic) sequence. Its
+    `.pt2` from the CLI compiles, and the artifact matches HF's model at another batch and
+    length with left padding in the mask (positions that differ from 0..L-1)."""
+    from attnres_compile.cli import main
+
+    assert main(["rewrite", "samples.hf_models:opt_factory", "-o", str(tmp_path / "opt.pt2"), "--blocks", "2",
+                 "--no-verify"]) == 0
+    compile_model(tmp_path / "opt.pt2", tmp_path / "art", verify_outputs=False)  # checked below, padded
+    model, _ = hf_models.opt_factory()
+    ids = torch.randint(0, 100, (3, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, :4] = mask[2, :7] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.numpy()
+    (actual,) = load(tmp_path / "art")({"input_ids": ids.numpy(), "attention_mask": mask.numpy()}).values()
+    _close(expected, actual)
+
+
 # ---------------------------------------------------------------- ONNX files from the onnx wheel's test data
 
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"

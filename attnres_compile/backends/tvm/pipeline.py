@@ -3,13 +3,14 @@
 The lowering runs first, on the imported module, so everything after it sees the kernels as
 already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
 multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastMathTransform)
-swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization), and the
-module is legalized and fused. Then (`schedule`) every operator gets a default schedule:
-cpu_rules.py's on CPU (register-tiled GEMMs with pre-packed weights, dlight's GEMV and
-Reduction, parallel/vectorised injective operators), dlight's GPU rules on CUDA (gpu_rules.py:
-a rule's schedule that TVM cannot lower goes to the next rule). With
-tuning, meta_schedule tunes the prepared operators first (tune.py) and the default schedules
-fill in whatever it did not schedule. The rest is TVM's standard lowering.
+swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization)
+and cumsum becomes a scan that builds with symbolic dims (cumsum.py); the module is legalized and
+fused. Then (`schedule`) every operator gets a default schedule: cpu_rules.py's on CPU
+(register-tiled GEMMs with pre-packed weights, dlight's GEMV and Reduction, parallel/vectorised
+injective operators), dlight's GPU rules on CUDA (gpu_rules.py: a rule's schedule that TVM cannot
+lower goes to the next rule). With tuning, meta_schedule tunes the prepared operators first
+(tune.py) and the default schedules fill in whatever it did not schedule. The rest is TVM's
+standard lowering.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tvm.target import Target
 
 from ...errors import CompileError, ConfigError, first_line
 from . import cpu_rules, gpu_rules
+from .cumsum import LegalizeCumsum
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
 from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars, WrapTakeIndices
@@ -102,7 +104,7 @@ def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Relax rewrites, legalization and fusion: the fused operators the schedules (or the tuner) see.
     Constants and weights are marked layout-free, so a schedule may pre-pack them."""
     cpu = target.kind.name == "llvm"
-    passes = [RewritePowers(), WrapTakeIndices(), *([ExpandSigmoid(), FastMath()] if cpu else []),
+    passes = [RewritePowers(), WrapTakeIndices(), *([ExpandSigmoid(), FastMath(), LegalizeCumsum()] if cpu else []),
               *relax.pipeline.library_dispatch_passes(target),
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
               relax.transform.FuseOps(), ScalarsIntoTirVars(), relax.transform.FuseTIR(),

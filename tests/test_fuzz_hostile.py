@@ -7,7 +7,7 @@ bad factories, and Ctrl-C / SIGTERM at random moments. Each run must end with a 
 code from the case's set, one error line, no traceback, no signal death, no run past its time
 limit, nothing left behind, no input changed, no payload run (hostile.judge).
 
-CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 45) after one case of each class;
+CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 30) after one case of each class;
 `python tests/test_fuzz_hostile.py --cases 10000 [--seed N]` is the long run, which prints the
 counts by exit code and by failure class.
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402
 from forked_cli import run_cli  # noqa: E402
 
-BUDGET = float(os.environ.get("FUZZ_BUDGET", "45"))
+BUDGET = float(os.environ.get("FUZZ_BUDGET", "30"))
 SEED = int(os.environ.get("FUZZ_SEED", "1414"))
 
 

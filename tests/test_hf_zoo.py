@@ -122,8 +122,10 @@ RELOAD = textwrap.dedent("""
             out[name]["names"].append(archive.outputs)
     print(json.dumps(out))
 """)
-# through the CLI: ten architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path)
-CLI = [name for name in EXPECTED if name not in ("deit", "gemma")]
+# through the CLI: nine architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path;
+# T5, the costliest export at 34 s of CPU, only on the fx path and in the agreement: Whisper is the
+# encoder-decoder that goes through the CLI)
+CLI = [name for name in EXPECTED if name not in ("deit", "gemma", "t5")]
 # `-o X.pt2` for one of each family (encoder-decoder, windowed vision, CNN, parallel decoder): the
 # archive's path does not depend on the architecture beyond its inputs and outputs, and each costs
 # a torch.export (the other six took 60 s of CPU)
@@ -231,7 +233,7 @@ def test_fx_and_onnx_analyses_agree(name, workers):
 
 @pytest.mark.slow
 def test_cli_onnx_and_pt2_reload_in_a_fresh_process(workers):
-    """`rewrite FACTORY -o X.onnx` (Block) for ten zoo models and `-o X.pt2` for four (in the
+    """`rewrite FACTORY -o X.onnx` (Block) for nine zoo models and `-o X.pt2` for four (in the
     worker processes), then fresh processes load each file, run it at batch 3 (traced at 2) and
     match the original: that is the verification (the CLI's own runs are skipped to save CI time)."""
     results = workers.results()

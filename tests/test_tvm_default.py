@@ -385,6 +385,27 @@ def test_expand_to_a_shape_input_compiles(case):
     np.testing.assert_array_equal(actual, expected)
 
 
+def test_expand_of_symbolic_dims_to_a_constant_shape(tmp_path):
+    """Expand of data with symbolic dims to a constant shape, right-aligned (HF CodeGen's and
+    Cohere's rotary tables: `repeat_interleave` over the sequence exports as Expand of
+    [batch, seq, n, 1] to [1, 1, 1, 2]). TVM's converter read every data dim as an integer and
+    failed; built once with the dims symbolic and run at two shapes against onnxruntime."""
+    nodes = [onnx.helper.make_node("Expand", ["x", "s1"], ["y1"]), onnx.helper.make_node("Expand", ["x", "s2"], ["y2"])]
+    consts = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s1", [1, 1, 3]), ("s2", [2, 1, 1, 4]))]
+    graph = onnx.helper.make_graph(nodes, "expand", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["a", "b", 1])],
+                                   [onnx.helper.make_tensor_value_info("y1", onnx.TensorProto.FLOAT, ["a", "b", 3]),
+                                    onnx.helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [2, "a", "b", 4])],
+                                   initializer=consts)
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "e.onnx")
+    vm = relax.VirtualMachine(build(import_model(tmp_path / "e.onnx"), make_target("llvm")).executable, tvm.cpu())
+    session = ort.InferenceSession(str(tmp_path / "e.onnx"), providers=["CPUExecutionProvider"])
+    for shape in [(2, 5, 1), (3, 1, 1)]:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        for expected, actual in zip(session.run(None, {"x": x}), vm["main"](tvm.runtime.tensor(x))):
+            assert actual.numpy().shape == expected.shape
+            np.testing.assert_array_equal(actual.numpy(), expected)
+
+
 def test_sequence_insert_at_a_negative_position():
     """The onnx wheel's simple/test_sequence_model3: SequenceConstruct(X, Y, Z), erase at -3, insert
     X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter

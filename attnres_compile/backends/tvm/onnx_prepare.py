@@ -10,7 +10,8 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
 Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
-giving wrong shapes), SequenceInsert at a negative position (off by one), and every converter
+giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
+stock one read the data's dims as integers), SequenceInsert at a negative position (off by one), and every converter
 failure re-raised as one CompileError line naming the ONNX op and node.
 """
 
@@ -113,6 +114,8 @@ class ConverterFixes:
         try:
             if op_name == "Expand" and _runtime_shape_of_known_length(inputs[0], inputs[1]):
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
+            if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
+                return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
             if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
                 inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
             if op_name == "SequenceLength" and isinstance(getattr(inputs[0], "ty", None), relax.TupleType):
@@ -194,6 +197,21 @@ def _expand_to_runtime_shape(bb, data: relax.Expr, shape: relax.Expr) -> relax.E
         data = bb.emit(relax.op.reshape(data, relax.ShapeExpr(padded)))
     target = [w if isinstance(d, tvm.tirx.IntImm) and d.value == 1 else d if isinstance(d, tvm.tirx.IntImm)
               else tvm.tirx.max(w, d) for w, d in zip(wanted, padded)]
+    return relax.op.broadcast_to(data, relax.ShapeExpr(target))
+
+
+def _expand_symbolic_to_constant(bb, data: relax.Expr, shape: tvm.ir.GenericConst) -> relax.Expr:
+    """Expand to a constant shape of data whose dims are symbolic (CodeGen's and Cohere's rotary
+    tables, `repeat_interleave` over the sequence): the stock converter read every data dim as an
+    integer. Right-aligned as ONNX does; a target 1 keeps the data's dim, any other the target's."""
+    wanted = [int(v) for v in shape.value.numpy().reshape(-1)]
+    dims = list(data.ty.shape.values)
+    rank = max(len(wanted), len(dims))
+    one = tvm.tirx.IntImm("int64", 1)
+    wanted, padded = [1] * (rank - len(wanted)) + wanted, [one] * (rank - len(dims)) + dims
+    if len(padded) != len(dims):
+        data = bb.emit(relax.op.reshape(data, relax.ShapeExpr(padded)))
+    target = [d if w in (1, -1) else tvm.tirx.IntImm("int64", w) for w, d in zip(wanted, padded)]
     return relax.op.broadcast_to(data, relax.ShapeExpr(target))
 
 

@@ -87,4 +87,3 @@ def _scan(in_dtype: str, out_dtype: str, exclusive: bool) -> tvm.tirx.PrimFunc:
                             out[i, j + T.int64(1), k] = out[i, j, k] + T.Cast(out_dtype, x[i, j + T.int64(1), k])
 
     return scan
-

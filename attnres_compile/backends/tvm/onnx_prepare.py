@@ -11,8 +11,8 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
 Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
 giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
-stock one read the data's dims as integers), SequenceInsert at a negative position (off by one), and every converter
-failure re-raised as one CompileError line naming the ONNX op and node.
+stock one read the data's dims as integers), SequenceInsert at a negative position (off by one),
+and every converter failure re-raised as one CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def test_cumsum_over_symbolic_dims_matches_numpy(tmp_path):
             np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(x).sum())
 
 
-def test_opt_from_a_pt2_with_dynamic_dims_compiles_and_matches_a_padded_batch(tmp_path, capsys):
+def test_opt_from_a_pt2_with_dynamic_dims_compiles_and_matches_a_padded_batch(tmp_path):
     """HF OPT computes its positions as `cumsum(attention_mask)` over the (symbolic) sequence. Its
     `.pt2` from the CLI compiles, and the artifact matches HF's model at another batch and
     length with left padding in the mask (positions that differ from 0..L-1)."""

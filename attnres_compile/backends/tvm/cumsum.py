@@ -18,25 +18,25 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import tirx as T
 
+from .rewrites import is_op, rewrite_functions
+
 
 @tvm.transform.module_pass(opt_level=0, name="LegalizeCumsum")
 class LegalizeCumsum:
     """Every `relax.cumsum` call -> reshape, `call_tir` of the scan kernel, reshape."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _CumsumMutator(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
+        return rewrite_functions(mod, _CumsumMutator)
 
 
 @mutator
 class _CumsumMutator(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        x = call.args[0] if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.cumsum" else None
-        if x is not None and isinstance(x.ty, relax.TensorType) and x.ty.shape is not None and x.ty.ndim >= 1:
+        if not is_op(call, "relax.cumsum"):
+            return call
+        ty = call.args[0].ty
+        if isinstance(ty, relax.TensorType) and ty.shape is not None and ty.ndim >= 1:
             return _legalize(self.builder_, call)
         return call
 
@@ -66,6 +66,7 @@ def _product(dims: list) -> tvm.tirx.PrimExpr:
 def _scan(in_dtype: str, out_dtype: str, exclusive: bool) -> tvm.tirx.PrimFunc:
     """out[i, j, k] = sum of x[i, j', k] over j' <= j (j' < j when exclusive), in out_dtype."""
     zero = tvm.tirx.const(0, out_dtype)
+    shift = 0 if exclusive else 1
 
     @T.prim_func(private=True, s_tir=True)
     def scan(a: T.handle, b: T.handle):
@@ -76,14 +77,8 @@ def _scan(in_dtype: str, out_dtype: str, exclusive: bool) -> tvm.tirx.PrimFunc:
         with T.sblock("cumsum"):  # opaque: each step reads the one before it
             for i, k in T.grid(n, m):
                 if length > T.int64(0):
-                    if exclusive:
-                        out[i, T.int64(0), k] = zero
-                    else:
-                        out[i, T.int64(0), k] = T.Cast(out_dtype, x[i, T.int64(0), k])
-                    for j in range(length - T.int64(1)):
-                        if exclusive:
-                            out[i, j + T.int64(1), k] = out[i, j, k] + T.Cast(out_dtype, x[i, j, k])
-                        else:
-                            out[i, j + T.int64(1), k] = out[i, j, k] + T.Cast(out_dtype, x[i, j + T.int64(1), k])
+                    out[i, T.int64(0), k] = zero if exclusive else T.Cast(out_dtype, x[i, T.int64(0), k])
+                    for j in range(length - T.int64(1)):  # exclusive: step j + 1 adds x[j], else x[j + 1]
+                        out[i, j + T.int64(1), k] = out[i, j, k] + T.Cast(out_dtype, x[i, j + T.int64(shift), k])
 
     return scan

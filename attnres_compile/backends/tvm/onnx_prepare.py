@@ -189,30 +189,35 @@ def _expand_to_runtime_shape(bb, data: relax.Expr, shape: relax.Expr) -> relax.E
                                   ty_args=[relax.ShapeType(ndim=length)]))
     wanted = [tvm.tirx.Var(f"expand_{i}", "int64") for i in range(length)]
     bb.match_cast(as_shape, relax.ShapeType(wanted))
-    dims = list(data.ty.shape.values)
-    rank = max(length, len(dims))
-    one = tvm.tirx.IntImm("int64", 1)
-    wanted, padded = [one] * (rank - length) + wanted, [one] * (rank - len(dims)) + dims
-    if len(padded) != len(dims):
-        data = bb.emit(relax.op.reshape(data, relax.ShapeExpr(padded)))
-    target = [w if isinstance(d, tvm.tirx.IntImm) and d.value == 1 else d if isinstance(d, tvm.tirx.IntImm)
-              else tvm.tirx.max(w, d) for w, d in zip(wanted, padded)]
-    return relax.op.broadcast_to(data, relax.ShapeExpr(target))
+    return _broadcast_right_aligned(bb, data, wanted, _runtime_dim)
+
+
+def _runtime_dim(wanted: tvm.tirx.Var, dim) -> tvm.tirx.PrimExpr:
+    """An output dim of Expand to a run-time shape: a data dim 1 takes the wanted one, another
+    static one stays, a symbolic one gives the larger of the two."""
+    if isinstance(dim, tvm.tirx.IntImm):
+        return wanted if dim.value == 1 else dim
+    return tvm.tirx.max(wanted, dim)
 
 
 def _expand_symbolic_to_constant(bb, data: relax.Expr, shape: tvm.ir.GenericConst) -> relax.Expr:
     """Expand to a constant shape of data whose dims are symbolic (CodeGen's and Cohere's rotary
     tables, `repeat_interleave` over the sequence): the stock converter read every data dim as an
     integer. Right-aligned as ONNX does; a target 1 keeps the data's dim, any other the target's."""
-    wanted = [int(v) for v in shape.value.numpy().reshape(-1)]
+    wanted = [tvm.tirx.IntImm("int64", int(v)) for v in shape.value.numpy().reshape(-1)]
+    return _broadcast_right_aligned(bb, data, wanted, lambda w, d: d if w.value in (1, -1) else w)
+
+
+def _broadcast_right_aligned(bb, data: relax.Expr, wanted: list, pick) -> relax.Expr:
+    """`data` broadcast to the dims `wanted`, the two right-aligned as ONNX does (the shorter padded
+    with leading 1s); `pick(wanted dim, data dim)` gives each output dim."""
     dims = list(data.ty.shape.values)
     rank = max(len(wanted), len(dims))
     one = tvm.tirx.IntImm("int64", 1)
-    wanted, padded = [1] * (rank - len(wanted)) + wanted, [one] * (rank - len(dims)) + dims
+    wanted, padded = [one] * (rank - len(wanted)) + wanted, [one] * (rank - len(dims)) + dims
     if len(padded) != len(dims):
         data = bb.emit(relax.op.reshape(data, relax.ShapeExpr(padded)))
-    target = [d if w in (1, -1) else tvm.tirx.IntImm("int64", w) for w, d in zip(wanted, padded)]
-    return relax.op.broadcast_to(data, relax.ShapeExpr(target))
+    return relax.op.broadcast_to(data, relax.ShapeExpr([pick(w, d) for w, d in zip(wanted, padded)]))
 
 
 def _split_at_runtime(bb, data: relax.Expr, sizes: relax.Expr, axis: int) -> relax.Expr:

@@ -15,7 +15,7 @@ from tvm.relax.transform.fast_math import FastMathCodeGenerator
 MAX_POWER = 4  # x**n for integer 1 <= n <= MAX_POWER becomes n - 1 multiplications at most
 
 
-def _is_op(call: relax.Call, name: str) -> bool:
+def is_op(call: relax.Call, name: str) -> bool:
     return isinstance(call.op, tvm.ir.Op) and call.op.name == name
 
 
@@ -23,7 +23,7 @@ def _is_op(call: relax.Call, name: str) -> bool:
 class _PowerMutator(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not _is_op(call, "relax.power"):
+        if not is_op(call, "relax.power"):
             return call
         base, exponent = call.args
         n = _small_integer(exponent)
@@ -48,14 +48,15 @@ def _small_integer(expr: relax.Expr) -> int | None:
 class _SigmoidMutator(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not _is_op(call, "relax.sigmoid") or not str(call.ty.dtype).startswith("float"):
+        if not is_op(call, "relax.sigmoid") or not str(call.ty.dtype).startswith("float"):
             return call
         one = relax.const(1.0, str(call.ty.dtype))
         denominator = self.builder_.emit(relax.op.add(one, relax.op.exp(relax.op.negative(call.args[0]))))
         return relax.op.divide(one, denominator)
 
 
-def _rewrite(mod: tvm.IRModule, make) -> tvm.IRModule:
+def rewrite_functions(mod: tvm.IRModule, make) -> tvm.IRModule:
+    """`mod` with each Relax function passed through the mutator `make(mod)` builds."""
     rewriter = make(mod)
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
@@ -70,7 +71,7 @@ class RewritePowers:
     vectorised multiplies. x*x*x differs from powf(x, 3) by at most two roundings."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _PowerMutator)
+        return rewrite_functions(mod, _PowerMutator)
 
 
 @tvm.transform.module_pass(opt_level=0, name="ExpandSigmoid")
@@ -80,14 +81,14 @@ class ExpandSigmoid:
     Large |x| saturate to 0 and 1 as sigmoid does."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _SigmoidMutator)
+        return rewrite_functions(mod, _SigmoidMutator)
 
 
 @mutator
 class _TakeMutator(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not _is_op(call, "relax.take") or call.attrs.mode != "fast":
+        if not is_op(call, "relax.take") or call.attrs.mode != "fast":
             return call
         return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="wrap")
 
@@ -100,7 +101,7 @@ class WrapTakeIndices:
     size: the same element for every index torch and ONNX accept, negative ones included."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _TakeMutator)
+        return rewrite_functions(mod, _TakeMutator)
 
 
 @mutator
@@ -118,7 +119,7 @@ class FastMath:
     a packed function (`R.call_packed` of a runtime-shaped Expand) or of a Relax function lacks."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _FastMathMutator)
+        return rewrite_functions(mod, _FastMathMutator)
 
 
 def _scalars_beside_tir_vars(func) -> list[int]:

@@ -210,6 +210,17 @@ def test_profile_times_every_kernel(gpt_block):
     assert "depth-attention" in format_table(result)
 
 
+def test_profile_table_lists_every_depth_attention_kernel():
+    """The table's top 25 rows, plus any depth-attention kernel ranked below them (on a small model
+    they can be: the CLI run below once missed its 'depth-attention'), the rest in one line."""
+    rows = [{"ms": 30.0 - i, "share": (30 - i) / 465, "calls": 1, "name": f"k{i}",
+             "kind": "depth-attention" if i in (2, 28) else "operator"} for i in range(30)]
+    table = format_table({"rows": rows, "clock": "cpu", "repeat": 1, "forward_ms": 1.0, "instrumented_ms": 1.0,
+                          "overhead_pct": 0.0}).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == [*(f"k{i}" for i in range(25)), "k28", "more)"]
+    assert table[-1].split()[:3] == ["13.000", "2.8%", "4"]
+
+
 def test_run_profile_prints_the_table(gpt_block, tmp_path, capsys):
     folder, _, feeds = gpt_block
     np.savez(tmp_path / "in.npz", **feeds)

@@ -124,15 +124,18 @@ def _kind(name: str) -> str:
 
 
 def format_table(result: dict, top: int | None = 25) -> str:
-    """The profile as a text table: time per forward, share, calls, kind, name."""
-    rows = result["rows"][:top] if top else result["rows"]
+    """The profile as a text table: time per forward, share, calls, kind, name. The `top` costliest
+    rows and every depth-attention kernel (the ones the rewrite adds, whatever their rank: on a
+    small model they can rank below the top) are listed, the rest summed in one line."""
+    listed = [not top or i < top or r["kind"] == "depth-attention" for i, r in enumerate(result["rows"])]
+    rows = [r for r, keep in zip(result["rows"], listed) if keep]
+    rest = [r for r, keep in zip(result["rows"], listed) if not keep]
     lines = [f"per-kernel time ({result['clock']} clock, mean of {result['repeat']} forwards): "
              f"forward {result['forward_ms']:.3f} ms, instrumented {result['instrumented_ms']:.3f} ms "
              f"({result['overhead_pct']:+.0f}%)",
              f"{'ms':>9} {'share':>6} {'calls':>6}  {'kind':<15} name"]
     lines += [f"{r['ms']:9.3f} {r['share'] * 100:5.1f}% {r['calls']:6.0f}  {r['kind']:<15} {r['name']}" for r in rows]
-    if top and len(result["rows"]) > top:
-        rest = result["rows"][top:]
+    if rest:
         lines.append(f"{sum(r['ms'] for r in rest):9.3f} {sum(r['share'] for r in rest) * 100:5.1f}% "
                      f"{sum(r['calls'] for r in rest):6.0f}  ({len(rest)} more)")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from attnres_compile.bench import model, model_targets, profile  # noqa: E402
+from attnres_compile.bench import model, model_targets, model_worker, profile, timing  # noqa: E402
 from attnres_compile.bench.model_worker import WorkerError, Workers  # noqa: E402
 from attnres_compile.errors import ConfigError  # noqa: E402
 
@@ -173,3 +174,35 @@ def test_failed_workers_are_one_line(tmp_path):
     with pytest.raises(WorkerError, match="timed out after 1 s"):
         workers.run(time.sleep, 30, timeout=1)
     assert time.perf_counter() - start < 20
+
+
+def test_each_turn_starts_after_a_pause():
+    """Every candidate's turn in a round begins `pause` after the previous turn ended, so thread
+    pools that spin after a run (onnxruntime's, TVM's) are idle when the next candidate starts."""
+    events = []
+
+    def candidate(name):
+        def call():
+            events.append((name, time.perf_counter()))
+        return call
+
+    timing.interleaved_clocks({"a": candidate("a"), "b": candidate("b")}, rounds=2, min_time=0.0, pause=0.03)
+    turns = events[2:]  # after the warm-up calls: one call per turn (min_time 0)
+    assert [name for name, _ in turns] == ["a", "b", "a", "b"]
+    assert min(b - a for (_, a), (_, b) in zip(turns, turns[1:])) >= 0.03
+
+
+def test_timing_workers_keep_tvm_from_spinning(monkeypatch):
+    """A timing worker's TVM pool sleeps when idle: its spinning workers took the cores of
+    onnxruntime's original, timed in the same worker, and doubled its 2-thread wall time."""
+    import torch
+
+    monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT", raising=False)
+    for name in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    threads = torch.get_num_threads()
+    try:
+        model_worker.set_threads(2)
+    finally:
+        torch.set_num_threads(threads)
+    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0" and os.environ["TVM_NUM_THREADS"] == "2"

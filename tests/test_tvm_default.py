@@ -417,6 +417,52 @@ def test_expand_of_symbolic_dims_to_a_constant_shape(tmp_path):
             np.testing.assert_array_equal(actual.numpy(), expected)
 
 
+def test_reshape_of_a_shape_dim_to_a_vector(tmp_path):
+    """A dim read from a shape, turned into a 1-element vector by Reshape and concatenated into a
+    new shape (torch.export's sym_size in HF BLOOM and XGLM). TVM's importer holds the dim as a
+    PrimValue, which its Reshape refused ("expects the input data to be a Tensor"); built once with
+    symbolic dims and run at two shapes against onnxruntime."""
+    i64 = lambda name, v: onnx.numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    nodes = [onnx.helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             onnx.helper.make_node("Squeeze", ["s"], ["n"]),
+             onnx.helper.make_node("Mul", ["n", "two"], ["m"]),
+             onnx.helper.make_node("Reshape", ["m", "one"], ["m1"]),
+             onnx.helper.make_node("Concat", ["minus_one", "m1"], ["shape"], axis=0),
+             onnx.helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "dim", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["a", "b", 2])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["a", "c"])],
+                                   initializer=[i64("two", 2), i64("one", [1]), i64("minus_one", [-1])])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "r.onnx")
+    vm = relax.VirtualMachine(build(import_model(tmp_path / "r.onnx"), make_target("llvm")).executable, tvm.cpu())
+    session = ort.InferenceSession(str(tmp_path / "r.onnx"), providers=["CPUExecutionProvider"])
+    for shape in [(2, 5, 2), (3, 1, 2)]:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        (expected,), actual = session.run(None, {"x": x}), vm["main"](tvm.runtime.tensor(x))
+        actual = (actual[0] if isinstance(actual, tvm.ir.Array) else actual).numpy()
+        assert actual.shape == expected.shape == (shape[0], 2 * shape[1])
+        np.testing.assert_array_equal(actual, expected)
+
+
+def test_view_to_symbolic_dims_of_the_same_rank():
+    """view(b, s, -1, 8) of a [b, 1, s, 32] tensor with b and s symbolic (HF GPT-BigCode's heads):
+    TVM's PyTorch frontend compared the old and new dims with ==, which raises on symbolic dims.
+    The reshape is kept (structurally), an identity view is still dropped, and the build runs at
+    two shapes against torch."""
+    class Heads(torch.nn.Module):
+        def forward(self, x):
+            b, _, s, d = x.shape
+            return x.view(b, s, -1, 8) * 2, x.view(b, 1, s, d) + 1
+
+    dims = {0: torch.export.Dim("b"), 2: torch.export.Dim("s")}
+    program = torch.export.export(Heads(), (torch.randn(2, 1, 5, 32),), dynamic_shapes=(dims,))
+    imported = import_model(program)
+    assert imported.mod.script().count("R.reshape") == 1
+    vm = relax.VirtualMachine(build(imported, make_target("llvm")).executable, tvm.cpu())
+    for shape in [(2, 1, 5, 32), (1, 1, 3, 32)]:
+        x = torch.randn(shape)
+        for expected, actual in zip(Heads()(x), vm["main"](tvm.runtime.tensor(x.numpy()))):
+            np.testing.assert_array_equal(actual.numpy(), expected.numpy())
+
 def test_sequence_insert_at_a_negative_position():
     """The onnx wheel's simple/test_sequence_model3: SequenceConstruct(X, Y, Z), erase at -3, insert
     X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter

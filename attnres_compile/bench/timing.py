@@ -9,6 +9,13 @@ time (`time.process_time`: every thread of the process, the measure for 1-thread
 busy machine's waiting does not inflate) and the calling thread's CPU time (equal to the
 process's when the work runs in the calling thread); `paired_ratio` compares two candidates
 round by round, so drift between rounds cancels.
+
+Each candidate's turn starts after a pause (PAUSE_S): onnxruntime's and TVM's thread pools spin
+on their cores for a while after a run, and a candidate of another runtime (or another
+onnxruntime session, which has its own pool) timed at once loses a core to them. In `bench
+model`'s TVM worker (GPT-2 width 256, 12 sublayers, 2 threads) TVM's original is timed right
+after onnxruntime's, and its identical copy read -22 and -31% against it without the pause,
+-0.1 and -4.4% with it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 
 CLOCKS = ("wall", "cpu", "thread")  # time.perf_counter, time.process_time, time.thread_time
+PAUSE_S = 0.05  # before each candidate's turn: other thread pools stop spinning
 
 
 def _now() -> tuple[float, float, float]:
@@ -41,17 +49,18 @@ def _per_call(fn: Callable[[], object], min_time: float, sync: Callable[[], None
 
 
 def interleaved_clocks(candidates: Mapping[str, Callable[[], object]], rounds: int = 5, min_time: float = 0.1,
-                       sync: Callable[[], None] = lambda: None) -> dict[str, dict[str, list[float]]]:
+                       sync: Callable[[], None] = lambda: None, pause: float = PAUSE_S) -> dict[str, dict[str, list[float]]]:
     """{name: {clock: [seconds per call, one per round]}} for each candidate, timed in alternating
-    rounds (clocks: CLOCKS). Each candidate is called once first (warm-up: lazy init, caches,
-    autotuning); `sync` runs after each call (e.g. torch.cuda.synchronize) so asynchronous work
-    is counted."""
+    rounds (clocks: CLOCKS), each turn after `pause` seconds idle. Each candidate is called once
+    first (warm-up: lazy init, caches, autotuning); `sync` runs after each call (e.g.
+    torch.cuda.synchronize) so asynchronous work is counted."""
     for fn in candidates.values():
         fn()
         sync()
     samples: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
+            time.sleep(pause)
             for clock, value in zip(CLOCKS, _per_call(fn, min_time, sync)):
                 samples[name][clock].append(value)
     return samples

@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
@@ -131,7 +132,21 @@ def from_exported_program(program) -> tvm.IRModule:
 
     from ... import op as _op  # noqa: F401  (registers torch.ops.attnres before decompositions run)
 
-    return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site})
+    return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
+                                                "reshape.default": _convert_reshape})
+
+
+def _convert_reshape(node, importer) -> relax.Expr:
+    """view / reshape, the identity skipped as the stock converter does, but with dims compared
+    structurally: it compared them with ==, which raises on symbolic dims (HF GPT-BigCode)."""
+    x, *dims = importer.retrieve_args(node)
+    dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (torch.Size, tuple, list)) else dims
+    current = importer.shape_of(x)
+    if current is not None and len(current) == len(dims) and all(
+            tvm_ffi.structural_equal(have, tvm.tirx.IntImm("int64", want) if isinstance(want, int) else want)
+            for have, want in zip(current, dims)):
+        return x
+    return importer._emit_torch_reshape(x, dims)
 
 
 @dataclass

@@ -11,8 +11,10 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
 Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
 giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
-stock one read the data's dims as integers), SequenceInsert at a negative position (off by one),
-and every converter failure re-raised as one CompileError line naming the ONNX op and node.
+stock one read the data's dims as integers), Reshape of a shape dim to a 1-element vector (BLOOM,
+XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), SequenceInsert at a
+negative position (off by one), and every converter failure re-raised as one CompileError line
+naming the ONNX op and node.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
+            if op_name == "Reshape" and _scalar_to_vector(*inputs[:2]):
+                # a shape dim to [1] (BLOOM, XGLM): the stock Reshape wants a tensor, Unsqueeze takes it
+                return super()._convert_operator("Unsqueeze", [inputs[0], relax.const([0], "int64")], {}, opset)
             if op_name == "SequenceInsert" and len(inputs) == 3 and isinstance(inputs[2], tvm.ir.GenericConst):
                 inputs = [*inputs[:2], _insert_position(inputs[2], len(inputs[0]))]
             if op_name == "SequenceLength" and isinstance(getattr(inputs[0], "ty", None), relax.TupleType):
@@ -146,6 +151,13 @@ def _not_static(value) -> bool:
     if not isinstance(ty, relax.TensorType):
         return False
     return not isinstance(ty.shape, relax.ShapeExpr) or any(not isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
+
+
+def _scalar_to_vector(data, shape) -> bool:
+    """Whether a Reshape turns a shape dim (a PrimValue, from Gather or Squeeze of a shape) into a
+    1-element vector."""
+    return (tvm.ir.is_prim_expr(data) and isinstance(shape, tvm.ir.GenericConst)
+            and shape.value.numpy().reshape(-1).tolist() in ([1], [-1]))
 
 
 def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:

@@ -16,8 +16,9 @@ code when the module is built and loads AOTInductor libraries. `load` checks the
 first (a zip with stored entries under one folder, only the files a torch.export program
 consists of, sizes within the file), reads tensors itself (raw bytes; pickled ones only with
 `weights_only=True`), accepts only expressions and guards made of arithmetic on shape symbols,
-call targets that are torch operators (no file I/O) or arithmetic, and refuses anything else
-in one line (exit code 20) before torch's deserializer sees it.
+call targets that are torch operators (no file I/O), arithmetic or a listed operator of another
+library that only computes (transformers' MoE grouped matmul, its module imported to register
+it), and refuses anything else in one line (exit code 20) before torch's deserializer sees it.
 """
 
 from __future__ import annotations
@@ -407,6 +408,9 @@ _OPERATOR_FNS = {"getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "
 _MATH_FNS = {"ceil", "floor", "trunc", "sqrt"}
 _TORCH_SYM_FNS = {"sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_ite", "sym_sum", "_sym_sqrt"}
 _NAMESPACES = {"aten", "prims", "attnres", "higher_order"}
+# other libraries' operators that compute only, and the module whose import registers them:
+# transformers' grouped matmul is how HF MoE layers (Mixtral, Qwen2-MoE, OLMoE) export
+_LIBRARY_OPS = {("transformers", "grouped_mm_fallback"): "transformers.integrations.moe"}
 _HIGHER_ORDER = {"cond", "while_loop", "map_impl", "wrap_with_set_grad_enabled", "wrap_with_autocast",
                  "auto_functionalized", "auto_functionalized_v2", "invoke_subgraph", "scan", "associative_scan"}
 _TARGET = re.compile(r"^torch\.ops\.(?P<ns>[A-Za-z_]\w*)\.(?P<op>[A-Za-z_]\w*)(?:\.(?P<overload>[A-Za-z_]\w*))?$")
@@ -471,10 +475,25 @@ def _check_target(target: str) -> None:
         ok = True
     else:
         m = _TARGET.match(target)
+        if m and (m["ns"], m["op"]) in _LIBRARY_OPS:
+            _register(m["ns"], m["op"])
+            return
         ok = bool(m) and m["ns"] in _NAMESPACES and (m["ns"] != "higher_order" or m["op"] in _HIGHER_ORDER)
         ok = ok and not _does_io(m["ns"], m["op"])
     if not ok:
         raise _Refused(f"call target {target[:80]!r}")
+
+
+def _register(namespace: str, op: str) -> None:
+    """Import the module that registers a _LIBRARY_OPS operator, so that torch can resolve it."""
+    import importlib
+
+    module = _LIBRARY_OPS[(namespace, op)]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise InputError(f"this .pt2 calls {namespace}'s operator {op}: install {module.split('.')[0]} "
+                         "to load it") from None
 
 
 def _does_io(namespace: str, op: str) -> bool:
@@ -564,7 +583,8 @@ def check_program(program: torch.export.ExportedProgram, path: Path) -> None:
                 continue
             target = node.target
             ok = target in allowed if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
-                else target.namespace in _NAMESPACES and not _does_io(target.namespace, target.__name__.split(".")[0])
+                else (target.namespace in _NAMESPACES and not _does_io(target.namespace, target.__name__.split(".")[0])
+                      or (target.namespace, target.__name__.split(".")[0]) in _LIBRARY_OPS)
             if not ok:
                 raise UnsafeArchiveError(f"{path}: this .pt2 holds code, not only a program (call target "
                                          f"{str(target)[:80]!r}); refusing to load it")

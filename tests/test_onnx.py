@@ -245,6 +245,35 @@ def test_pytorch_export_translates_the_op_with_trained_queries(tmp_path):
         np.testing.assert_allclose(next(iter(got.values())), gm(tokens).numpy(), rtol=1e-5, atol=1e-5)
 
 
+class _DepthwiseConv(torch.nn.Module):
+    """[batch, seq, 4] -> a causal depthwise conv over seq: the weight pins the last dim to 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 4, 3, padding=2, groups=4)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+
+def test_dims_export_pinned_are_numbers_in_the_file(tmp_path):
+    """With every dim dynamic (Dim.AUTO), torch.export pins the channel dim to 4 but keeps it a
+    symbol, and torch.onnx wrote it as a dim named "4" (HF Mamba's whole sequence length came out
+    so): a free dim to onnxruntime and to our generated inputs, which the graph then refused. The
+    file now says 4, and runs at other batch and sequence sizes."""
+    x = torch.randn(2, 8, 4)
+    model = _DepthwiseConv().eval()
+    proto = onnx_export.export(model, (x,), dynamic_shapes=onnx_export.auto_dynamic_shapes((x,), {}))
+    (dims,), (out,) = _dims(proto.graph.input), _dims(proto.graph.output)
+    assert isinstance(dims[0], str) and isinstance(dims[1], str) and dims[2] == out[2] == 4
+    onnx.save(proto, str(tmp_path / "conv.onnx"))
+    session = ort_backend.session(tmp_path / "conv.onnx")
+    y = torch.randn(3, 5, 4)
+    with torch.no_grad():
+        np.testing.assert_allclose(next(iter(ort_backend.run(session, {proto.graph.input[0].name: y.numpy()}).values())),
+                                   model(y).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_export_and_rewrite_share_one_site_definition(exported, tmp_path):
     """The same arity and opset give byte-identical function definitions on both paths."""
     result = export_onnx(*models.gpt_factory(), tmp_path / "exported.onnx")

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -99,3 +100,50 @@ def test_crafted_archives_run_code_in_torch_but_never_in_attnres_compile(crafted
             assert "refusing to load it" in run.lines[0] or code == 6, run.lines
             assert not any(cwd.iterdir()), (name, argv[0])  # no marker, nothing else
             assert not (tmp_path / "h.png").exists() and not (tmp_path / "art").exists()
+
+
+class _GroupedExperts(torch.nn.Module):
+    """Two experts over sorted tokens through transformers' grouped matmul, as HF MoE layers export."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return torch.ops.transformers.grouped_mm_fallback(x, self.weight, torch.tensor([3, 5]))
+
+
+LIBRARY_OP = r"""
+import sys
+from attnres_compile import pt2
+assert "transformers" not in sys.modules
+loaded = pt2.load(sys.argv[1])
+import torch
+x = torch.arange(20.0).reshape(5, 4)
+w = loaded.program.state_dict["weight"]
+expected = torch.cat([x[:3] @ w[0], x[3:] @ w[1]])
+assert torch.allclose(loaded.program.module()(x)[0], expected)
+print("OK")
+"""
+
+
+def test_a_listed_operator_of_another_library_loads_in_a_fresh_process(tmp_path):
+    """transformers' grouped matmul (HF Mixtral, Qwen2-MoE, OLMoE): the archive used to be refused
+    as code, and `rewrite -o X.pt2` of an MoE model failed with an internal error. The reader now
+    imports its module (transformers.integrations.moe) to register it, in a fresh process, and
+    the program runs; any other operator of another library is still refused."""
+    pytest.importorskip("transformers.integrations.moe")
+    from attnres_compile import pt2
+    from attnres_compile.errors import TraceError
+    from attnres_compile.passes import onnx_export
+
+    x = torch.randn(5, 4)
+    program = torch.export.export(_GroupedExperts(), (x,))
+    pt2.save(program, tmp_path / "moe.pt2")
+    fresh = subprocess.run([sys.executable, "-c", LIBRARY_OP, str(tmp_path / "moe.pt2")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert fresh.returncode == 0 and "OK" in fresh.stdout, fresh.stderr[-2000:]
+    with pytest.raises(pt2.UnsafeArchiveError, match=r"call target 'torch\.ops\.transformers\.other\.default'"):
+        pt2.check_program_json({"nodes": [{"target": "torch.ops.transformers.other.default"}]}, tmp_path / "x.pt2")
+    with pytest.raises(TraceError, match="torch.onnx cannot export .*grouped_mm_fallback.*-o X.pt2"):
+        onnx_export.export(_GroupedExperts(), (x,))

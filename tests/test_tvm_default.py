@@ -90,6 +90,24 @@ def test_gemm_rule_matches_numpy(kind):
     np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+def test_a_matmul_over_one_term_with_a_symbolic_batch():
+    """[b, 2, 1, 1] @ [b, 2, 1, 16], b symbolic (HF LeViT's and MobileViT's attention over one
+    token): dlight's GEMV rule asserted on it, which failed the whole build. It now passes the
+    operator on to the next rule; the result runs at b = 3 against numpy."""
+    b = te.var("b", "int64")
+    one, two, cols = (tvm.tirx.IntImm("int64", v) for v in (1, 2, 16))
+    a, bm = te.placeholder((b, two, one, one), name="a"), te.placeholder((b, two, one, cols), name="bm")
+    k = te.reduce_axis((0 * one, one), name="k")
+    out = te.compute((b, two, one, cols), lambda s, h, i, j: te.sum(a[s, h, i, k] * bm[s, h, k, j], axis=k), name="matmul")
+    func, target = te.create_prim_func([a, bm, out]), make_target("llvm")
+    scheduled = default_schedule(func, target).mod["main"]
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 2, 1, 1), (3, 2, 1, 16), (3, 2, 1, 16))]
+    args = [tvm.runtime.tensor(x) for x in arrays]
+    tvm.compile(scheduled.with_attr("global_symbol", "main"), target)(*args)
+    np.testing.assert_allclose(args[-1].numpy(), arrays[0] @ arrays[1], rtol=1e-6)
+
+
 # ---------------------------------------------------------------- legacy exports and the pre-pass
 
 class _Logits(torch.nn.Module):

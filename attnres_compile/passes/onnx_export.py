@@ -23,7 +23,7 @@ from onnx.defs import OpSchema
 from onnxscript import ir
 
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
-from ..errors import first_line
+from ..errors import TraceError, first_line
 from ..pt2 import output_names
 from . import dynamic_dims
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
@@ -86,8 +86,15 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         _contiguous_as_clone(exported.graph_module)
         names = output_names(exported)  # the .pt2 archive's names (`logits`, `hidden_states.1`)
-        program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
-                                    verbose=False)
+        try:
+            program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
+                                        verbose=False)
+        except Exception as exc:  # noqa: BLE001 - the exporter wraps the reason ("No ONNX function found for ...")
+            cause = exc
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise TraceError(f"torch.onnx cannot export the model ({first_line(cause, 200)}); "
+                             "write a .pt2 instead (-o X.pt2)") from exc
         graph = program.model.graph
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]
         graph.inputs.extend(queries)
@@ -96,8 +103,20 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
             graph.inputs.remove(q)
         _name_outputs(graph, names)
     model = ir.to_proto(program.model)
+    _constant_dims_as_values(model.graph)
     finalize_sites(model)
     return model
+
+
+def _constant_dims_as_values(graph: onnx.GraphProto) -> None:
+    """Dims that torch.export specialised but kept as symbols become numbers: the exporter writes
+    such a symbol as a dim_param named after its value (HF Mamba's sequence length: `input_ids`
+    [s72, "8"]), and onnxruntime and our own checks then take it for a free dim and run other
+    lengths, which the graph, built for 8, refuses."""
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param.isdigit():
+                dim.dim_value = int(dim.dim_param)
 
 
 def _read_torchlib_once() -> None:

@@ -14,7 +14,8 @@ wins; the kernels, already scheduled, are never touched):
   pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
   a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
   `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
-- dlight's `GEMV` and `Reduction` (layer/RMS norm, softmax).
+- dlight's `GEMV` and `Reduction` (layer/RMS norm, softmax), each passing on an operator its
+  own assertions refuse.
 - `Injective`: everything inlined into the output blocks, outer loops fused and run in
   parallel when the operator is large enough, the innermost loop vectorised.
 - `Fallback`: any other operator gets its outermost spatial loop in parallel.
@@ -45,7 +46,7 @@ PREPROC = "meta_schedule.layout_rewrite_preproc"
 
 def default_rules() -> list[dlight.ScheduleRule]:
     """The CPU rules in the order they are tried."""
-    return [Matmul(), dlight.cpu.GEMV(), dlight.cpu.Reduction(), Injective(), Fallback()]
+    return [Matmul(), _Guarded(dlight.cpu.GEMV()), _Guarded(dlight.cpu.Reduction()), Injective(), Fallback()]
 
 
 def default_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
@@ -90,6 +91,21 @@ class _SafeRule(CPUScheduleRule):
                  target: Target) -> s_tir.Schedule | None:
         """`sch`, a schedule of `func` whose blocks are `infos`, scheduled; None where the rule does not apply."""
         raise NotImplementedError
+
+
+class _Guarded(CPUScheduleRule):
+    """One of dlight's rules, where its own assertions on an operator it did not expect mean that it
+    does not apply: GEMV asserted on a batched matmul with K = 1 and a symbolic batch (HF LeViT's
+    and MobileViT's attention over one token), and the whole build failed."""
+
+    def __init__(self, rule: dlight.ScheduleRule):
+        self.rule = rule
+
+    def apply(self, func, target: Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except AssertionError:
+            return None
 
 
 class Matmul(_SafeRule):

@@ -492,7 +492,7 @@ def _register(namespace: str, op: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise InputError(f"this .pt2 calls {namespace}'s operator {op}: install {module.split('.')[0]} "
+        raise InputError(f"this .pt2 calls the operator {namespace}::{op}: install {module.split('.')[0]} "
                          "to load it") from None
 
 

@@ -582,9 +582,11 @@ def check_program(program: torch.export.ExportedProgram, path: Path) -> None:
             if node.op != "call_function":
                 continue
             target = node.target
-            ok = target in allowed if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
-                else (target.namespace in _NAMESPACES and not _does_io(target.namespace, target.__name__.split(".")[0])
-                      or (target.namespace, target.__name__.split(".")[0]) in _LIBRARY_OPS)
+            if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+                ns, op = target.namespace, target.__name__.split(".")[0]
+                ok = ns in _NAMESPACES and not _does_io(ns, op) or (ns, op) in _LIBRARY_OPS
+            else:
+                ok = target in allowed
             if not ok:
                 raise UnsafeArchiveError(f"{path}: this .pt2 holds code, not only a program (call target "
                                          f"{str(target)[:80]!r}); refusing to load it")

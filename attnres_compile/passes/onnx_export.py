@@ -66,11 +66,16 @@ def export_or_static(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic
         if dynamic_shapes is None:
             raise
         model = export(module, args, kwargs, None)
-        cause = exc
-        while cause.__cause__ is not None:  # the exporter wraps the reason in "step 2/3 ... Next steps:"
-            cause = cause.__cause__
-        notes.append(f"ONNX export with {what} failed ({first_line(cause, 160)}); exported with static shapes")
+        notes.append(f"ONNX export with {what} failed ({first_line(_root_cause(exc), 160)}); exported with static shapes")
         return model
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain: the exporter wraps the reason ("No ONNX function found
+    for ...") in "step 3/3 ... Next steps:" messages."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
 
 
 def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes: Any = None) -> onnx.ModelProto:
@@ -89,11 +94,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         try:
             program = torch.onnx.export(exported, dynamo=True, custom_translation_table=TRANSLATION_TABLE, optimize=False,
                                         verbose=False)
-        except Exception as exc:  # noqa: BLE001 - the exporter wraps the reason ("No ONNX function found for ...")
-            cause = exc
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            raise TraceError(f"torch.onnx cannot export the model ({first_line(cause, 200)}); "
+        except Exception as exc:  # noqa: BLE001 - any exporter failure, named by its innermost reason
+            raise TraceError(f"torch.onnx cannot export the model ({first_line(_root_cause(exc), 200)}); "
                              "write a .pt2 instead (-o X.pt2)") from exc
         graph = program.model.graph
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]

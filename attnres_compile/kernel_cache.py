@@ -76,7 +76,7 @@ def _source_digest() -> str:
     """Digest of the code that generates and schedules the kernels."""
     here = Path(__file__).parent / "backends" / "tvm"
     h = hashlib.sha256()
-    for name in ("kernel.py", "schedule.py"):
+    for name in ("kernel.py", "schedule.py", "tir_pipeline.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 

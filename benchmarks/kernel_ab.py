@@ -1,6 +1,6 @@
 """Side-by-side CPU time of the TVM site kernels of this checkout and of another one.
 
-Builds each kernel (phase-1 partial `p:J:B`, one-pass site `s:S`, merge `m:E`) from this
+Builds each kernel (phase-1 partial `p:J:B`, one-pass site `s:S`, merge `m:E`, backward `b:S`) from this
 checkout's kernel.py/schedule.py and from those of another checkout (`--other`, e.g.
 `git worktree add /tmp/old REV`), checks that both compute the same numbers, and times them
 interleaved at 1 thread on [rows, D] float32 sources: per round each build runs `--min-time`
@@ -13,8 +13,9 @@ timed a second time as an identical copy (the noise floor).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -25,22 +26,22 @@ from attnres_compile.bench import timing  # noqa: E402
 
 
 def kernels(checkout: Path, tag: str):
-    """(kernel, schedule) modules of `checkout`, loaded under names of their own."""
-    mods = []
-    for name in ("kernel", "schedule"):
-        spec = importlib.util.spec_from_file_location(f"{tag}_{name}", checkout / "attnres_compile/backends/tvm" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        mods.append(module)
-    return mods
+    """(kernel, schedule) modules of `checkout`, imported as a package of their own (`tag`), so
+    that their relative imports resolve within that checkout."""
+    package = types.ModuleType(tag)
+    package.__path__ = [str(checkout / "attnres_compile/backends/tvm")]
+    sys.modules[tag] = package
+    return [importlib.import_module(f"{tag}.{name}") for name in ("kernel", "schedule")]
 
 
 def build(kernel, schedule, spec: str, size: int):
-    """The compiled function of `spec` (p:J:B, s:S, m:E)."""
+    """The compiled function of `spec` (p:J:B, s:S, m:E, b:S)."""
     kind, *n = spec.split(":")
     n = list(map(int, n))
     if kind == "p":
         func = kernel.depth_attention_partial_func(n[0], n[1], size)
+    elif kind == "b":
+        func = kernel.depth_attention_backward_func(n[0], size)
     else:
         func = kernel.depth_attention_func(n[0], size) if kind == "s" else kernel.depth_attention_merge_func(n[0], size)
     return schedule.build(func, schedule.host_target(1))[func.attrs["global_symbol"]]
@@ -58,13 +59,23 @@ def arguments(spec: str, rows: int, size: int, rng) -> list:
         return [normal(rows, size) for _ in range(J)] + [normal(B, size), zeros(B, rows), zeros(B, rows), zeros(B, rows, size)]
     if kind == "s":
         return [normal(rows, size) for _ in range(n[0])] + [normal(size), zeros(rows, size)]
+    if kind == "b":
+        S = n[0]
+        return ([normal(rows, size) for _ in range(S)] + [normal(size), normal(rows, size)]
+                + [zeros(rows, size) for _ in range(S)] + [zeros(size)])
     state = [tvm.runtime.tensor(np.zeros(rows, "float32")), tvm.runtime.tensor(np.ones(rows, "float32")), normal(rows, size)]
     return state + [normal(rows, size) for _ in range(n[0])] + [normal(size), zeros(rows, size)]
 
 
+def outputs(spec: str) -> int:
+    """How many of the trailing arguments the kernel writes."""
+    kind, *n = spec.split(":")
+    return int(n[0]) + 1 if kind == "b" else 3 if kind == "p" else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("specs", nargs="+", help="p:J:B (partial), s:S (site), m:E (merge)")
+    parser.add_argument("specs", nargs="+", help="p:J:B (partial), s:S (site), m:E (merge), b:S (backward)")
     parser.add_argument("--other", type=Path, required=True, help="the other checkout")
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--size", type=int, default=256)
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         outs = {}
         for name, fn in fns.items():
             fn(*tensors)
-            outs[name] = [t.numpy().copy() for t in tensors[-3:]]
+            outs[name] = [t.numpy().copy() for t in tensors[-outputs(spec):]]
         for a, b in zip(outs["this"], outs["other"]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30))
         calls = {name: (lambda fn=fn: fn(*tensors)) for name, fn in fns.items()}

@@ -26,7 +26,7 @@ from tvm import relax
 from tvm.target import Target
 
 from ...errors import CompileError, ConfigError, first_line
-from . import cpu_rules, gpu_rules
+from . import cpu_rules, gpu_rules, tir_pipeline
 from .cumsum import LegalizeCumsum
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
@@ -159,7 +159,7 @@ def build(model: ImportedModel, target: Target, *, input_shapes: dict | None = N
             mod = tuning.apply(mod, target, db)
     try:
         mod = schedule(mod, target)
-        executable = tvm.compile(mod, target, relax_pipeline=finish(target))
+        executable = tvm.compile(mod, target, relax_pipeline=finish(target), tir_pipeline=tir_pipeline.NAME)
     except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
         raise CompileError(f"TVM could not build the model for {target.kind.name}: {first_line(exc)}") from None
     return Built(executable, mod, target, sites, summary)

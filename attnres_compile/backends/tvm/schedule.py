@@ -166,10 +166,10 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
                 backward.append(d_out)
     if backward:  # every ds_k and the dw partial in one loop over the features: each row loaded once
         sch.merge(*backward)
-    # the reductions start at zero in their first iteration (LowerInitBlock's branch, which LLVM
-    # peels: same speed, and each decompose_reduction took ~25 ms on a 43-block partial, 4.6 of its
-    # 6.7 s of scheduling); the backward's dw partial once per chunk, last: after the decomposition
-    # it no longer passes the loop primitives' checks
+    # the reductions start at zero in their first iteration (LowerInitBlock's branch: the kernels
+    # ran as fast as with decompose_reduction, which took ~25 ms per call on a 43-block partial, 4.6
+    # of its 6.7 s of scheduling); the backward's dw partial once per chunk, last: after the
+    # decomposition it no longer passes the loop primitives' checks
     if chunked:
         rf = sch.get_sblock("dw_rf")
         sch.decompose_reduction(rf, sch.get_loops(rf)[1])

@@ -22,8 +22,8 @@ from attnres_compile.backends.tvm import (
     depth_attention_partial_func,
     host_target,
     schedule_cpu,
+    tir_pipeline,
 )
-from attnres_compile.backends.tvm import tir_pipeline
 from attnres_compile.backends.tvm.kernel import depth_attention_merge_indexed_func
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

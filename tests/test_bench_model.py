@@ -152,6 +152,39 @@ def test_target_verdicts():
         assert v["met"] is met and v["measured"] == 0.9
 
 
+def test_verdicts_need_the_interval_clear_of_the_limit():
+    """A target is MET only if every configuration's interval (rounds' spread widened by the identical
+    copy's overhead) is at or under the limit, NOT MET if one lies wholly above, else WITHIN NOISE."""
+    def verdict(value, interval, copy):
+        rows = _rows({(m, 256, d): 1.0 for m in ("gpt", "llama") for d in (12, 24, 48)})
+        for r in rows:
+            if r["variant"] == "copy":
+                r["cpu_overhead_pct"] = copy
+            elif (r["model"], r["sublayers"]) == ("gpt", 24):
+                r.update(cpu_overhead_pct=value, cpu_overhead_interval=interval)
+        return next(v for v in model_targets.evaluate(rows, [], {}) if (v["name"], v["limit"]) == ("onnxruntime, Block", 10.0))
+
+    v = verdict(9.0, [7.0, 9.5], 0.4)
+    assert (v["met"], v["verdict"], v["band_where"]) == (True, "MET", "gpt 256/24") and v["band"] == pytest.approx([6.6, 9.9])
+    v = verdict(9.0, [7.0, 9.5], -0.6)  # the copy's reading widens the band past the limit
+    assert (v["met"], v["verdict"]) == (None, "WITHIN NOISE") and v["band"] == pytest.approx([6.4, 10.1])
+    assert "within noise: gpt 256/24 reads +6.4% ... +10.1%" in model_targets.line(v, 2)
+    assert model_targets.line(v, 2).endswith("WITHIN NOISE")
+    v = verdict(12.0, [10.5, 14.0], 0.4)
+    assert (v["met"], v["verdict"]) == (False, "NOT MET") and "+10.1% ... +14.4% at gpt 256/24" in model_targets.line(v, 2)
+    v = verdict(10.5, [8.0, 13.0], 0.0)  # a median over the limit whose interval holds it decides nothing
+    assert (v["met"], v["verdict"], v["measured"]) == (None, "WITHIN NOISE", 10.5)
+
+
+def test_ratio_interval():
+    """Order statistics of the per-round ratios: [min, max] at 5 rounds (93.75%), narrower with more."""
+    assert timing.ratio_interval([1, 2, 3, 4, 5], [1] * 5) == (1, 5, 0.9375)
+    low, high, coverage = timing.ratio_interval(list(range(1, 22)), [1] * 21)
+    assert (low, high) == (7, 15) and 0.9 <= coverage < 0.93
+    assert timing.ratio_interval([2.0, 4.0, 6.0], [2.0] * 3)[2] == 0.75  # too few rounds to reach 90%
+    assert timing.ratio_interval([3.0], [3.0]) == (1.0, 1.0, 0.0)
+
+
 def test_settings(tmp_path):
     assert model.settings(_args(tmp_path, quick=False)).matrices == [(256, [12, 24, 48]), (1024, [24])]
     assert model.settings(_args(tmp_path, quick=False, width=1024, sublayers=[24])).matrices == [(1024, [24])]

@@ -38,7 +38,7 @@ from ..errors import ConfigError, VerificationError, first_line
 from . import model_targets, profile, results
 from .model_report import plot, table  # noqa: F401  (the benchmark's views, for cli.py)
 from .model_worker import WorkerError, Workers, measure_memory, onnxruntime_providers, time_candidates
-from .timing import paired_ratio
+from .timing import paired_ratio, ratio_interval
 
 MODELS = ("gpt", "llama")
 RUNTIMES = ("eager", "train", "onnxruntime", "tvm", "tvm-tuned")
@@ -352,9 +352,13 @@ def _timing_fields(c: dict, one: Any, many: Any) -> dict:
         out[f"{prefix}_ms"] = statistics.median(mine[clock]) * 1e3
         out[f"{prefix}_min_ms"] = min(mine[clock]) * 1e3
         out[f"{prefix}_overhead_pct"] = (paired_ratio(mine[clock], samples[base][clock]) - 1) * 100
+        low, high, coverage = ratio_interval(mine[clock], samples[base][clock])
+        out[f"{prefix}_overhead_interval"] = [(low - 1) * 100, (high - 1) * 100]
+        out[f"{prefix}_interval_coverage"] = coverage
         out[f"{prefix}_rounds_ms"] = [t * 1e3 for t in mine[clock]]
         if ORT_ORIGINAL in samples:
             out[f"vs_onnxruntime_{prefix}"] = paired_ratio(mine[clock], samples[ORT_ORIGINAL][clock])
+            out[f"vs_onnxruntime_{prefix}_interval"] = list(ratio_interval(mine[clock], samples[ORT_ORIGINAL][clock])[:2])
         if clock == "cpu":  # the 1-thread run: is the work in the calling thread, and how much of a core it got
             out["in_thread"] = statistics.median(mine["thread"]) / statistics.median(mine["cpu"])
             out["cpu_share"] = statistics.median(mine["cpu"]) / statistics.median(mine["wall"])
@@ -434,8 +438,10 @@ def run(args, progress: TextIO) -> dict:
     Row fields: model, width, sublayers, runtime, variant, sites; cpu_ms, cpu_min_ms,
     cpu_overhead_pct, cpu_rounds_ms (1 thread, process CPU time) and wall_ms, wall_min_ms,
     wall_overhead_pct, wall_rounds_ms (--threads, wall time), overheads against the same
-    runtime's original as medians of per-round ratios; vs_onnxruntime_cpu / _wall (TVM rows:
-    x onnxruntime's original in the same rounds); in_thread (thread / process CPU time at 1
+    runtime's original as medians of per-round ratios; cpu_overhead_interval / wall_overhead_interval
+    ([low, high] %, the interval of that median from the rounds, timing.ratio_interval) with
+    cpu_interval_coverage / wall_interval_coverage (its confidence); vs_onnxruntime_cpu / _wall
+    (TVM rows: x onnxruntime's original in the same rounds) and their _interval; in_thread (thread / process CPU time at 1
     thread: 1 when the work runs in the calling thread) and cpu_share (CPU / wall at 1 thread:
     below 1 when the machine is busy); forward_peak_mb and peak_rss_mb (a fresh process) or
     memory_error; max_abs_err against the runtime's original (the original: against the torch

@@ -18,7 +18,8 @@ def columns(threads: int) -> list[tuple[str, str, str]]:
     many = f"{threads}T"
     return [("model", "model", ""), ("width", "width", "d"), ("sublayers", "sublayers", "d"), ("runtime", "runtime", ""),
             ("variant", "variant", ""), ("sites", "sites", "d"), ("cpu_ms", "1T cpu ms", ".3f"),
-            ("cpu_overhead_pct", "1T cpu ovh %", "+.1f"), ("wall_ms", f"{many} wall ms", ".3f"),
+            ("cpu_overhead_pct", "1T cpu ovh %", "+.1f"), ("cpu_interval", "1T interval %", ""),
+            ("wall_ms", f"{many} wall ms", ".3f"),
             ("wall_overhead_pct", f"{many} wall ovh %", "+.1f"), ("vs_onnxruntime_cpu", "1T x ort", ".2f"),
             ("vs_onnxruntime_wall", f"{many} x ort", ".2f"), ("forward_peak_mb", "fwd peak MiB", ".1f"),
             ("peak_rss_mb", "peak RSS MiB", ".0f"), ("max_abs_err", "max abs err", ".1e"), ("note", "note", "")]
@@ -28,11 +29,12 @@ def table(data: dict) -> str:
     """The rows as a text table, then how the clocks behaved, the noise floor, build times,
     the target lines and (with --profile) the profiles."""
     cfg = data["config"]
-    rows = [{**r, "note": r.get("error") or r.get("memory_error")} for r in data["rows"]]
+    rows = [{**r, "note": r.get("error") or r.get("memory_error"), "cpu_interval": interval_text(r)} for r in data["rows"]]
     lines = [results.table(rows, columns(cfg["threads"])), ""]
     lines.append(f"seq {cfg['seq']}, batch {cfg['batch']}, Block N={cfg['blocks']}, {cfg['device']}; TVM {cfg['tvm']}; "
                  f"1T: 1 thread, process CPU time; {cfg['threads']}T: {cfg['threads']} threads, wall time; "
                  f"ovh = median over {cfg['rounds']} interleaved rounds of variant / original - 1; "
+                 f"interval: where that median lies ({coverage_text(data['rows'])}, from the rounds' order statistics); "
                  "x ort = the same against onnxruntime running the original")
     lines += clock_lines(data["rows"]) + floor_lines(data["rows"], cfg["threads"])
     for c in data["compile"]:
@@ -42,6 +44,17 @@ def table(data: dict) -> str:
     if data.get("profiles"):
         lines += ["", profile.tables(data["profiles"])]
     return "\n".join(lines)
+
+
+def interval_text(row: dict) -> str | None:
+    """A row's 1-thread overhead interval as "low..high" (None: no interval)."""
+    interval = row.get("cpu_overhead_interval")
+    return None if not interval or row.get("variant") == "original" else f"{interval[0]:+.1f}..{interval[1]:+.1f}"
+
+
+def coverage_text(rows: list[dict]) -> str:
+    coverage = [r["cpu_interval_coverage"] for r in rows if r.get("cpu_interval_coverage") is not None]
+    return f"{min(coverage):.0%} confidence" if coverage else "none measured"
 
 
 def clock_lines(rows: list[dict]) -> list[str]:

@@ -5,6 +5,12 @@ configurations. The verdict is decided on the 1-thread CPU-time measure (drift o
 machine barely moves it); the 2-thread wall-clock measure and the identical copy's overhead in
 the same rounds (the noise floor) are reported beside it. A target none of whose
 configurations was run is "not measured"; one run on part of them says so.
+
+A verdict needs the measure to be clear of the limit. Each configuration's measure comes with an
+interval (of its median over the rounds, timing.ratio_interval), widened by the identical copy's
+overhead in the same rounds (an unchanged model: whatever it reads is noise). NOT MET: some
+configuration's interval lies above the limit. MET: every configuration's interval lies at or
+below it. Otherwise WITHIN NOISE: the run cannot tell, and more rounds or a quieter machine can.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ WIDE = ((256, 12), (256, 24), (256, 48))  # (width, sublayers) of the default ma
 LARGE = ((1024, 24),)
 MODELS = ("gpt", "llama")
 TUNE_MINUTES = 20
+FORMATS = {"overhead": "{:+.1f}%", "vs_onnxruntime": "{:.2f}x", "build_s": "{:.1f} s"}
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,11 @@ def configs_text(configs: tuple[tuple[int, int], ...]) -> str:
 
 def evaluate(rows: list[dict], compiles: list[dict], tuning: dict) -> list[dict]:
     """One verdict per target: {"issue", "name", "target", "measured" (the worst value, on the deciding
-    clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met",
-    "note"}. `tuning` is the run's TVM tuning setting
-    ({"tune_minutes", "trials"}): the tuned target holds only for a run tuned TUNE_MINUTES minutes."""
+    clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met"
+    (True, False, or None: not measured or within noise), "verdict" (MET, NOT MET, WITHIN NOISE, not
+    measured), "band" and "band_where" (the interval the verdict was decided on, and whose), "note"}.
+    `tuning` is the run's TVM tuning setting ({"tune_minutes", "trials"}): the tuned target holds
+    only for a run tuned TUNE_MINUTES minutes."""
     return [_verdict(t, rows, compiles, tuning) for t in TARGETS]
 
 
@@ -75,7 +84,7 @@ def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) ->
     out = {"issue": t.issue, "name": t.what, "target": f"{limit_text(t)} ({configs_text(t.configs)})",
            "runtime": t.runtime, "variant": t.variant, "metric": t.metric, "limit": t.limit,
            "measured": None, "beside": None, "floor": None, "where": None, "expected": len(expected), "covered": 0,
-           "met": None, "note": None}
+           "met": None, "verdict": "not measured", "band": None, "band_where": None, "note": None}
     if t.metric == "build_s":
         found = [c for c in compiles if (c["model"], c["width"], c["sublayers"]) in expected
                  and c.get(f"{t.runtime}_build_s") is not None]
@@ -92,32 +101,76 @@ def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) ->
                                      else f"this run has no {configs_text(t.configs)} {t.runtime} rows")
         return out
     worst, _, where = max(values, key=lambda v: v[0])
-    copy = next((r for r in rows if (r["model"], r["width"], r["sublayers"], r["runtime"], r["variant"])
-                 == (where["model"], where["width"], where["sublayers"], t.runtime, "copy")), {})
+    copy = _copy(rows, where, t.runtime)
     out.update(measured=worst, beside=max((b for _, b, _ in values if b is not None), default=None),
-               where=f"{where['model']} {where['width']}/{where['sublayers']}"
-                     + (f" {where['variant']}" if t.metric == "build_s" else ""),
-               floor=copy.get("cpu_overhead_pct") if t.metric != "build_s" else None, met=worst <= t.limit)
+               where=_where(where) + (f" {where['variant']}" if t.metric == "build_s" else ""),
+               floor=copy.get("cpu_overhead_pct") if t.metric != "build_s" else None)
+    if t.metric == "build_s":
+        out["met"] = worst <= t.limit
+    else:
+        bands = [(_band(t, r, _copy(rows, r, t.runtime)), r) for _, _, r in values]
+        above = [(band, r) for band, r in bands if band[0] > t.limit]
+        unclear = [(band, r) for band, r in bands if band[1] > t.limit]
+        out["met"] = False if above else True if not unclear else None
+        # shown: the clearest miss, else the least clear configuration
+        (low, high), shown = max(above, key=lambda b: b[0][0]) if above else max(bands, key=lambda b: b[0][1])
+        out.update(band=[low, high], band_where=_where(shown))
+        if out["met"] is None:
+            out["note"] = (f"within noise: {_where(shown)} reads {_fmt(t, low)} ... {_fmt(t, high)}, which holds the "
+                           "limit; more --rounds or a quieter machine can tell")
     if t.runtime == "tvm-tuned" and (tuning.get("tune_minutes") or 0) < TUNE_MINUTES:
         how = f"{tuning['tune_minutes']} min" if tuning.get("tune_minutes") else f"{tuning.get('trials')} trials per task"
         out.update(met=None, note=f"not measured: the target is for --tune-minutes {TUNE_MINUTES}; this run tuned {how}")
     elif out["covered"] < out["expected"]:
-        out["note"] = f"partial: {out['covered']} of {out['expected']} model configurations run"
+        out["note"] = "; ".join(filter(None, [out["note"], f"partial: {out['covered']} of {out['expected']} model "
+                                                           "configurations run"]))
+    out["verdict"] = ("MET" if out["met"] else "NOT MET" if out["met"] is False
+                      else "WITHIN NOISE" if (out["note"] or "").startswith("within noise") else "not measured")
     return out
+
+
+def _where(r: dict) -> str:
+    return f"{r['model']} {r['width']}/{r['sublayers']}"
+
+
+def _copy(rows: list[dict], r: dict, runtime: str) -> dict:
+    """The identical copy's row in the same runtime and configuration as `r` ({} if none)."""
+    return next((c for c in rows if (c["model"], c["width"], c["sublayers"], c["runtime"], c["variant"])
+                 == (r["model"], r["width"], r["sublayers"], runtime, "copy")), {})
+
+
+def _band(t: Target, r: dict, copy: dict) -> tuple[float, float]:
+    """[low, high] of row r's measure on the deciding clock: the interval of its median over the
+    rounds (the median itself in rows without one), widened by the identical copy's |overhead|."""
+    value = r[{"overhead": "cpu_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_cpu"}[t.metric]]
+    low, high = r.get({"overhead": "cpu_overhead_interval", "vs_onnxruntime": "vs_onnxruntime_cpu_interval"}[t.metric])\
+        or (value, value)
+    slack = abs(copy.get("cpu_overhead_pct") or 0.0)
+    if t.metric == "overhead":
+        return low - slack, high + slack
+    return low * (1 - slack / 100), high * (1 + slack / 100)
+
+
+def _fmt(t: Target, value: float) -> str:
+    return FORMATS[t.metric].format(value)
 
 
 def line(v: dict, threads: int) -> str:
     """One verdict as a text line: what, limit, the worst measured (1-thread CPU time, 2-thread wall
-    beside; builds: wall, CPU beside), the identical copy's overhead there, the verdict."""
-    verdict = "not measured" if v["met"] is None else "MET" if v["met"] else "NOT MET"
+    beside; builds: wall, CPU beside), the identical copy's overhead there, the interval the verdict
+    was decided on, the verdict."""
+    verdict = v["verdict"]
     head = f"issue {v['issue']}: {v['name']} {v['target']}: "
     if v["measured"] is None:
         return head + f"{verdict} ({v['note']})"
-    fmt = {"overhead": "{:+.1f}%", "vs_onnxruntime": "{:.2f}x", "build_s": "{:.1f} s"}[v["metric"]]
+    fmt = FORMATS[v["metric"]]
     clocks, other = ("1-thread CPU", f"{threads}-thread wall") if v["metric"] != "build_s" else ("wall", "CPU")
     extra = [] if v["beside"] is None else [f"{other} {fmt.format(v['beside'])}"]
     if v["floor"] is not None:
         extra.append(f"identical copy {v['floor']:+.1f}%")
+    if v["band"] and v["met"] is not None:
+        extra.append(f"with the rounds' spread and the copy's: {fmt.format(v['band'][0])} ... "
+                     f"{fmt.format(v['band'][1])} at {v['band_where']}")
     if v["note"]:
         extra.append(v["note"])
     return head + f"{fmt.format(v['measured'])} {clocks} at {v['where']} ({'; '.join(extra)}): {verdict}"

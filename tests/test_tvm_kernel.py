@@ -24,7 +24,7 @@ from attnres_compile.backends.tvm import (
     schedule_cpu,
     tir_pipeline,
 )
-from attnres_compile.backends.tvm.kernel import depth_attention_merge_indexed_func
+from attnres_compile.backends.tvm.kernel import BLOCK_MAJOR, depth_attention_merge_indexed_func
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Relative to the output's magnitude. float32: accumulation order only. Reduced precision: the
@@ -167,11 +167,13 @@ def test_all_zero_sources():
     assert not np.any(_run(module, *zeros, w, out)[-1].numpy())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_two_phase_matches_reference(dtype):
+@pytest.mark.parametrize("dtype, num_blocks", [("float32", 3), ("float16", 3), ("float32", BLOCK_MAJOR),
+                                               ("bfloat16", BLOCK_MAJOR + 1)])
+def test_two_phase_matches_reference(dtype, num_blocks):
     """Phase 1 over J completed blocks for B queries, then phase 2 per site with its own extra
-    sources, equals the single-pass op over all J + E sources."""
-    num_blocks, num_queries, num_extra, rows, size = 3, 2, 2, 130, 77
+    sources, equals the single-pass op over all J + E sources (J from BLOCK_MAJOR: phase 1's sums
+    block by block)."""
+    num_queries, num_extra, rows, size = 2, 2, 130, 77
     rng = np.random.default_rng(3)
     blocks = _sources(rng, num_blocks, rows, size, dtype)
     queries = np.stack([_query(rng, size) for _ in range(num_queries)])
@@ -270,6 +272,22 @@ def test_cpu_kernels_are_compacted_before_the_default_pipeline():
     tvm.ir.assert_structural_equal(mod["plain"], plain)
 
 
+def test_long_partial_sums_block_by_block_in_one_loop():
+    """From BLOCK_MAJOR blocks phase 1 adds block by block to all queries' running sums, under one
+    loop over the features: compacted, each running sum is one vector per query (registers), not a
+    [B, D] array per block; shorter partials keep a loop per query."""
+    target = host_target(1)
+
+    def running_sums(blocks):
+        mod = tir_pipeline.CompactKernels()(tvm.IRModule({"k": schedule_cpu(depth_attention_partial_func(blocks, 3, 64),
+                                                                             target)}))
+        return re.findall(r"partial_sum_\d+ = T\.sblock_alloc_buffer\(\(([^)]*)\)", mod["k"].script())
+
+    shapes = running_sums(BLOCK_MAJOR)
+    assert len(shapes) == BLOCK_MAJOR - 1 and set(shapes) == {"1, 3, 8"}, shapes
+    assert running_sums(BLOCK_MAJOR - 1) == []
+
+
 @pytest.mark.parametrize("make", [
     lambda: depth_attention_func(3, 64), lambda: depth_attention_backward_func(3, 64),
     lambda: depth_attention_partial_func(3, 2, 64), lambda: depth_attention_merge_func(2, 64, scale=5.0)],
@@ -323,7 +341,8 @@ def test_cuda_builds_and_compiles_with_nvcc(dtype):
     funcs = [depth_attention_func(9, 1024, dtype), depth_attention_func(3, 77, dtype, rank=3),
              depth_attention_backward_func(3, 77, dtype, rank=3)]
     if dtype == "float32":
-        funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype)]
+        funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype),
+                  depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3)]
     for func in funcs:
         module = build(func, target)
         (device,) = [m for m in module.mod.imports if m.kind == "cuda"]

@@ -155,7 +155,7 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
             if len(loops) > 1:
                 sch.merge(*loops)
         sch.vectorize(sch.get_loops(group[0])[-1])
-    backward = []
+    backward, sums = [], []
     for name, block in stages:
         loops = sch.get_loops(block)
         if len(loops) > depth and not name.startswith("stats") and name != "dw":
@@ -164,8 +164,12 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
             sch.vectorize(d_in)
             if chunked:
                 backward.append(d_out)
+            elif name.startswith("sum_"):
+                sums.append(d_out)
     if backward:  # every ds_k and the dw partial in one loop over the features: each row loaded once
         sch.merge(*backward)
+    if len(sums) > 1:  # a block-major partial's sums: one loop, its queries' running sums in registers
+        sch.merge(*sums)
     # the reductions start at zero in their first iteration (LowerInitBlock's branch: the kernels
     # ran as fast as with decompose_reduction, which took ~25 ms per call on a 43-block partial, 4.6
     # of its 6.7 s of scheduling); the backward's dw partial once per chunk, last: after the
@@ -219,6 +223,10 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
                 if any(region.source.same_as(b) for b in allocated):  # not an output parameter
                     sch.set_scope(block, i, "local")
             continue
+        if name.startswith("sum_"):  # a block-major partial's running sums: the thread's own features, registers
+            for i, region in enumerate(sch.get(block).writes):
+                if any(region.source.same_as(b) for b in allocated):
+                    sch.set_scope(block, i, "local")
         tx, inner = sch.split(loops[-1], [threads, per_thread])
         sch.bind(tx, "threadIdx.x")
         if name.startswith("stats"):

@@ -161,7 +161,7 @@ def staged(output: str | os.PathLike) -> Iterator[Stage]:
             _check_signals()
             names = sorted(n for n in os.listdir(stage.folder) if n != out.name)
             files = [*names, out.name] if (stage.folder / out.name).exists() else names
-            mode = 0o666 & ~_umask()
+            mode = 0o666 & ~umask()
             for name in files:
                 _fsync_file(stage.folder / name, mode)
             for name in files:  # the output itself last: it is what makes the new files current
@@ -198,7 +198,7 @@ def staged_folder(output: str | os.PathLike) -> Iterator[Path]:
         with _write_errors(out):
             os.mkdir(stage)
             yield stage
-            os.chmod(stage, 0o777 & ~_umask())
+            os.chmod(stage, 0o777 & ~umask())
             _check_signals()
             for folder, _, files in os.walk(stage):
                 for name in files:
@@ -296,7 +296,8 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's file-creation mask (read without changing it)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -239,3 +239,21 @@ def test_timing_workers_keep_tvm_from_spinning(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0" and os.environ["TVM_NUM_THREADS"] == "2"
+
+
+def test_results_are_written_with_the_usual_permissions(tmp_path):
+    """Tables, JSON and plots get the mode any new file gets (0666 less the umask), not mkstemp's 0600."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnres_compile.bench import results
+
+    old = os.umask(0o022)
+    try:
+        text = results.write_text(tmp_path / "a.txt", "x\n")
+        figure = results.save_figure(plt.figure(), tmp_path / "a.png")
+    finally:
+        os.umask(old)
+    assert (text.stat().st_mode & 0o777, figure.stat().st_mode & 0o777) == (0o644, 0o644)

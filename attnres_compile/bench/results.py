@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..outputs import umask
+
 
 def environment(threads: int, device: str = "cpu") -> dict:
     """What the numbers were measured on: host, threads, device and library versions."""
@@ -68,6 +70,7 @@ def write_text(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would make results readable by their owner only
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -87,6 +90,7 @@ def save_figure(fig, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.png")
+    os.fchmod(fd, 0o666 & ~umask())
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight")

@@ -22,6 +22,10 @@ LARGE = ((1024, 24),)
 MODELS = ("gpt", "llama")
 TUNE_MINUTES = 20
 FORMATS = {"overhead": "{:+.1f}%", "vs_onnxruntime": "{:.2f}x", "build_s": "{:.1f} s"}
+# the row fields a measure is decided on (1 thread, CPU time; its interval: the field without _pct,
+# plus _interval) and reported beside (--threads, wall time)
+DECIDING = {"overhead": "cpu_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_cpu"}
+BESIDE = {"overhead": "wall_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_wall"}
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,7 @@ def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) ->
                  and c.get(f"{t.runtime}_build_s") is not None]
         values = [(c[f"{t.runtime}_build_s"], c.get(f"{t.runtime}_build_cpu_s"), c) for c in found]
     else:
-        key = {"overhead": "cpu_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_cpu"}[t.metric]
-        other = {"overhead": "wall_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_wall"}[t.metric]
+        key, other = DECIDING[t.metric], BESIDE[t.metric]
         found = [r for r in rows if (r["model"], r["width"], r["sublayers"]) in expected
                  and (r["runtime"], r["variant"]) == (t.runtime, t.variant) and r.get(key) is not None]
         values = [(r[key], r.get(other), r) for r in found]
@@ -116,16 +119,18 @@ def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) ->
         (low, high), shown = max(above, key=lambda b: b[0][0]) if above else max(bands, key=lambda b: b[0][1])
         out.update(band=[low, high], band_where=_where(shown))
         if out["met"] is None:
-            out["note"] = (f"within noise: {_where(shown)} reads {_fmt(t, low)} ... {_fmt(t, high)}, which holds the "
-                           "limit; more --rounds or a quieter machine can tell")
+            out.update(verdict="WITHIN NOISE", note=f"within noise: {_where(shown)} reads {_fmt(t, low)} ... "
+                                                    f"{_fmt(t, high)}, which holds the limit; more --rounds or a "
+                                                    "quieter machine can tell")
+    if out["met"] is not None:
+        out["verdict"] = "MET" if out["met"] else "NOT MET"
     if t.runtime == "tvm-tuned" and (tuning.get("tune_minutes") or 0) < TUNE_MINUTES:
         how = f"{tuning['tune_minutes']} min" if tuning.get("tune_minutes") else f"{tuning.get('trials')} trials per task"
-        out.update(met=None, note=f"not measured: the target is for --tune-minutes {TUNE_MINUTES}; this run tuned {how}")
+        out.update(met=None, verdict="not measured",
+                   note=f"not measured: the target is for --tune-minutes {TUNE_MINUTES}; this run tuned {how}")
     elif out["covered"] < out["expected"]:
         out["note"] = "; ".join(filter(None, [out["note"], f"partial: {out['covered']} of {out['expected']} model "
                                                            "configurations run"]))
-    out["verdict"] = ("MET" if out["met"] else "NOT MET" if out["met"] is False
-                      else "WITHIN NOISE" if (out["note"] or "").startswith("within noise") else "not measured")
     return out
 
 
@@ -142,9 +147,8 @@ def _copy(rows: list[dict], r: dict, runtime: str) -> dict:
 def _band(t: Target, r: dict, copy: dict) -> tuple[float, float]:
     """[low, high] of row r's measure on the deciding clock: the interval of its median over the
     rounds (the median itself in rows without one), widened by the identical copy's |overhead|."""
-    value = r[{"overhead": "cpu_overhead_pct", "vs_onnxruntime": "vs_onnxruntime_cpu"}[t.metric]]
-    low, high = r.get({"overhead": "cpu_overhead_interval", "vs_onnxruntime": "vs_onnxruntime_cpu_interval"}[t.metric])\
-        or (value, value)
+    value = r[DECIDING[t.metric]]
+    low, high = r.get(f"{DECIDING[t.metric].removesuffix('_pct')}_interval") or (value, value)
     slack = abs(copy.get("cpu_overhead_pct") or 0.0)
     if t.metric == "overhead":
         return low - slack, high + slack

@@ -358,7 +358,8 @@ def _timing_fields(c: dict, one: Any, many: Any) -> dict:
         out[f"{prefix}_rounds_ms"] = [t * 1e3 for t in mine[clock]]
         if ORT_ORIGINAL in samples:
             out[f"vs_onnxruntime_{prefix}"] = paired_ratio(mine[clock], samples[ORT_ORIGINAL][clock])
-            out[f"vs_onnxruntime_{prefix}_interval"] = list(ratio_interval(mine[clock], samples[ORT_ORIGINAL][clock])[:2])
+            low, high, _ = ratio_interval(mine[clock], samples[ORT_ORIGINAL][clock])
+            out[f"vs_onnxruntime_{prefix}_interval"] = [low, high]
         if clock == "cpu":  # the 1-thread run: is the work in the calling thread, and how much of a core it got
             out["in_thread"] = statistics.median(mine["thread"]) / statistics.median(mine["cpu"])
             out["cpu_share"] = statistics.median(mine["cpu"]) / statistics.median(mine["wall"])
@@ -441,11 +442,12 @@ def run(args, progress: TextIO) -> dict:
     runtime's original as medians of per-round ratios; cpu_overhead_interval / wall_overhead_interval
     ([low, high] %, the interval of that median from the rounds, timing.ratio_interval) with
     cpu_interval_coverage / wall_interval_coverage (its confidence); vs_onnxruntime_cpu / _wall
-    (TVM rows: x onnxruntime's original in the same rounds) and their _interval; in_thread (thread / process CPU time at 1
-    thread: 1 when the work runs in the calling thread) and cpu_share (CPU / wall at 1 thread:
-    below 1 when the machine is busy); forward_peak_mb and peak_rss_mb (a fresh process) or
-    memory_error; max_abs_err against the runtime's original (the original: against the torch
-    model); error: None, an output mismatch, or why the runtime has no numbers."""
+    (TVM rows: x onnxruntime's original in the same rounds) and their _interval; in_thread
+    (thread / process CPU time at 1 thread: 1 when the work runs in the calling thread) and
+    cpu_share (CPU / wall at 1 thread: below 1 when the machine is busy); forward_peak_mb and
+    peak_rss_mb (a fresh process) or memory_error; max_abs_err against the runtime's original (the
+    original: against the torch model); error: None, an output mismatch, or why the runtime has no
+    numbers."""
     s = settings(args)
     log = Progress(progress)
     rows, compiles, profiles = [], [], []

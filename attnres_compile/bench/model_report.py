@@ -29,7 +29,8 @@ def table(data: dict) -> str:
     """The rows as a text table, then how the clocks behaved, the noise floor, build times,
     the target lines and (with --profile) the profiles."""
     cfg = data["config"]
-    rows = [{**r, "note": r.get("error") or r.get("memory_error"), "cpu_interval": interval_text(r)} for r in data["rows"]]
+    rows = [{**r, "note": r.get("error") or r.get("memory_error"), "cpu_interval": interval_text(r)}
+            for r in data["rows"]]
     lines = [results.table(rows, columns(cfg["threads"])), ""]
     lines.append(f"seq {cfg['seq']}, batch {cfg['batch']}, Block N={cfg['blocks']}, {cfg['device']}; TVM {cfg['tvm']}; "
                  f"1T: 1 thread, process CPU time; {cfg['threads']}T: {cfg['threads']} threads, wall time; "

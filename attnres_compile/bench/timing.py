@@ -91,9 +91,12 @@ def ratio_interval(samples: Sequence[float], baseline: Sequence[float],
     give [min, max] at 93.8%, 3 rounds only 75%, so `coverage` is returned with the bounds."""
     ratios = sorted(a / b for a, b in zip(samples, baseline, strict=True))
     n = len(ratios)
-    below = lambda k: sum(math.comb(n, i) for i in range(k)) / 2**n  # P(Binomial(n, 1/2) < k)  # noqa: E731
-    k = max([k for k in range(1, (n + 1) // 2 + 1) if 1 - 2 * below(k) >= confidence], default=1)
-    return ratios[k - 1], ratios[n - k], 1 - 2 * below(k)
+
+    def coverage(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) < k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = max([k for k in range(1, (n + 1) // 2 + 1) if coverage(k) >= confidence], default=1)
+    return ratios[k - 1], ratios[n - k], coverage(k)
 
 
 class CopyBandwidth:

@@ -211,6 +211,13 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
     threads = min(max_threads, _ceil_div(_ceil_div(size, per_thread), 32) * 32)
     per_thread = _ceil_div(size, threads)
     allocated = list(sch.get(sch.get_sblock("root")).alloc_buffers)
+
+    def registers(block) -> None:
+        """The block's intermediates (not its output parameters) in each thread's registers."""
+        for i, region in enumerate(sch.get(block).writes):
+            if any(region.source.same_as(b) for b in allocated):
+                sch.set_scope(block, i, "local")
+
     for name, block in stages:
         loops = sch.get_loops(block)
         if name == "dw":  # the sum of the partials: its own kernel, a thread per feature
@@ -219,14 +226,10 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
             sch.bind(tx, "threadIdx.x")
             continue
         if name.startswith("softmax"):  # per-row scalar stage: computed by every thread
-            for i, region in enumerate(sch.get(block).writes):
-                if any(region.source.same_as(b) for b in allocated):  # not an output parameter
-                    sch.set_scope(block, i, "local")
+            registers(block)
             continue
-        if name.startswith("sum_"):  # a block-major partial's running sums: the thread's own features, registers
-            for i, region in enumerate(sch.get(block).writes):
-                if any(region.source.same_as(b) for b in allocated):
-                    sch.set_scope(block, i, "local")
+        if name.startswith("sum_"):  # a block-major partial's running sums: each thread's own features
+            registers(block)
         tx, inner = sch.split(loops[-1], [threads, per_thread])
         sch.bind(tx, "threadIdx.x")
         if name.startswith("stats"):

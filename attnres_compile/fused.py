@@ -1,11 +1,12 @@
 """The depth-attention op's fused TVM kernels, called on torch tensors (DLPack, zero-copy).
 
-`forward` and `backward` return None where the fused kernels do not apply, and the op then runs
-its eager reference: storage dtypes other than float32/float16/bfloat16, a feature axis other
-than the last, rank-1 sources, devices other than the CPU and CUDA, or (mode "auto") no usable
-TVM. Kernels come from kernel_cache (built on first use). The per-call path is kept to a dict
-lookup, an output allocation and the kernel call: the tensors go to the kernel as they are
-(its row dims are symbolic, no reshape), made contiguous only if they are not.
+`forward`, `backward` and the two-phase pair `partial`, `merge` (op_two_phase.py) return None
+where the fused kernels do not apply, and the op then runs its eager reference: storage dtypes
+other than float32/float16/bfloat16, a feature axis other than the last, rank-1 sources, devices
+other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from kernel_cache
+(built on first use). The per-call path is kept to a dict lookup, an output allocation and the
+kernel call: the tensors go to the kernel as they are (its row dims are symbolic, no reshape),
+made contiguous only if they are not.
 
 Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
 keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU
@@ -79,6 +80,13 @@ def _kernel(key: tuple):
     return kernel_cache.get(spec)
 
 
+def _lookup(key: tuple):
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = _kernel(key)
+    return fn
+
+
 def _threads(tensors: int, like: torch.Tensor) -> int:
     """TVM threads for a CPU call moving `tensors` tensors the size of `like`: torch's count, but at
     least BYTES_PER_THREAD per thread. Waking a sleeping worker costs more than it saves on a small
@@ -114,10 +122,7 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
     """The fused forward's output, or None if it does not apply."""
     s0 = sources[0]
     threads = _threads(len(sources) + 1, s0)  # a one-thread call gets the kernel without a parallel loop
-    key = ("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads)
-    fn = _KERNELS.get(key)
-    if fn is None:
-        fn = _KERNELS[key] = _kernel(key)
+    fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
     if fn is False:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
@@ -130,13 +135,41 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
     """(source gradients, query gradient) from the fused backward, or None if it does not apply."""
     s0 = sources[0]
     threads = _threads(2 * len(sources) + 1, s0)  # the CPU kernel keeps a partial query gradient per thread
-    key = ("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads)
-    fn = _KERNELS.get(key)
-    if fn is None:
-        fn = _KERNELS[key] = _kernel(key)
+    fn = _lookup(("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
     if fn is False:
         return None
     grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
     grad_query = query.new_empty(query.shape, dtype=torch.float32)
     _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
     return grads, grad_query.to(query.dtype)
+
+
+def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim: int):
+    """(m, l, acc) from the fused phase-1 kernel for the queries [B, D], or None if it does not apply."""
+    s0, count = history[0], queries.shape[0]
+    threads = _threads(len(history) + count, s0)  # it writes a float32 state per query
+    fn = _lookup(("partial", len(history), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, float(count),
+                  threads))
+    if fn is False:
+        return None
+    rows = s0.shape[:-1]
+    m, l = (s0.new_empty((count, *rows), dtype=torch.float32) for _ in range(2))
+    acc = s0.new_empty((count, *s0.shape), dtype=torch.float32)
+    _run(fn, s0.device, [*history, queries.float().contiguous(), m, l, acc], threads)
+    return m, l, acc
+
+
+def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra: list[torch.Tensor],
+          query: torch.Tensor, eps: float, scale: float, dim: int):
+    """Query `index`'s phase-1 state merged with `extra` by the fused phase-2 kernel, or None if it
+    does not apply (also for a state that is not the partial kernel's float32)."""
+    s0 = extra[0]
+    if acc.dtype != torch.float32 or acc.shape[1:] != s0.shape:
+        return None
+    threads = _threads(len(extra) + 2, s0)
+    fn = _lookup(("merge", len(extra), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
+    if fn is False:
+        return None
+    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0.device, [m[index], l[index], acc[index], *extra, query, out], threads)
+    return out

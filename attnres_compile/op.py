@@ -162,9 +162,14 @@ def backward_reference(sources: list[torch.Tensor], query: torch.Tensor, grad: t
 
 # ---- kernels -----------------------------------------------------------------------------------
 
+def fused_kernels():
+    """fused.py where this call may use the fused kernels (modes auto and tvm), else False."""
+    return _fused if _fused is not None else _resolve()
+
+
 def _forward(sources, query, eps, scale, dim):
     """The CPU and CUDA kernel."""
-    fused = _fused if _fused is not None else _resolve()
+    fused = fused_kernels()
     if fused:
         try:
             out = fused.forward(sources, query, eps, scale, dim)
@@ -177,7 +182,7 @@ def _forward(sources, query, eps, scale, dim):
 
 
 def _backward(sources, query, grad, eps, scale, dim):
-    fused = _fused if _fused is not None else _resolve()
+    fused = fused_kernels()
     if fused:
         result = fused.backward(sources, query, grad, eps, scale, dim)
         if result is not None:
@@ -205,14 +210,20 @@ _Tensor = torch.Tensor
 _modes = torch._C._len_torch_dispatch_stack
 
 
+def plain_eager(sources, query) -> bool:
+    """Plain eager execution: no dispatch mode, plain CPU/CUDA tensors. There an Autograd kernel
+    without a gradient to record may call the backend kernel itself, which is what redispatching
+    would reach, minus a round trip through the dispatcher."""
+    return (bool(sources) and not _modes() and type(query) is _Tensor and sources[0].device.type in ("cpu", "cuda")
+            and all(type(s) is _Tensor for s in sources))
+
+
 def _autograd(sources, query, eps, scale, dim):
-    """The Autograd kernel: the autograd.Function only when a gradient is wanted. Without one, in
-    plain eager execution (no dispatch mode, plain CPU/CUDA tensors) it calls the backend kernel
-    itself, which is what redispatching would reach, minus a round trip through the dispatcher."""
+    """The Autograd kernel: the autograd.Function only when a gradient is wanted, else the backend
+    kernel (directly in plain eager execution)."""
     if torch.is_grad_enabled() and (query.requires_grad or any(s.requires_grad for s in sources)):
         return _DepthAttention.apply(query, eps, scale, dim, *sources)
-    if (sources and not _modes() and type(query) is _Tensor and sources[0].device.type in ("cpu", "cuda")
-            and all(type(s) is _Tensor for s in sources)):
+    if plain_eager(sources, query):
         return _forward(sources, query, eps, scale, dim)
     with torch._C._AutoDispatchBelowAutograd():
         return _OP(sources, query, eps, scale, dim)

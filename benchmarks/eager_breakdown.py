@@ -3,10 +3,13 @@
     python benchmarks/eager_breakdown.py --models gpt --sublayers 24 --rounds 20
 
 Torch on 1 thread, process CPU time, interleaved rounds in one process (bench/timing.py). Per
-model: the original, an identical copy (the noise floor), Full and Block as they run, and Full and
-Block with every fused kernel call replaced by a copy of its first source into the output (the
-same graph, op calls and history; "no kernel"), each with its paired overhead over the original
-and the CPU time per forward spent inside the kernel calls. Then, per source count, one kernel
+model: the original, an identical copy (the noise floor), Full and Block as they run, Full after
+`two_phase` (partial + merges where a history is long), and Full and Block with every fused kernel
+call replaced by a copy of its first source into the output (the same graph, op calls and history;
+"no kernel"), each with its paired overhead over the original and the CPU time per forward spent
+inside the kernel calls; then two-phase Full over one-pass Full, with its interval. (Llama at 48
+sublayers: the two-phase and Block modules read 35-50 ms per forward slower in this loop than in
+direct calls or `bench model`, cause unknown: README, "Two-phase Full in eager PyTorch".) Then, per source count, one kernel
 call over [128, D] sources just evicted from the caches, against torch's own `sum` over the same
 cold sources (a read-only pass) and the same call on hot sources: whether the kernel reads cold
 sources as fast as torch does.
@@ -21,9 +24,9 @@ import time
 
 import torch
 
-from attnres_compile import fused, op
+from attnres_compile import fused, op, two_phase
 from attnres_compile.bench.model import make_inputs, make_model, make_variants
-from attnres_compile.bench.timing import interleaved_clocks, paired_ratio
+from attnres_compile.bench.timing import interleaved_clocks, paired_ratio, ratio_interval
 
 
 class Kernels:
@@ -51,6 +54,7 @@ def models(args, kernels: Kernels) -> None:
         inputs = tuple(torch.from_numpy(a) for a in make_inputs(1, 128).values())
         modules = {v.name: v.program.module() for v in make_variants(model, inputs, 8)}
         modules["copy"] = copy.deepcopy(modules["original"])
+        modules["full two-phase"] = two_phase(copy.deepcopy(modules["full"])).graph_module
         spent: dict[str, list[float]] = {}
 
         def call(variant: str, skip: bool = False):
@@ -64,13 +68,17 @@ def models(args, kernels: Kernels) -> None:
             return label, run
 
         with torch.no_grad():
-            candidates = dict(call(v) for v in ("original", "copy", "full", "block"))
+            candidates = dict(call(v) for v in ("original", "copy", "full", "full two-phase", "block"))
             candidates.update(call(v, skip=True) for v in ("full", "block"))
             cpu = {c: s["cpu"] for c, s in interleaved_clocks(candidates, args.rounds, 0.0).items()}
+        kernels.skip = False  # the next model's rewrite is verified with the kernels running
         base = cpu["original"]
         for label, t in cpu.items():
             print(f"{name:6s} {label:16s} {statistics.median(t) * 1e3:8.2f} {(paired_ratio(t, base) - 1) * 100:+8.1f}% "
                   f"{statistics.median(spent[label]) * 1e3:11.2f}")
+        low, high, coverage = ratio_interval(cpu["full two-phase"], cpu["full"])
+        print(f"{name:6s} two-phase / one-pass Full: x{paired_ratio(cpu['full two-phase'], cpu['full']):.3f} "
+              f"({low:.3f} ... {high:.3f}, {coverage:.0%})")
 
 
 def cold_reads(args) -> None:

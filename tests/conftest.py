@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from attnres_compile import op as op_module
+
 
 @pytest.fixture
 def one_thread():
@@ -11,3 +13,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["tvm", "eager"])
+def kernel(request):
+    """The depth-attention ops' implementation for the test: the fused TVM kernels, then the eager reference."""
+    previous = op_module.set_kernel(request.param)
+    yield request.param
+    op_module.set_kernel(previous)

@@ -26,17 +26,14 @@ Tolerances, per element, |out - ref| <= atol + rtol * |ref|:
 import pytest
 import torch
 
-from attnres_compile import op as op_module
-
 op = torch.ops.attnres.depth_attention.default
 
 
-@pytest.fixture(autouse=True, params=["tvm", "eager"])
-def kernel(request):
+@pytest.fixture(autouse=True)
+def both_kernels(kernel):
     """Every case against both implementations: the fused TVM kernels and the eager reference."""
-    previous = op_module.set_kernel(request.param)
-    yield request.param
-    op_module.set_kernel(previous)
+    return kernel
+
 
 LOW = [torch.float16, torch.bfloat16]
 COMPUTE = 1e-5

@@ -17,13 +17,6 @@ from attnres_compile.op import depth_attention_stacked
 op = torch.ops.attnres.depth_attention.default
 
 
-@pytest.fixture(params=["tvm", "eager"])
-def kernel(request):
-    previous = op_module.set_kernel(request.param)
-    yield request.param
-    op_module.set_kernel(previous)
-
-
 def _float64_reference(sources, w, eps, scale, dim):
     v = torch.stack([s.double().movedim(dim, -1) for s in sources])
     k = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps)

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 import attnres_compile as ac
 from attnres_compile.backends import onnxruntime as ort_backend
-from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load, lower
+from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
 from attnres_compile.backends.tvm import check as tvm_check
 from attnres_compile.backends.tvm import tune
 from attnres_compile.backends.tvm.cli import add_commands
@@ -42,6 +42,7 @@ from attnres_compile.onnx_api import export_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
 from attnres_compile.passes.onnx_export import auto_dynamic_shapes
 from attnres_compile.passes.onnx_function import attach_functions, site_node
+from attnres_compile.passes import onnx_grouping
 from attnres_compile.passes.onnx_grouping import sites as onnx_sites
 from samples import hf_models, models
 
@@ -77,9 +78,9 @@ def _randomize_queries(path: Path, seed: int = 0) -> None:
 def two_phase_on_short_histories():
     """The samples are short (histories of at most 7 sources): lower them two-phase wherever it moves
     fewer bytes, so these tests run the partial + merge kernels (production waits for MIN_HISTORY)."""
-    default, lower.MIN_HISTORY = lower.MIN_HISTORY, 0
+    default, onnx_grouping.MIN_HISTORY = onnx_grouping.MIN_HISTORY, 0
     yield
-    lower.MIN_HISTORY = default
+    onnx_grouping.MIN_HISTORY = default
 
 
 @pytest.fixture(scope="module")

@@ -69,19 +69,23 @@ def runner(runtime: str, artifact: str | Path, inputs: dict[str, np.ndarray], de
     raise ValueError(f"unknown runtime {runtime!r}")
 
 
-_programs: dict[str, Any] = {}  # .pt2 path -> its module: a worker's forward and train runners share one load
+_programs: dict[tuple, Any] = {}  # (.pt2 path, train) -> its module, loaded once per worker
 
 
 def _torch(path: str | Path, inputs: dict[str, np.ndarray], device: str, train: bool) -> tuple[Call, Outputs]:
-    """A .pt2 program: the forward under no_grad, or (train) one training step without the optimizer:
-    forward, next-token cross-entropy of the logits, backward into every parameter's .grad."""
+    """A .pt2 program: the forward under no_grad, in the form for eager inference (`two_phase`:
+    sites over a long shared history as partial + merges), or (train) one training step without the
+    optimizer, on the program as saved: forward, next-token cross-entropy of the logits, backward
+    into every parameter's .grad."""
     import torch
 
-    import attnres_compile  # noqa: F401  (registers torch.ops.attnres before the program is loaded)
+    import attnres_compile  # registers torch.ops.attnres before the program is loaded
 
-    if str(path) not in _programs:
-        _programs[str(path)] = torch.export.load(str(path)).module()
-    module = _programs[str(path)]
+    key = (str(path), train)
+    if key not in _programs:
+        module = torch.export.load(str(path)).module()
+        _programs[key] = module if train else attnres_compile.two_phase(module).graph_module
+    module = _programs[key]
     args = tuple(torch.from_numpy(a).to(device) for a in inputs.values())
     if not train:
         def forward():

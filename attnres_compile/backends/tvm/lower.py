@@ -11,7 +11,7 @@ neighbours into an unscheduled function).
 
 Sites that share a history are grouped first, on the Relax placeholders, so models from ONNX
 and from torch.export alike get it (onnx_grouping.site_groups: Block's sites per block, Full's
-in groups of ~sqrt(L)). A group whose two-phase form moves fewer bytes (`two_phase_wins`)
+in groups of ~sqrt(L)). A group whose two-phase form wins (onnx_grouping.two_phase_wins)
 gets one `depth_attention_partial` call over the history for all its queries, placed at its
 first site, and per site one merge kernel that reads its query's row of that state and its own
 extra sources; each source of the history is read once per group instead of once per site.
@@ -33,7 +33,7 @@ from tvm.relax import expr_functor
 from tvm.target import Target
 
 from ...errors import CompileError
-from ...passes.onnx_grouping import site_groups
+from ...passes.onnx_grouping import site_groups, two_phase_wins
 from . import norm_fusion
 from .kernel import DTYPES, depth_attention_func, depth_attention_merge_indexed_func, depth_attention_partial_func
 from .schedule import schedule_cpu, schedule_cuda
@@ -42,8 +42,6 @@ from .sites import Site, parse
 KERNEL_PREFIX = "attnres_depth_attention"
 PARTIAL_PREFIX = f"{KERNEL_PREFIX}_partial"
 OPAQUE = 8  # relax OpPatternKind::kOpaque
-STATE_BYTES = 4  # the partial state is float32
-MIN_HISTORY = 12  # shared sources below which a group keeps single-pass kernels (two_phase_wins)
 
 
 def kernel_name(num_sources: int, size: int, dtype: str, variant: int = 0) -> str:
@@ -59,21 +57,6 @@ def _finish(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     schedule = schedule_cuda if target.kind.name == "cuda" else schedule_cpu
     return schedule(func, target).without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True,
                                                                           "op_pattern": OPAQUE})
-
-
-def two_phase_wins(history: int, extras: list[int], itemsize: int) -> bool:
-    """Whether a group of sites over `history` shared sources (and `extras[i]` own ones each) is
-    lowered as one partial plus a merge per site rather than one single-pass kernel per site.
-
-    It must move fewer bytes per row (the partial reads the history once and writes a float32
-    state per site, which its merge reads), and the history must be long (MIN_HISTORY): a short
-    one stays in cache across the sites at the sequence lengths of inference, where the pair's
-    extra calls and state cost more than re-reading it (GPT-2, 48 sublayers, width 256, seq 128,
-    1 thread: Block N=8, histories <= 9, +2.1% single-pass vs +5.1% two-phase; Full, histories
-    up to 43, +27.3% vs +12.1%)."""
-    one_pass = sum(history + e + 1 for e in extras) * itemsize
-    two_phase = history * itemsize + sum(2 * STATE_BYTES + (e + 1) * itemsize for e in extras)
-    return history >= MIN_HISTORY and two_phase < one_pass
 
 
 @dataclass

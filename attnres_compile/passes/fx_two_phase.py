@@ -1,0 +1,78 @@
+"""Two-phase sites in a rewritten GraphModule, for eager inference (op_two_phase.py).
+
+A site reads all of its sources, so a Full chain of L sites reads ~L^2/2 source tensors per
+forward. Sites of one chain that share a history (onnx_grouping.site_groups, the grouping the
+ONNX and TVM forms use: Block's sites per block, Full's ~sqrt(L) consecutive sites) become one
+`depth_attention_partial` over that history for all of their queries, placed before the group's
+first site, and a `depth_attention_merge` per site over its own newest sources. Only groups
+where that moves fewer bytes and the history is long enough (MIN_HISTORY) change.
+
+The canonical form, one `depth_attention` per site, is what `rewrite` returns and what the
+exporters, the monitor and re-analysis read; this pass is applied after it, to a module that
+is only run (`two_phase(gm)`), e.g. one loaded from a .pt2 artifact. Gradients stay exact,
+through the ops' differentiable reference: training is cheaper on the canonical form.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from .. import op_two_phase
+from .onnx_grouping import site_groups, two_phase_wins
+
+SITE = torch.ops.attnres.depth_attention.default
+
+
+def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
+    """Rewrite `gm`'s groups of sites over a shared history to partial + merges, in place."""
+    graph = gm.graph
+    chains: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is SITE and not node.kwargs and len(node.args) == 5:
+            sources, _, eps, _, dim = node.args
+            chains.setdefault((sources[0], eps, dim), []).append(node)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    merges = 0
+    for members in chains.values():
+        terms = [list(node.args[0]) for node in members]
+        for start, end, length in site_groups(terms):
+            group = members[start:end]
+            extras = [len(t) - length for t in terms[start:end]]
+            if end - start < 2 or not two_phase_wins(length, extras, _itemsize(group[0]), min_history):
+                continue
+            queries = [node.args[1] for node in group]
+            if any(q.op not in ("get_attr", "placeholder") and position[q] > position[group[0]] for q in queries):
+                continue  # a query computed after the group's first site: no partial can read it there
+            merges += _rewrite_group(graph, group, terms[start][:length])
+    if merges:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, merges > 0)
+
+
+def _itemsize(site: fx.Node) -> int:
+    val = site.meta.get("val")
+    return val.element_size() if isinstance(val, torch.Tensor) else 4
+
+
+def _rewrite_group(graph: fx.Graph, group: list[fx.Node], history: list[fx.Node]) -> int:
+    first = group[0]
+    _, _, eps, _, dim = first.args
+    with graph.inserting_before(first):
+        queries = [graph.get_attr(q.target) if q.op == "get_attr" else q for q in (node.args[1] for node in group)]
+        stacked = graph.call_function(torch.stack, (queries,))
+        partial = graph.call_function(op_two_phase.depth_attention_partial, (history, stacked, eps, dim))
+        state = [graph.call_function(operator.getitem, (partial, i)) for i in range(3)]
+    for index, node in enumerate(group):
+        sources, query, eps, scale, dim = node.args
+        with graph.inserting_before(node):
+            merge = graph.call_function(op_two_phase.depth_attention_merge,
+                                        (*state, index, sources[len(history):], query, eps, scale, dim))
+        merge.meta.update(node.meta)
+        node.replace_all_uses_with(merge)
+        graph.erase_node(node)
+    return len(group)

@@ -16,6 +16,7 @@ from .passes import dynamic_dims, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
 from .passes.fx_mode import make_mode_switchable
+from .passes.fx_two_phase import one_pass
 from .passes.fx_view import split_alpha, tensor_meta, view_from_fx
 from .plan_checks import as_config, has_work, plan_notes, split_inputs
 from .report import Report, build
@@ -53,10 +54,12 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dy
     falling back to torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`.
     GraphModule: a copy, shape-propagated from `example_inputs` if its nodes carry no shapes.
     Export-traced modules get working train()/eval() (passes/fx_mode.py); adds with
-    `alpha != 1` are split into a scaling and a plain add (fx_view.split_alpha).
+    `alpha != 1` are split into a scaling and a plain add (fx_view.split_alpha); two-phase
+    sites (`two_phase`) become one depth_attention each again (fx_two_phase.one_pass).
     """
     traced = _trace(model, example_inputs, dynamic_shapes, dynamic)
     split_alpha(traced.graph_module)
+    one_pass(traced.graph_module)  # a two-phase module's sites, as rewrite made them
     return traced
 
 

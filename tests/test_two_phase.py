@@ -4,6 +4,7 @@ into rewritten HF models (`two_phase`): trace, rewrite, pass, graph.lint(), comp
 gradients with the one-pass graph."""
 
 import collections
+import copy
 import io
 
 import pytest
@@ -193,3 +194,54 @@ def test_saved_program_round_trip():
         again = round_trip(loaded)
         assert _ops(again) == _ops(loaded)
         assert _rel(again(*args), ref) <= 1e-5
+
+
+def test_exporters_and_reanalysis_take_the_two_phase_form():
+    """`one_pass` undoes the pass (the same op calls, bit-identical outputs); the ONNX exporter, the
+    TVM importer and `rewrite` read a two-phase module as the one-pass module it came from."""
+    from attnres_compile.backends.tvm.importers import import_model
+    from attnres_compile.passes.fx_two_phase import one_pass
+    from attnres_compile.passes.onnx_export import export
+    from attnres_compile.passes.onnx_grouping import sites as onnx_sites
+
+    model, inputs = _model("gpt2", 8)
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full")).graph_module
+    _trained(gm)
+    args = (inputs["input_ids"], inputs["attention_mask"])
+    with torch.no_grad():
+        ref = gm(**inputs).logits
+    canonical = _ops(gm)
+    two = ac.two_phase(copy.deepcopy(gm), min_history=3).graph_module
+    forms = {"one-pass": gm, "two-phase": two}
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    onnx_form = {k: [len(s.sources) for s in onnx_sites(export(Logits(m), args).graph)] for k, m in forms.items()}
+    assert onnx_form["two-phase"] == onnx_form["one-pass"] == list(range(2, 18))
+    tvm_sites = {k: import_model(torch.export.export(Logits(m), args)).sites for k, m in forms.items()}
+    assert [s["sources"] for s in tvm_sites["two-phase"]] == [s["sources"] for s in tvm_sites["one-pass"]]
+    again = ac.rewrite(two, inputs, ac.AttnResConfig(variant="full"))
+    assert not again.modified and "already rewritten" in " ".join(again.report["notes"])
+    assert one_pass(two).modified and not one_pass(two).modified
+    two.graph.lint()
+    assert _ops(two) == canonical
+    with torch.no_grad():
+        assert torch.equal(two(**inputs).logits, ref)
+
+
+def test_monitor_refuses_the_two_phase_form():
+    """DepthMonitor watches depth_attention nodes: on a two-phase module it would miss the merged
+    sites, so it says so instead of watching a part."""
+    from attnres_compile.monitor import DepthMonitor
+
+    model, inputs = _model("gpt2", 8)
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full")).graph_module
+    ac.two_phase(gm, min_history=3)
+    with pytest.raises(ValueError, match="two-phase form"):
+        DepthMonitor(gm)

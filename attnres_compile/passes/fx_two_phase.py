@@ -8,9 +8,11 @@ first site, and a `depth_attention_merge` per site over its own newest sources. 
 where that moves fewer bytes and the history is long enough (MIN_HISTORY) change.
 
 The canonical form, one `depth_attention` per site, is what `rewrite` returns and what the
-exporters, the monitor and re-analysis read; this pass is applied after it, to a module that
-is only run (`two_phase(gm)`), e.g. one loaded from a .pt2 artifact. Gradients stay exact,
-through the ops' differentiable reference: training is cheaper on the canonical form.
+monitor reads; this pass is applied after it, to a module that is run (`two_phase(gm)`), e.g.
+one loaded from a .pt2 artifact. Gradients stay exact, through the ops' differentiable
+reference: training is cheaper on the canonical form. `one_pass` is the inverse, with which
+the ONNX exporter, the TVM importer and re-analysis take a two-phase module as they take the
+canonical one.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .. import op_two_phase
+from .. import op_two_phase  # noqa: F401  (registers torch.ops.attnres.depth_attention_partial, _merge)
 from .onnx_grouping import site_groups, two_phase_wins
 
 SITE = torch.ops.attnres.depth_attention.default
+PARTIAL = torch.ops.attnres.depth_attention_partial.default
+MERGE = torch.ops.attnres.depth_attention_merge.default
 
 
 def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
@@ -65,14 +69,51 @@ def _rewrite_group(graph: fx.Graph, group: list[fx.Node], history: list[fx.Node]
     with graph.inserting_before(first):
         queries = [graph.get_attr(q.target) if q.op == "get_attr" else q for q in (node.args[1] for node in group)]
         stacked = graph.call_function(torch.stack, (queries,))
-        partial = graph.call_function(op_two_phase.depth_attention_partial, (history, stacked, eps, dim))
+        partial = graph.call_function(PARTIAL, (history, stacked, eps, dim))
         state = [graph.call_function(operator.getitem, (partial, i)) for i in range(3)]
     for index, node in enumerate(group):
         sources, query, eps, scale, dim = node.args
         with graph.inserting_before(node):
-            merge = graph.call_function(op_two_phase.depth_attention_merge,
+            merge = graph.call_function(MERGE,
                                         (*state, index, sources[len(history):], query, eps, scale, dim))
         merge.meta.update(node.meta)
         node.replace_all_uses_with(merge)
         graph.erase_node(node)
     return len(group)
+
+
+def one_pass(gm: fx.GraphModule) -> PassResult:
+    """Undo `two_phase` in place: every merge back to one `depth_attention` over its partial's
+    history and its own extras (the same op calls `rewrite` made), the partials, their state and
+    their stacked queries removed."""
+    graph = gm.graph
+    partials = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not MERGE:
+            continue
+        state, *_, extra, query, eps, scale, dim = node.args
+        partial = state.args[0]
+        with graph.inserting_before(node):
+            site = graph.call_function(SITE, ([*partial.args[0], *extra], query, eps, scale, dim))
+        site.meta.update(node.meta)
+        node.replace_all_uses_with(site)
+        graph.erase_node(node)
+        if partial not in partials:
+            partials.append(partial)
+    for partial in partials:
+        for user in list(partial.users):
+            if not user.users:
+                graph.erase_node(user)
+        stacked = partial.args[1]
+        if not partial.users:
+            graph.erase_node(partial)
+        if isinstance(stacked, fx.Node) and stacked.op == "call_function" and not stacked.users:
+            queries = stacked.args[0]
+            graph.erase_node(stacked)
+            for q in queries:
+                if isinstance(q, fx.Node) and q.op == "get_attr" and not q.users:
+                    graph.erase_node(q)
+    if partials:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, bool(partials))

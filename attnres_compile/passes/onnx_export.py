@@ -26,6 +26,7 @@ from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from ..errors import TraceError, first_line
 from ..pt2 import output_names
 from . import dynamic_dims
+from .fx_two_phase import one_pass
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
 from .onnx_grouping import finalize_sites
 from .onnx_rewrite import PREFIX
@@ -89,6 +90,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     with contextlib.redirect_stdout(io.StringIO()), _quiet_loggers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
         exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        one_pass(exported.graph_module)  # a two-phase module's sites: regrouped below as the ONNX form does
         _contiguous_as_clone(exported.graph_module)
         names = output_names(exported)  # the .pt2 archive's names (`logits`, `hidden_states.1`)
         try:

@@ -27,6 +27,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ... import pytree_warning
 from ...errors import CompileError, first_line
 from ...passes import onnx_io
+from ...passes.fx_two_phase import one_pass
 from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, default_opset
 from ...passes.onnx_grouping import sites as onnx_sites
 from ...passes.onnx_site_check import check_sites
@@ -188,6 +189,7 @@ def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
 
 def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
     program = convertible(program)  # a copy TVM's frontend can convert (program_prepare.py)
+    one_pass(program.graph_module)  # two-phase sites back to one each: the lowering regroups them
     signature = program.graph_signature
     params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     sites = []

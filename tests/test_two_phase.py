@@ -118,6 +118,17 @@ def _ops(gm) -> dict[str, int]:
                                     if n.op == "call_function" and str(n.target).startswith("attnres.")))
 
 
+class _Logits(torch.nn.Module):
+    """An HF causal LM's GraphModule as (input_ids, attention_mask) -> logits, for torch.export."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids, mask):
+        return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
 def _trained(gm) -> None:
     """Queries as after training: random, so the softmax over depth is not uniform."""
     g = torch.Generator().manual_seed(2)
@@ -172,21 +183,13 @@ def test_saved_program_round_trip():
     _trained(gm)
     args = (inputs["input_ids"], inputs["attention_mask"])
 
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
     def round_trip(module):
         buf = io.BytesIO()
         torch.export.save(torch.export.export(module, args), buf)
         buf.seek(0)
         return torch.export.load(buf).module()
 
-    loaded = round_trip(Logits(gm))
+    loaded = round_trip(_Logits(gm))
     with torch.no_grad():
         ref = loaded(*args)
         assert ac.two_phase(loaded, min_history=3).modified
@@ -214,17 +217,9 @@ def test_exporters_and_reanalysis_take_the_two_phase_form():
     two = ac.two_phase(copy.deepcopy(gm), min_history=3).graph_module
     forms = {"one-pass": gm, "two-phase": two}
 
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    onnx_form = {k: [len(s.sources) for s in onnx_sites(export(Logits(m), args).graph)] for k, m in forms.items()}
+    onnx_form = {k: [len(s.sources) for s in onnx_sites(export(_Logits(m), args).graph)] for k, m in forms.items()}
     assert onnx_form["two-phase"] == onnx_form["one-pass"] == list(range(2, 18))
-    tvm_sites = {k: import_model(torch.export.export(Logits(m), args)).sites for k, m in forms.items()}
+    tvm_sites = {k: import_model(torch.export.export(_Logits(m), args)).sites for k, m in forms.items()}
     assert [s["sources"] for s in tvm_sites["two-phase"]] == [s["sources"] for s in tvm_sites["one-pass"]]
     again = ac.rewrite(two, inputs, ac.AttnResConfig(variant="full"))
     assert not again.modified and "already rewritten" in " ".join(again.report["notes"])

@@ -9,10 +9,10 @@ call replaced by a copy of its first source into the output (the same graph, op 
 "no kernel"), each with its paired overhead over the original and the CPU time per forward spent
 inside the kernel calls; then two-phase Full over one-pass Full, with its interval. (Llama at 48
 sublayers: the two-phase and Block modules read 35-50 ms per forward slower in this loop than in
-direct calls or `bench model`, cause unknown: README, "Two-phase Full in eager PyTorch".) Then, per source count, one kernel
-call over [128, D] sources just evicted from the caches, against torch's own `sum` over the same
-cold sources (a read-only pass) and the same call on hot sources: whether the kernel reads cold
-sources as fast as torch does.
+direct calls or `bench model`, cause unknown: README, "Two-phase Full in eager PyTorch".) Then,
+per source count, one kernel call over [128, D] sources just evicted from the caches, against
+torch's own `sum` over the same cold sources (a read-only pass) and the same call on hot sources:
+whether the kernel reads cold sources as fast as torch does.
 """
 
 from __future__ import annotations

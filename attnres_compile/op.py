@@ -210,6 +210,11 @@ _Tensor = torch.Tensor
 _modes = torch._C._len_torch_dispatch_stack
 
 
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd must record this call: grad mode on and an input that requires a gradient."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def plain_eager(sources, query) -> bool:
     """Plain eager execution: no dispatch mode, plain CPU/CUDA tensors. There an Autograd kernel
     without a gradient to record may call the backend kernel itself, which is what redispatching
@@ -221,7 +226,7 @@ def plain_eager(sources, query) -> bool:
 def _autograd(sources, query, eps, scale, dim):
     """The Autograd kernel: the autograd.Function only when a gradient is wanted, else the backend
     kernel (directly in plain eager execution)."""
-    if torch.is_grad_enabled() and (query.requires_grad or any(s.requires_grad for s in sources)):
+    if wants_grad(query, *sources):
         return _DepthAttention.apply(query, eps, scale, dim, *sources)
     if plain_eager(sources, query):
         return _forward(sources, query, eps, scale, dim)

@@ -86,6 +86,17 @@ def merge_reference(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: 
     return _back(out, dim, dtype)
 
 
+def _partial_any(history, queries, eps, dim):
+    """The kernel of devices without a fused one, and the fallback of those with one."""
+    with torch.no_grad():
+        return partial_reference(history, queries, eps, dim)
+
+
+def _merge_any(m, l, acc, index, extra, query, eps, scale, dim):
+    with torch.no_grad():
+        return merge_reference(m, l, acc, index, extra, query, eps, scale, dim)
+
+
 def _partial(history, queries, eps, dim):
     """The CPU and CUDA kernel (arguments checked where the fused kernel refuses them)."""
     fused = op.fused_kernels()
@@ -97,8 +108,7 @@ def _partial(history, queries, eps, dim):
             raise
         if state is not None:
             return state
-    with torch.no_grad():
-        return partial_reference(history, queries, eps, dim)
+    return _partial_any(history, queries, eps, dim)
 
 
 def _merge(m, l, acc, index, extra, query, eps, scale, dim):
@@ -111,18 +121,13 @@ def _merge(m, l, acc, index, extra, query, eps, scale, dim):
             raise
         if out is not None:
             return out
-    with torch.no_grad():
-        return merge_reference(m, l, acc, index, extra, query, eps, scale, dim)
-
-
-def _wants_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _merge_any(m, l, acc, index, extra, query, eps, scale, dim)
 
 
 def _partial_autograd(history, queries, eps, dim):
     """The Autograd kernel: the differentiable reference when a gradient is wanted, else the
     backend kernel (called directly in plain eager execution, as op._autograd does)."""
-    if _wants_grad(queries, *history):
+    if op.wants_grad(queries, *history):
         return partial_reference(history, queries, eps, dim)
     if op.plain_eager(history, queries):
         return _partial(history, queries, eps, dim)
@@ -131,22 +136,12 @@ def _partial_autograd(history, queries, eps, dim):
 
 
 def _merge_autograd(m, l, acc, index, extra, query, eps, scale, dim):
-    if _wants_grad(l, acc, query, *extra):
+    if op.wants_grad(l, acc, query, *extra):
         return merge_reference(m, l, acc, index, extra, query, eps, scale, dim)
     if op.plain_eager([m, l, acc, *extra], query):
         return _merge(m, l, acc, index, extra, query, eps, scale, dim)
     with torch._C._AutoDispatchBelowAutograd():
         return _MERGE(m, l, acc, index, extra, query, eps, scale, dim)
-
-
-def _partial_any(history, queries, eps, dim):
-    with torch.no_grad():
-        return partial_reference(history, queries, eps, dim)
-
-
-def _merge_any(m, l, acc, index, extra, query, eps, scale, dim):
-    with torch.no_grad():
-        return merge_reference(m, l, acc, index, extra, query, eps, scale, dim)
 
 
 for _key in ("CPU", "CUDA"):

@@ -145,18 +145,24 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
 
 
 def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim: int):
-    """(m, l, acc) from the fused phase-1 kernel for the queries [B, D], or None if it does not apply."""
+    """(m, l, acc) from the fused phase-1 kernels for the queries [B, D], or None if they do not apply:
+    a chain of partials over at most PARTIAL_CHUNK sources (kernel_cache.partial_links), as in the
+    TVM lowering, so a few small kernels serve every history length."""
     s0, count = history[0], queries.shape[0]
-    threads = _threads(len(history) + count, s0)  # it writes a float32 state per query
-    fn = _lookup(("partial", len(history), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, float(count),
-                  threads))
-    if fn is False:
+    bounds = kernel_cache.partial_links([0], len(history))
+    links = list(zip(bounds, bounds[1:]))
+    threads = _threads(bounds[1] + count, s0)  # a link writes a float32 state per query
+    fns = [_lookup(("partial_link" if start else "partial", end - start, s0.dtype, s0.device, s0.dim(),
+                    s0.shape[-1], dim, eps, float(count), threads)) for start, end in links]
+    if any(fn is False for fn in fns):
         return None
-    rows = s0.shape[:-1]
-    m, l = (s0.new_empty((count, *rows), dtype=torch.float32) for _ in range(2))
-    acc = s0.new_empty((count, *s0.shape), dtype=torch.float32)
-    _run(fn, s0.device, [*history, queries.float().contiguous(), m, l, acc], threads)
-    return m, l, acc
+    rows, w, state = s0.shape[:-1], queries.float().contiguous(), []
+    for fn, (start, end) in zip(fns, links):
+        m, l = (s0.new_empty((count, *rows), dtype=torch.float32) for _ in range(2))
+        acc = s0.new_empty((count, *s0.shape), dtype=torch.float32)
+        _run(fn, s0.device, [*history[start:end], w, *state, m, l, acc], threads)
+        state = [m, l, acc]
+    return tuple(state)
 
 
 def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra: list[torch.Tensor],

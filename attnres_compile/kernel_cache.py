@@ -30,19 +30,35 @@ from typing import NamedTuple
 class Spec(NamedTuple):
     """What a compiled kernel is specialised on."""
 
-    kind: str  # "forward" | "backward" | "partial" | "merge"
-    count: int  # sources (forward, backward), completed blocks (partial), extra sources (merge)
+    kind: str  # "forward" | "backward" | "partial" | "partial_link" (continuing a state) | "merge"
+    count: int  # sources (forward, backward), completed blocks (partial, partial_link), extra sources (merge)
     rank: int
     size: int  # feature size D
     dtype: str
     eps: float
-    scale: float  # forward, backward, merge; for partial: the number of queries
+    scale: float  # forward, backward, merge; for partial and partial_link: the number of queries
     device: str  # "cpu" | "cuda"
     threads: int  # the backward's row chunks on the CPU (its partial query gradients); else 1
 
 
 FUNCTION = {"forward": "depth_attention", "backward": "depth_attention_backward",
-            "partial": "depth_attention_partial", "merge": "depth_attention_merge"}
+            "partial": "depth_attention_partial", "partial_link": "depth_attention_partial",
+            "merge": "depth_attention_merge"}
+PARTIAL_CHUNK = 8  # history sources per compiled partial kernel: a longer history is a chain (partial_links)
+
+
+def partial_links(bounds: list[int], length: int) -> list[int]:
+    """Where the links of a partial chain over `length` history sources start, then `length`: the
+    fused kernels (TVM lowering, the eager op) read a long history as a chain of partials over at
+    most PARTIAL_CHUNK sources, each continuing the last one's state, so a few small compiled
+    kernels serve every length. The links of `bounds` (the previous group's chain, over a prefix of
+    this history) are kept: Full's groups grow by their size, so each chain is the one before plus
+    one link of the same length, and two kernels serve them all (GPT-2 Full at 48 sublayers: links
+    of 8 and 7). A history of at most PARTIAL_CHUNK sources is one link."""
+    if length <= PARTIAL_CHUNK:
+        return [0, length]
+    kept = [b for b in bounds if b <= length]
+    return kept + list(range(kept[-1] + PARTIAL_CHUNK, length, PARTIAL_CHUNK)) + ([length] if kept[-1] < length else [])
 
 
 def cache_dir() -> Path:
@@ -125,9 +141,9 @@ def _func(spec: Spec):
         return kernel.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
     if spec.kind == "backward":
         return kernel.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
-    if spec.kind == "partial":
+    if spec.kind in ("partial", "partial_link"):
         return kernel.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
-                                                   spec.rank)
+                                                   spec.rank, spec.kind == "partial_link")
     return kernel.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
 
 
@@ -174,7 +190,7 @@ def get(spec: Spec):
         from .backends.tvm.schedule import build
 
         print(f"attnres-compile: compiling the fused depth-attention {spec.kind} kernel ({spec.count} "
-              f"{'blocks' if spec.kind == 'partial' else 'sources'}, D={spec.size}, {spec.dtype}, {spec.device}); "
+              f"{'blocks' if spec.kind.startswith('partial') else 'sources'}, D={spec.size}, {spec.dtype}, {spec.device}); "
               f"cached in {cache_dir()}", file=sys.stderr, flush=True)
         module = build(_func(spec), target(spec.device, spec.threads))
         _save(module, file)

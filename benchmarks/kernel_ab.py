@@ -1,6 +1,7 @@
 """Side-by-side CPU time of the TVM site kernels of this checkout and of another one.
 
-Builds each kernel (phase-1 partial `p:J:B`, one-pass site `s:S`, merge `m:E`, backward `b:S`) from this
+Builds each kernel (phase-1 partial `p:J:B`, a link continuing a partial's state `c:J:B`, one-pass site
+`s:S`, merge `m:E`, backward `b:S`) from this
 checkout's kernel.py/schedule.py and from those of another checkout (`--other`, e.g.
 `git worktree add /tmp/old REV`), checks that both compute the same numbers, and times them
 interleaved at 1 thread on [rows, D] float32 sources: per round each build runs `--min-time`
@@ -35,11 +36,13 @@ def kernels(checkout: Path, tag: str):
 
 
 def build(kernel, schedule, spec: str, size: int):
-    """The compiled function of `spec` (p:J:B, s:S, m:E, b:S)."""
+    """The compiled function of `spec` (p:J:B, c:J:B, s:S, m:E, b:S)."""
     kind, *n = spec.split(":")
     n = list(map(int, n))
     if kind == "p":
         func = kernel.depth_attention_partial_func(n[0], n[1], size)
+    elif kind == "c":
+        func = kernel.depth_attention_partial_func(n[0], n[1], size, start=True)
     elif kind == "b":
         func = kernel.depth_attention_backward_func(n[0], size)
     else:
@@ -54,9 +57,11 @@ def arguments(spec: str, rows: int, size: int, rng) -> list:
         return tvm.runtime.tensor(rng.standard_normal(shape).astype("float32"))
     def zeros(*shape):
         return tvm.runtime.tensor(np.zeros(shape, "float32"))
-    if kind == "p":
+    if kind in ("p", "c"):
         J, B = n
-        return [normal(rows, size) for _ in range(J)] + [normal(B, size), zeros(B, rows), zeros(B, rows), zeros(B, rows, size)]
+        start = [zeros(B, rows), tvm.runtime.tensor(np.ones((B, rows), "float32")), normal(B, rows, size)] if kind == "c" else []
+        return ([normal(rows, size) for _ in range(J)] + [normal(B, size)] + start
+                + [zeros(B, rows), zeros(B, rows), zeros(B, rows, size)])
     if kind == "s":
         return [normal(rows, size) for _ in range(n[0])] + [normal(size), zeros(rows, size)]
     if kind == "b":
@@ -70,12 +75,13 @@ def arguments(spec: str, rows: int, size: int, rng) -> list:
 def outputs(spec: str) -> int:
     """How many of the trailing arguments the kernel writes."""
     kind, *n = spec.split(":")
-    return int(n[0]) + 1 if kind == "b" else 3 if kind == "p" else 1
+    return int(n[0]) + 1 if kind == "b" else 3 if kind in ("p", "c") else 1
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("specs", nargs="+", help="p:J:B (partial), s:S (site), m:E (merge), b:S (backward)")
+    parser.add_argument("specs", nargs="+", help="p:J:B (partial), c:J:B (partial continuing a state), s:S (site), "
+                                                  "m:E (merge), b:S (backward)")
     parser.add_argument("--other", type=Path, required=True, help="the other checkout")
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--size", type=int, default=256)

@@ -167,22 +167,24 @@ def test_all_zero_sources():
     assert not np.any(_run(module, *zeros, w, out)[-1].numpy())
 
 
-@pytest.mark.parametrize("dtype, num_blocks", [("float32", 3), ("float16", 3), ("float32", BLOCK_MAJOR),
-                                               ("bfloat16", BLOCK_MAJOR + 1)])
-def test_two_phase_matches_reference(dtype, num_blocks):
+@pytest.mark.parametrize("dtype, num_blocks, first", [("float32", 3, None), ("float16", 3, None),
+                                                      ("float32", BLOCK_MAJOR, None), ("bfloat16", BLOCK_MAJOR + 1, None),
+                                                      ("float32", 5, 2), ("float16", BLOCK_MAJOR + 2, 2)])
+def test_two_phase_matches_reference(dtype, num_blocks, first):
     """Phase 1 over J completed blocks for B queries, then phase 2 per site with its own extra
     sources, equals the single-pass op over all J + E sources (J from BLOCK_MAJOR: phase 1's sums
-    block by block)."""
+    block by block). With `first`, phase 1 is a chain: a partial over the first blocks, then one
+    continuing its state over the rest (the TVM lowering's links; the last case block by block)."""
     num_queries, num_extra, rows, size = 2, 2, 130, 77
     rng = np.random.default_rng(3)
     blocks = _sources(rng, num_blocks, rows, size, dtype)
     queries = np.stack([_query(rng, size) for _ in range(num_queries)])
-    m = np.zeros((num_queries, rows), np.float32)
-    l = np.zeros_like(m)
-    acc = np.zeros((num_queries, rows, size), np.float32)
-    partial = _compiled("partial", num_blocks, num_queries, size, dtype)
-    *_, m_t, l_t, acc_t = _run(partial, *blocks, queries, m, l, acc)
-    m, l, acc = m_t.numpy(), l_t.numpy(), acc_t.numpy()
+    state: list = []
+    for start, end in [(0, num_blocks)] if first is None else [(0, first), (first, num_blocks)]:
+        partial = _compiled("partial", end - start, num_queries, size, dtype, 1e-6, 2, bool(state))
+        fresh = [np.zeros((num_queries, rows), np.float32)] * 2 + [np.zeros((num_queries, rows, size), np.float32)]
+        state = [t.numpy() for t in _run(partial, *blocks[start:end], queries, *state, *fresh)[-3:]]
+    m, l, acc = state
     scale = float(num_blocks + num_extra)
     merge = _compiled("merge", num_extra, size, dtype, 1e-6, scale)
     for q in range(num_queries):

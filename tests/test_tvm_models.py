@@ -29,6 +29,7 @@ import tvm
 from onnx import TensorProto, helper
 
 import attnres_compile as ac
+from attnres_compile import kernel_cache
 from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
 from attnres_compile.backends.tvm import check as tvm_check
@@ -145,6 +146,22 @@ def test_artifact_matches_onnxruntime(exported, artifact, name):
             assert actual[key].shape == ref.shape and err <= ATOL
 
 
+def test_partial_chains_of_several_links_match_onnxruntime(exported, folder, monkeypatch):
+    """Links of 2 sources: gpt_full's histories of 4 and 7 become chains of 2 and 4 links, the second
+    keeping the first's links; the artifact still computes what onnxruntime does."""
+    monkeypatch.setattr(kernel_cache, "PARTIAL_CHUNK", 2)
+    path, out = exported("gpt_full"), folder / "gpt_full_links"
+    manifest = compile_model(path, out)
+    chains = {tuple(s["partial"]) for s in manifest["sites"] if s.get("partial")}
+    links = sorted([int(re.search(r"_j(\d+)_", k).group(1)) for k in chain] for chain in chains)
+    assert links == [[2, 2], [2, 2, 2, 1]] and all(k.endswith("_cont") == (i > 0) for c in chains for i, k in enumerate(c))
+    feeds = _feeds(path, (2, 8))
+    (expected,), (actual,) = ort_backend.run(ort_backend.session(path), feeds).values(), load(out)(feeds).values()
+    err = float(np.abs(actual - expected).max())
+    print(f"gpt full, links of 2: max abs error vs onnxruntime {err:.2e} (output scale {np.abs(expected).max():.2f})")
+    assert err <= ATOL
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_prenorm_norms_are_fused_into_their_sites(exported, name):
     """Both models are PreNorm: every site's output is read by the next norm only (the final norm
@@ -181,13 +198,13 @@ def test_one_kernel_call_per_site_and_no_unfused_copy(exported, artifact, name):
     assert counted["relax.nn.softmax"] == attention_softmaxes
     assert [r["sources"] for r in lowering.lowered] == [len(s.sources) for s in sites]
     assert Counter(r["kernel"] for r in lowering.lowered) == site_calls
-    # Full's later groups read their history once, in one partial call per group (Block's sample is too short)
-    partials = Counter(r["partial"] for r in lowering.lowered if "partial" in r)
-    assert {k: v for k, v in counted.items() if k.startswith(PARTIAL_PREFIX)} == {k: 1 for k in partials}
+    # Full's later groups read their history once, in one partial chain per group (Block's sample is too short)
+    partials = Counter(tuple(r["partial"]) for r in lowering.lowered if "partial" in r)
+    assert {k: v for k, v in counted.items() if k.startswith(PARTIAL_PREFIX)} == Counter(k for c in partials for k in c)
     assert sorted(partials.values()) == ([2, 3] if name == "gpt_full" else [])
     # [batch, seq, D] sources go to site and merge kernels as they are: the only reshapes the lowering
     # adds are a partial's, its history to [rows, D] and its state (m, l, acc) back
-    histories = [int(re.search(r"_j(\d+)_", k).group(1)) for k in partials]
+    histories = [sum(int(re.search(r"_j(\d+)_", k).group(1)) for k in chain) for chain in partials]
     assert counted["relax.reshape"] - calls(imported)["relax.reshape"] == sum(j + 3 for j in histories)
     manifest = load(artifact(name)).manifest
     assert [s["sources"] for s in manifest["sites"]] == [len(s.sources) for s in sites]
@@ -226,8 +243,9 @@ def test_exported_program_through_from_exported_program(folder):
     assert calls(mod)[PLACEHOLDER] == sites == 8
     manifest = compile_model(program, folder / "gpt_program")
     assert len(manifest["sites"]) == sites and all(s["query"].startswith("attnres.") for s in manifest["sites"])
-    assert Counter(s.get("partial") for s in manifest["sites"] if s.get("partial")).most_common() == [
-        ("attnres_depth_attention_partial_j4_q3_d64_float32", 3), ("attnres_depth_attention_partial_j7_q2_d64_float32", 2)]
+    assert Counter(tuple(s["partial"]) for s in manifest["sites"] if s.get("partial")).most_common() == [
+        (("attnres_depth_attention_partial_j4_q3_d64_float32",), 3),
+        (("attnres_depth_attention_partial_j7_q2_d64_float32",), 2)]
     tokens = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = gm(tokens).numpy()

@@ -12,7 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import attnres_compile as ac
-from attnres_compile import fused
+from attnres_compile import fused, kernel_cache
 from attnres_compile import op as op_module
 from attnres_compile.op_two_phase import depth_attention_merge as merge
 from attnres_compile.op_two_phase import depth_attention_partial as partial
@@ -62,6 +62,40 @@ def test_fused_pair_runs_where_it_applies(monkeypatch):
         merge(*partial(x[:3], w, 1e-6, -1), 0, x[3:], w[0], 1e-6, 4.0, -1)
     finally:
         op_module.set_kernel(previous)
+
+
+def test_partial_chains_keep_the_previous_groups_links():
+    """A group's partial chain is the previous group's (over a prefix of its history) plus links of at
+    most PARTIAL_CHUNK sources: Full's groups then share two link kernels. A short history is one
+    link; one that does not extend the previous chain starts afresh."""
+    chunk, bounds, chains = kernel_cache.PARTIAL_CHUNK, [0], []
+    for length in (15, 22, 29, 36, 43):
+        bounds = kernel_cache.partial_links(bounds, length)
+        chains.append(bounds)
+    assert chains[-1] == [0, 8, 15, 22, 29, 36, 43] and all(c == chains[-1][:len(c)] for c in chains)
+    assert kernel_cache.partial_links([0], chunk) == [0, chunk]
+    assert kernel_cache.partial_links([0, 8, 15], 12) == [0, 8, 12]
+    assert kernel_cache.partial_links([0], 2 * chunk + 3) == [0, chunk, 2 * chunk, 2 * chunk + 3]
+
+
+def test_long_history_runs_as_a_chain_of_links():
+    """19 sources: the fused partial runs links of 8, 8 and 3 (the last two continuing the state) and
+    equals the eager reference over all 19 at once."""
+    g = torch.Generator().manual_seed(5)
+    history = [torch.randn(2, 9, 32, generator=g) * (1 + i % 3) for i in range(19)]
+    queries = torch.randn(3, 32, generator=g)
+    previous = op_module.set_kernel("auto")
+    try:
+        fused._KERNELS.clear()
+        chained = fused.partial(history, queries, 1e-6, -1)
+        used = sorted((k[0], k[1]) for k, fn in fused._KERNELS.items() if fn is not False)
+        op_module.set_kernel("eager")
+        reference = partial(history, queries, 1e-6, -1)
+    finally:
+        op_module.set_kernel(previous)
+    assert used == [("partial", 8), ("partial_link", 3), ("partial_link", 8)]
+    for got, ref in zip(chained, reference):  # float32 sums of 19 terms, added in another order
+        assert _rel(got, ref) <= len(history) * torch.finfo(torch.float32).eps
 
 
 def test_gradcheck():

@@ -252,11 +252,15 @@ def depth_attention_partial_func(
     dtype: str = "float32",
     eps: float = 1e-6,
     rank: int = 2,
+    start: bool = False,
 ) -> tirx.PrimFunc:
     """Phase 1 of Block AttnRes: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows..], l[B, rows..],
     acc[B, rows.., D])` stores the unnormalised softmax state of each of B queries over the J
     completed blocks (float32): m the max logit, l = sum_j exp(z_j - m), acc = sum_j exp(z_j - m) b_j.
-    The schedules load each block once per row for all queries."""
+    With `start`, `partial(b0, ..., w, m0, l0, acc0, m, l, acc)` continues the state (m0, l0, acc0)
+    of earlier blocks (online softmax): a long history is then a chain of short partials, one
+    compiled kernel for every link of every group's chain. The schedules load each block once per
+    row for all queries."""
     _check(num_blocks, "block", feature_size, dtype)
     _check(num_queries, "query", feature_size, dtype)
     J, B, D, rows = num_blocks, num_queries, feature_size, _rows(rank)
@@ -265,40 +269,46 @@ def depth_attention_partial_func(
             T.func_name("depth_attention_partial")
             blocks = [_param(f"b{j}", (*rows, D), dtype) for j in range(J)]
             w = _param("w", (B, D), F32)
+            before = [_param(f"{n}0", (B, *rows, *tail), F32) for n, tail in (("m", ()), ("l", ()), ("acc", (D,)))] \
+                if start else None
             m_out, l_out = _param("m", (B, *rows), F32), _param("l", (B, *rows), F32)
             acc_out = _param("acc", (B, *rows, D), F32)
             with T.sblock("root"):
                 queries = [lambda vr, vd, q=q: w[q, vd] for q in range(B)]
                 stats = [_stats(f"{j}", rows, blk, queries) for j, blk in enumerate(blocks)]
-                e_buf = _alloc("e", *rows, B, J)
+                e_buf = _alloc("e", *rows, B, J + start)  # with a start state, its rescale last
                 with _row_block(rows, "softmax") as vr:
                     # J + B bound scalars: a let per logit and weight (B * J of them nested in one row)
                     # cost TVM's CSE 0.48 s on 42 blocks x 7 queries, 0.06 s now
                     rinv = [_rinv(ss, vr, D, eps) for ss, *_ in stats]
                     for q in range(B):
                         z = [dots[q][vr] * r for (_, *dots), r in zip(stats, rinv)]
-                        m = T.Bind(functools.reduce(T.max, z))
+                        m0 = [before[0][(q, *vr)]] if start else []
+                        m = T.Bind(functools.reduce(T.max, m0 + z))
                         T.buffer_store(m_out, m, [q, *vr])
-                        for j, x in enumerate(z):
+                        for j, x in enumerate(z + m0):
                             T.buffer_store(e_buf, T.exp(x - m), [*vr, q, j])
                 with _row_block(rows, "softmax_sum") as vr:
                     for q in range(B):
-                        T.buffer_store(l_out, _weighted([(T.float32(1), e_buf[(*vr, q, j)]) for j in range(J)]),
+                        l0 = [(before[1][(q, *vr)], e_buf[(*vr, q, J)])] if start else []
+                        T.buffer_store(l_out, _weighted([(T.float32(1), e_buf[(*vr, q, j)]) for j in range(J)] + l0),
                                        [q, *vr])
                 if J >= BLOCK_MAJOR:
-                    _block_major_sums(rows, D, blocks, e_buf, acc_out)
+                    _block_major_sums(rows, D, blocks, e_buf, acc_out, before[2] if start else None)
                 else:  # a loop per query, its J weights in registers
                     for q in range(B):
                         _elementwise(rows, D, f"acc_q{q}", lambda vr, vd, q=q: (
                             acc_out, [q, *vr, vd],
-                            _weighted([(e_buf[(*vr, q, j)], _f32(b, *vr, vd)) for j, b in enumerate(blocks)])))
+                            _weighted([(e_buf[(*vr, q, j)], _f32(b, *vr, vd)) for j, b in enumerate(blocks)]
+                                      + ([(e_buf[(*vr, q, J)], before[2][(q, *vr, vd)])] if start else []))))
     return ib.get()
 
 
-def _block_major_sums(rows: tuple, size: int, blocks: list, weights, out) -> None:
+def _block_major_sums(rows: tuple, size: int, blocks: list, weights, out, start=None) -> None:
     """sum_<j> stages: out[q, rows.., d] = sum_j weights[rows.., q, j] * blocks[j][rows.., d] for every query
     q, a stage per block adding its term to all queries' running sums (fresh [rows.., B, D] buffers,
-    the last stage storing into `out`), in the order of the sum written out term by term.
+    the last stage storing into `out`), in the order of the sum written out term by term; with a
+    `start` state [B, rows.., D], plus weights[rows.., q, J] * start[q, rows.., d], added last.
 
     The schedules put these stages under one loop over the features, so a block's vector is loaded
     once for all queries and the queries' sums stay in registers. The loop per query that phase 1
@@ -316,6 +326,8 @@ def _block_major_sums(rows: tuple, size: int, blocks: list, weights, out) -> Non
             for q in range(queries):
                 term = weights[(*vr, q, j)] * x
                 value = term if last is None else last[(*vr, q, vd)] + term
+                if final and start is not None:
+                    value = value + weights[(*vr, q, len(blocks))] * start[(q, *vr, vd)]
                 dst, idx = (out, [q, *vr, vd]) if final else (total, [*vr, q, vd])
                 T.buffer_store(dst, value, idx)
         last = total

@@ -12,11 +12,16 @@ neighbours into an unscheduled function).
 Sites that share a history are grouped first, on the Relax placeholders, so models from ONNX
 and from torch.export alike get it (onnx_grouping.site_groups: Block's sites per block, Full's
 in groups of ~sqrt(L)). A group whose two-phase form wins (onnx_grouping.two_phase_wins)
-gets one `depth_attention_partial` call over the history for all its queries, placed at its
-first site, and per site one merge kernel that reads its query's row of that state and its own
-extra sources; each source of the history is read once per group instead of once per site.
-Other groups keep one single-pass kernel per site. Either way each site has exactly one
-site-kernel call (names starting with KERNEL_PREFIX, partials with PARTIAL_PREFIX).
+gets its partial state over the history for all its queries, placed at its first site, and per
+site one merge kernel that reads its query's row of that state and its own extra sources; each
+source of the history is read once per group instead of once per site. The state comes from a
+chain of partial calls over at most PARTIAL_CHUNK sources, each continuing the last one's state
+(kernel_cache.partial_links): a few small kernels serve every group (GPT-2 Full at 48
+sublayers: 5 partials of 15 to 43 sources, ~19 s of its build, became 4 kernels of 7 or 8), and
+a link's 8 source streams ran as fast as one partial's 43 (43 sources x 6 queries, 1 thread:
+0.8-1.0x its time, hot and cold). Other groups keep one single-pass kernel per site. Either way
+each site has exactly one site-kernel call (names starting with KERNEL_PREFIX, partials with
+PARTIAL_PREFIX).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tvm.relax import expr_functor
 from tvm.target import Target
 
 from ...errors import CompileError
+from ...kernel_cache import partial_links
 from ...passes.onnx_grouping import site_groups, two_phase_wins
 from . import norm_fusion
 from .kernel import DTYPES, depth_attention_func, depth_attention_merge_indexed_func, depth_attention_partial_func
@@ -62,12 +68,13 @@ def _finish(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
 @dataclass
 class _Group:
     """Sites lowered together: their shared history (original Relax exprs) and, once emitted, the
-    partial's state (m, l, acc)."""
+    partial chain's state (m, l, acc) and its kernels."""
 
     history: list[relax.Expr]
     queries: list[relax.Expr]
+    links: list[int]  # where the partial chain's links start, then the history's length (partial_links)
     state: list[relax.Expr] | None = None
-    kernel: str = ""
+    kernels: list[str] | None = None
 
 
 def _product(dims: list) -> tirx.PrimExpr:
@@ -102,12 +109,17 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         for (*_, dtype), members in chains.items():
             keys: dict[relax.Expr, int] = {}
             terms = [[keys.setdefault(s, len(keys)) for s in site.sources] for _, site in members]
+            before: list[int] = []  # the previous group's history
+            bounds = [0]
             for start, end, length in site_groups(terms):
                 sites = [site for _, site in members[start:end]]
                 extras = [len(site.sources) - length for site in sites]
                 if end - start < 2 or not two_phase_wins(length, extras, tvm.DataType(dtype).bits // 8):
                     continue
-                group = _Group(list(sites[0].sources[:length]), [site.query for site in sites])
+                history = terms[start][:length]
+                bounds = partial_links(bounds if history[:len(before)] == before else [0], length)
+                before = history
+                group = _Group(list(sites[0].sources[:length]), [site.query for site in sites], bounds)
                 self.groups.update({call: (group, i) for i, (call, _) in enumerate(members[start:end])})
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -155,7 +167,7 @@ class _SiteLowerer(expr_functor.PyExprMutator):
                 group.state = self.partial(group, order, rows, size, dtype, site.eps)
             kernel = self.kernel("merge", (len(group.queries), index, len(flat), size), dtype, params, len(rows) + 1)
             args = [*group.state, *flat, query, *affine]
-            record["partial"] = group.kernel
+            record["partial"] = group.kernels
         else:
             kernel = self.kernel("site", (len(flat), size), dtype, params, len(rows) + 1)
             args = [*flat, query, *affine]
@@ -169,8 +181,9 @@ class _SiteLowerer(expr_functor.PyExprMutator):
 
     def partial(self, group: _Group, order: list[int], rows: list, size: int, dtype: str,
                 eps: float) -> list[relax.Expr]:
-        """The partial call of `group`, emitted before its first site: (m, l, acc) for all its queries,
-        shaped [B, *rows(, D)] for the merges. The partial itself takes [rows, D] (a reshape per history
+        """The partial chain of `group`, emitted before its first site: (m, l, acc) for all its queries,
+        shaped [B, *rows(, D)] for the merges: one call per link of the group's chain, each
+        continuing the state of the one before. The partials take [rows, D] (a reshape per history
         source and group): scheduling a 42-block partial over [batch, seq, D] took 8.6 s against 1.8 s."""
         bb, flat = self.builder_, [_product(rows)]
         history = [self.to_rows(self.visit_expr(h), order, rows, size) for h in group.history]
@@ -178,12 +191,15 @@ class _SiteLowerer(expr_functor.PyExprMutator):
             history = [bb.emit(relax.op.reshape(h, relax.ShapeExpr([*flat, size]))) for h in history]
         queries = bb.emit(relax.op.stack([self.float32(self.visit_expr(q)) for q in group.queries], axis=0))
         B = len(group.queries)
-        kernel = self.kernel("partial", (len(history), B, size), dtype, (eps,), 2)
-        group.kernel = kernel.name_hint
         out = [relax.TensorType([B, *flat], "float32"), relax.TensorType([B, *flat], "float32"),
                relax.TensorType([B, *flat, size], "float32")]
-        state = bb.emit(relax.call_tir(kernel, [*history, queries], out))
-        parts = [relax.TupleGetItem(state, i) for i in range(3)]
+        parts, group.kernels = [], []
+        for start, end in zip(group.links, group.links[1:]):
+            links = history[start:end]
+            kernel = self.kernel("partial", (len(links), B, size, bool(parts)), dtype, (eps,), 2)
+            group.kernels.append(kernel.name_hint)
+            state = bb.emit(relax.call_tir(kernel, [*links, queries, *parts], out))
+            parts = [bb.emit(relax.TupleGetItem(state, i)) for i in range(3)]
         if len(rows) == 1:
             return parts
         return [bb.emit(relax.op.reshape(part, relax.ShapeExpr([B, *rows, *tail])))
@@ -245,9 +261,9 @@ def _make_kernel(kind: str, shape: list[int], dtype: str, params: tuple, variant
         return (f"{KERNEL_PREFIX}_merge_q{queries}i{index}_e{extras}_d{size}{tail}{suffix}",
                 depth_attention_merge_indexed_func(queries, index, extras, size, dtype, eps, scale, rank, norm_eps,
                                                    norm_kind))
-    (history, queries, size), (eps,) = shape, params
-    return (f"{PARTIAL_PREFIX}_j{history}_q{queries}_d{size}{tail}",
-            depth_attention_partial_func(history, queries, size, dtype, eps, rank))
+    (history, queries, size, start), (eps,) = shape, params  # start: the link continues a state
+    return (f"{PARTIAL_PREFIX}_j{history}_q{queries}_d{size}{tail}" + ("_cont" if start else ""),
+            depth_attention_partial_func(history, queries, size, dtype, eps, rank, start))
 
 
 @module_pass(opt_level=0, name="LowerDepthAttention")

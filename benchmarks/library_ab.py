@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -47,12 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, out in outputs.items():
         print(f"{name} max abs diff vs {first} {float(np.abs(out - outputs[first]).max()):.2e}")
     samples = timing.interleaved_clocks(calls, args.rounds, args.min_time)
-    base = samples[first]["cpu"]
     print(f"1 thread, process CPU time per forward, median of {args.rounds} interleaved rounds; x = median of this / {first}")
-    for name, s in samples.items():
-        low, high, cover = timing.ratio_interval(s["cpu"], base)
-        print(f"{name:40s} {statistics.median(s['cpu']) * 1e3:8.2f} ms  x{timing.paired_ratio(s['cpu'], base):.3f}"
-              f"  ({low:.3f} .. {high:.3f}, {cover:.0%})")
+    print("\n".join(timing.side_by_side(samples, first)))
 
 
 if __name__ == "__main__":

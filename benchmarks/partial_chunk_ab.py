@@ -11,7 +11,6 @@ link per history: the form before chains), interleaved, plus an identical copy o
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -48,12 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     diff = float((outputs["one per history"] - outputs["links of 8"]).abs().max())
     print(f"{args.model} Full {args.sublayers} sublayers: max abs diff one per history vs links of 8 {diff:.2e}")
     samples = timing.interleaved_clocks(candidates, args.rounds, 0.5)
-    base = samples["links of 8"]["cpu"]
     print(f"1 thread, process CPU time per forward, median of {args.rounds} interleaved rounds; x = this / links of 8")
-    for name, s in samples.items():
-        low, high, cover = timing.ratio_interval(s["cpu"], base)
-        print(f"{name:20s} {statistics.median(s['cpu']) * 1e3:8.2f} ms  x{timing.paired_ratio(s['cpu'], base):.3f}"
-              f"  ({low:.3f} .. {high:.3f}, {cover:.0%})")
+    print("\n".join(timing.side_by_side(samples, "links of 8")))
 
 
 if __name__ == "__main__":

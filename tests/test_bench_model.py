@@ -185,6 +185,14 @@ def test_ratio_interval():
     assert timing.ratio_interval([3.0], [3.0]) == (1.0, 1.0, 0.0)
 
 
+def test_side_by_side_lines():
+    """Per candidate: median ms, the median ratio to the baseline and its interval (benchmarks' A/B report)."""
+    samples = {"new": {"cpu": [0.010, 0.011, 0.009, 0.010, 0.010]}, "old one": {"cpu": [0.011, 0.012, 0.010, 0.0105, 0.011]}}
+    new, old = timing.side_by_side(samples, "new")
+    assert new == "new        10.00 ms  x1.000  (1.000 .. 1.000, 94%)"
+    assert old == "old one    11.00 ms  x1.100  (1.050 .. 1.111, 94%)"
+
+
 def test_settings(tmp_path):
     assert model.settings(_args(tmp_path, quick=False)).matrices == [(256, [12, 24, 48]), (1024, [24])]
     assert model.settings(_args(tmp_path, quick=False, width=1024, sublayers=[24])).matrices == [(1024, [24])]

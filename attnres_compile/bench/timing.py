@@ -99,6 +99,18 @@ def ratio_interval(samples: Sequence[float], baseline: Sequence[float],
     return ratios[k - 1], ratios[n - k], coverage(k)
 
 
+def side_by_side(samples: Mapping[str, Mapping[str, list[float]]], baseline: str, clock: str = "cpu") -> list[str]:
+    """One line per candidate of `interleaved_clocks` samples: its median ms per call on `clock`, and
+    the median ratio to `baseline`'s with its interval (ratio_interval) and that interval's coverage."""
+    width = max(map(len, samples))
+    lines = []
+    for name, s in samples.items():
+        low, high, cover = ratio_interval(s[clock], samples[baseline][clock])
+        lines.append(f"{name:{width}s} {statistics.median(s[clock]) * 1e3:8.2f} ms  "
+                     f"x{paired_ratio(s[clock], samples[baseline][clock]):.3f}  ({low:.3f} .. {high:.3f}, {cover:.0%})")
+    return lines
+
+
 class CopyBandwidth:
     """The machine's copy bandwidth, the roofline of a memory-bound op: dst.copy_(src) of `nbytes`.
 

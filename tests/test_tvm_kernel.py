@@ -344,7 +344,8 @@ def test_cuda_builds_and_compiles_with_nvcc(dtype):
              depth_attention_backward_func(3, 77, dtype, rank=3)]
     if dtype == "float32":
         funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype),
-                  depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3)]
+                  depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3),
+                  depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3, start=True)]  # a chain's link
     for func in funcs:
         module = build(func, target)
         (device,) = [m for m in module.mod.imports if m.kind == "cuda"]

@@ -19,11 +19,10 @@ from pathlib import Path
 os.environ.setdefault("TVM_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-import tvm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attnres_compile.backends.tvm.profile import load_vm  # noqa: E402
 from attnres_compile.bench import timing  # noqa: E402
+from attnres_compile.bench.model_worker import runner  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,15 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--min-time", type=float, default=0.3)
     args = parser.parse_args(argv)
-    arrays = list(np.load(args.inputs).values())
+    inputs = dict(np.load(args.inputs))
     calls, outputs = {}, {}
     for i, path in enumerate(args.libraries):
-        vm, dev, _ = load_vm(path)
-        feeds = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in arrays]
         name = f"{i}:{Path(path).name}"
-        calls[name] = lambda vm=vm, feeds=feeds: vm["main"](*feeds)
-        out = calls[name]()
-        outputs[name] = (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
+        calls[name], read = runner("tvm", path, inputs, "cpu", 1)  # bench model's own TVM runner
+        outputs[name] = read(calls[name]())["logits"]
     first = next(iter(outputs))
     for name, out in outputs.items():
         print(f"{name} max abs diff vs {first} {float(np.abs(out - outputs[first]).max()):.2e}")

@@ -16,6 +16,7 @@ from attnres_compile import fused, kernel_cache
 from attnres_compile import op as op_module
 from attnres_compile.op_two_phase import depth_attention_merge as merge
 from attnres_compile.op_two_phase import depth_attention_partial as partial
+from samples import hf_models
 
 op = torch.ops.attnres.depth_attention.default
 
@@ -152,17 +153,6 @@ def _ops(gm) -> dict[str, int]:
                                     if n.op == "call_function" and str(n.target).startswith("attnres.")))
 
 
-class _Logits(torch.nn.Module):
-    """An HF causal LM's GraphModule as (input_ids, attention_mask) -> logits, for torch.export."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids, mask):
-        return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-
 def _trained(gm) -> None:
     """Queries as after training: random, so the softmax over depth is not uniform."""
     g = torch.Generator().manual_seed(2)
@@ -223,7 +213,7 @@ def test_saved_program_round_trip():
         buf.seek(0)
         return torch.export.load(buf).module()
 
-    loaded = round_trip(_Logits(gm))
+    loaded = round_trip(hf_models.CausalLMLogits(gm))
     with torch.no_grad():
         ref = loaded(*args)
         assert ac.two_phase(loaded, min_history=3).modified
@@ -251,9 +241,10 @@ def test_exporters_and_reanalysis_take_the_two_phase_form():
     two = ac.two_phase(copy.deepcopy(gm), min_history=3).graph_module
     forms = {"one-pass": gm, "two-phase": two}
 
-    onnx_form = {k: [len(s.sources) for s in onnx_sites(export(_Logits(m), args).graph)] for k, m in forms.items()}
+    onnx_form = {k: [len(s.sources) for s in onnx_sites(export(hf_models.CausalLMLogits(m), args).graph)]
+                 for k, m in forms.items()}
     assert onnx_form["two-phase"] == onnx_form["one-pass"] == list(range(2, 18))
-    tvm_sites = {k: import_model(torch.export.export(_Logits(m), args)).sites for k, m in forms.items()}
+    tvm_sites = {k: import_model(torch.export.export(hf_models.CausalLMLogits(m), args)).sites for k, m in forms.items()}
     assert [s["sources"] for s in tvm_sites["two-phase"]] == [s["sources"] for s in tvm_sites["one-pass"]]
     again = ac.rewrite(two, inputs, ac.AttnResConfig(variant="full"))
     assert not again.modified and "already rewritten" in " ".join(again.report["notes"])

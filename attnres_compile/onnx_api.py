@@ -68,7 +68,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     config = as_config(config)
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
-    outputs.check(onnx_outputs(output), onnx_io.input_files(model, path), force)
+    outputs.check(outputs.onnx_outputs(output), onnx_io.input_files(model, path), force)
     notes = _notes(model, path)
     view = view_from_onnx(model)
     plan = analyze(view, config)
@@ -92,12 +92,6 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                                                              consequence="the rewritten model was not written")
             notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
     return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
-
-
-def onnx_outputs(output: Path, option: str = "output") -> list[outputs.Output]:
-    """The files an ONNX output may write: the model and its `.data` (both may replace the input with force)."""
-    return [outputs.Output(output, option, primary=True),
-            outputs.Output(output.parent / onnx_io.data_file_name(output), f"{option}'s data", primary=True)]
 
 
 def check_written(path: Path) -> None:

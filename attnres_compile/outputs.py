@@ -49,6 +49,17 @@ class Output:
     folder: bool = False
 
 
+def data_file_name(output: Path) -> str:
+    """The external data file an ONNX model written to `output` uses: `<name>.onnx.data`."""
+    return output.name + ".data"
+
+
+def onnx_outputs(output: Path, option: str = "output") -> list[Output]:
+    """The files an ONNX output may write: the model and its `.data` (both may replace the input with force)."""
+    return [Output(output, option, primary=True),
+            Output(output.parent / data_file_name(output), f"{option}'s data", primary=True)]
+
+
 def check(outputs: list[Output], inputs: list[Path], force: bool) -> None:
     """Refuse, before any work, every output this run must not write (see the module docstring)."""
     seen: dict[str, Output] = {}

@@ -27,6 +27,7 @@ from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
 from .. import outputs
+from ..outputs import data_file_name
 from ..errors import CorruptModelError, ExternalDataError, InputError, NotOnnxError, UnsupportedOpsetError, first_line
 from .onnx_function import MIN_OPSET, default_opset
 
@@ -360,11 +361,6 @@ def data_name(stage: outputs.Stage) -> str:
         stage.obsolete += [out.parent / n for n in os.listdir(out.parent) if pattern.match(n)]
     default = data_file_name(out)
     return default if not os.path.lexists(out.parent / default) else f"{out.name}.{secrets.token_hex(4)}.data"
-
-
-def data_file_name(output: Path) -> str:
-    """The external data file written beside `output`: `<name>.onnx.data`."""
-    return output.name + ".data"
 
 
 def write(model: onnx.ModelProto, path: Path, external: bool = False, data: str | None = None) -> None:

@@ -5,7 +5,7 @@ artifacts (`compile_model`, `load`).
 The names below load on first use (PEP 562), so that `backends.tvm.cli`, which the command line
 imports to build its parser, does not import TVM (~3.5 s of CPU) for commands that never use it."""
 
-import importlib
+from ...lazy import exports
 
 _HOMES = {
     "Artifact": "runtime",
@@ -25,13 +25,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = exports(__name__, _HOMES)

@@ -14,7 +14,6 @@ from pathlib import Path
 from ... import isolate, outputs
 from ...errors import InputError, first_line
 from ...file_kind import describe
-from ...passes import verify
 
 
 def add_commands(subparsers) -> None:
@@ -84,8 +83,10 @@ def compile_command(args) -> int:
     elif check:
         shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
         print(f"  verified against {check['reference']} on {shapes}:")
+        from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
+
         for row in check["rows"]:
-            print(f"    {verify.describe(row)}")
+            print(f"    {describe_row(row)}")
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""

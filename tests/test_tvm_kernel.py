@@ -220,10 +220,14 @@ def test_next_norm_of_the_output_is_fused(norm, ref_norm):
     queries = np.stack([_query(rng, size), w])
     state = [np.zeros((2, rows), np.float32), np.zeros((2, rows), np.float32), np.zeros((2, rows, size), np.float32)]
     state = [t.numpy() for t in _run(_compiled("partial", 3, 2, size, "float32"), *srcs[:3], queries, *state)[-3:]]
-    merge = build(depth_attention_merge_indexed_func(2, 1, 2, size, "float32", 1e-6, 1.0, 2, norm_eps, norm),
-                  host_target(2))
-    out = _run(merge, *state, *srcs[3:], w, *affine, np.zeros((rows, size), np.float32))[-1].numpy()
-    _assert_close(out, expected, "float32")
+    merge = build(depth_attention_merge_indexed_func(2, 2, size, "float32", 1e-6, 2, norm_eps, norm), host_target(2))
+    tensors = [tvm.runtime.tensor(a) for a in (*state, *srcs[3:], w, *affine, np.zeros((rows, size), np.float32))]
+    merge(*tensors[:-1], 1, 1.0, tensors[-1])  # query 1, scale 1: index and scale are arguments
+    _assert_close(tensors[-1].numpy(), expected, "float32")
+    plain = build(depth_attention_merge_indexed_func(2, 2, size, "float32", 1e-6, 2), host_target(2))
+    tensors = [tvm.runtime.tensor(a) for a in (*state, *srcs[3:], queries[0], np.zeros((rows, size), np.float32))]
+    plain(*tensors[:-1], 0, 5.0, tensors[-1])  # query 0, scale 5, no norm
+    _assert_close(tensors[-1].numpy(), reference(srcs, queries[0], 1e-6, 5.0), "float32")
     # constant rows at large magnitudes: sum of squares minus the squared mean rounds below zero
     levels = np.linspace(100, 5000, rows, dtype=np.float32)[:, None] + np.zeros(size, np.float32)
     out = _run(site, *[levels] * S, w, *affine, np.zeros((rows, size), np.float32))[-1].numpy()

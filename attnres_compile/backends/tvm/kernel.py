@@ -144,8 +144,9 @@ def _check(count: int, what: str, size: int, dtype: str):
         raise ValueError(f"unsupported storage dtype {dtype!r}; expected one of {DTYPES}")
 
 
-def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, start=None, norm=None):
-    """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l.
+def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None):
+    """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l
+    (`scale` a number, or a float32 argument of the function).
     `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
     (kind, gamma, beta, eps) a LayerNorm ("layer") or RMSNorm ("rms", beta None) over the
     features applied to that sum before it is stored."""
@@ -157,7 +158,7 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale: float, 
         _, e, total, a0 = _softmax(z, None if start is None else (start[0](vr), start[1](vr)))
         for k, x in enumerate(e + ([a0] if a0 is not None else [])):
             T.buffer_store(e_buf, x, [*vr, k])
-        T.buffer_store(coef, T.float32(scale) / total, list(vr))
+        T.buffer_store(coef, (T.float32(scale) if isinstance(scale, (int, float)) else scale) / total, list(vr))
 
     h = out if norm is None else _alloc("h", *rows, size)
 
@@ -344,34 +345,34 @@ def depth_attention_merge_func(
     """Phase 2 of Block AttnRes for one site: `merge(m[rows..], l[rows..], acc[rows.., D], e0, ...,
     e{E-1}, w, out)` folds the site's own extra sources into its query's phase-1 state and writes
     out = scale * acc / l (pass scale = J + E to match depth_attention_func's default)."""
-    return _merge((), (), num_extra, feature_size, dtype, eps, scale, rank)
+    return _merge((), False, num_extra, feature_size, dtype, eps, scale, rank)
 
 
 def depth_attention_merge_indexed_func(
     num_queries: int,
-    index: int,
     num_extra: int,
     feature_size: int,
     dtype: str = "float32",
     eps: float = 1e-6,
-    scale: float = 1.0,
     rank: int = 2,
     norm_eps: float | None = None,
     norm: str = "layer",
 ) -> tirx.PrimFunc:
-    """`depth_attention_merge_func` reading query `index` of a whole partial state, `merge(m[B, rows..],
-    l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, out)`: the lowering passes the partial's
-    outputs as they are, with no slice (a copy) per site. `norm_eps`, `norm`: as in
-    depth_attention_func (`gamma`[, `beta`] after `w`)."""
-    if not 0 <= index < num_queries:
-        raise ValueError(f"index {index} is outside the {num_queries} queries of the partial state")
-    return _merge((num_queries,), (index,), num_extra, feature_size, dtype, eps, scale, rank, norm_eps, norm)
+    """`depth_attention_merge_func` reading one query of a whole partial state, `merge(m[B, rows..],
+    l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, index, scale, out)`: `index` (int64) picks
+    the query and `scale` (float32) is an argument too, so one kernel serves every site of a model
+    with B queries and E extra sources (GPT-2 Full at 48 sublayers: 13 merge kernels, 34 when both
+    were constants), and the lowering passes the partial's outputs as they are, with no slice (a
+    copy) per site. `norm_eps`, `norm`: as in depth_attention_func (`gamma`[, `beta`] after `w`)."""
+    return _merge((num_queries,), True, num_extra, feature_size, dtype, eps, None, rank, norm_eps, norm)
 
 
-def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str, eps: float, scale: float,
-           rank: int, norm_eps: float | None = None, norm: str = "layer") -> tirx.PrimFunc:
-    """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows,
-    read at the indices `at` there (a single query's state: both empty)."""
+def _merge(lead: tuple, indexed: bool, num_extra: int, feature_size: int, dtype: str, eps: float,
+           scale: float | None, rank: int, norm_eps: float | None = None, norm: str = "layer") -> tirx.PrimFunc:
+    """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows: a
+    single query's state (`lead` empty, `scale` a constant) or, `indexed`, all of them, read at an
+    `index` argument, with a `scale` argument (both before `out`: call_tir's scalar arguments
+    precede its outputs)."""
     _check(num_extra, "extra source", feature_size, dtype)
     E, D, rows = num_extra, feature_size, _rows(rank)
     with IRBuilder() as ib:
@@ -382,11 +383,16 @@ def _merge(lead: tuple, at: tuple, num_extra: int, feature_size: int, dtype: str
             extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
             fused = _norm_params(D, norm_eps, norm)
+            if indexed:
+                at = (T.arg("index", tirx.Var("index", "int64")),)
+                scale = T.arg("scale", tirx.Var("scale", F32))
+            else:
+                at, scale = (), float(scale)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
                 start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],
                          lambda vr, vd: acc_in[(*at, *vr, vd)])
-                _site(rows, D, extra, w, out, eps, float(scale), start, fused)
+                _site(rows, D, extra, w, out, eps, scale, start, fused)
     return ib.get()
 
 

@@ -156,20 +156,21 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         query = self.float32(site.query)
         record = {"sources": len(site.sources), "feature_size": size, "dtype": dtype, "axis": site.axis,
                   "eps": site.eps, "scale": site.scale}
-        params, affine = (site.eps, site.scale), []
+        fused, affine = (), []
         if norm is not None:
-            params = (*params, norm.kind, norm.eps)
+            fused = (norm.kind, norm.eps)
             affine = [self.visit_expr(t) for t in (norm.gamma, norm.beta) if t is not None]
             record[f"{norm.kind}_norm_eps"] = norm.eps
-        if planned:
+        if planned:  # the query's index and the scale are the merge kernel's arguments
             group, index = planned
             if group.state is None:
                 group.state = self.partial(group, order, rows, size, dtype, site.eps)
-            kernel = self.kernel("merge", (len(group.queries), index, len(flat), size), dtype, params, len(rows) + 1)
-            args = [*group.state, *flat, query, *affine]
+            kernel = self.kernel("merge", (len(group.queries), len(flat), size), dtype, (site.eps, *fused), len(rows) + 1)
+            args = [*group.state, *flat, query, *affine, relax.prim_value(index, "int64"),
+                    relax.prim_value(site.scale, "float32")]
             record["partial"] = group.kernels
         else:
-            kernel = self.kernel("site", (len(flat), size), dtype, params, len(rows) + 1)
+            kernel = self.kernel("site", (len(flat), size), dtype, (site.eps, site.scale, *fused), len(rows) + 1)
             args = [*flat, query, *affine]
         self.lowered.append({"kernel": kernel.name_hint, **record})
         out = relax.call_tir(kernel, args, relax.TensorType([*rows, size], dtype))
@@ -224,8 +225,8 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         return self.builder_.emit(relax.op.reshape(source, relax.ShapeExpr([*rows, size])))
 
     def kernel(self, kind: str, shape: tuple, dtype: str, params: tuple, rank: int) -> relax.GlobalVar:
-        """The `kind` kernel ("site", "merge", "partial") for `shape`, `dtype`, `params` (eps[, scale])
-        and sources of rank `rank`, generated, scheduled and added once."""
+        """The `kind` kernel ("site", "merge", "partial") for `shape`, `dtype`, `params` (eps, a site's
+        scale, a fused norm's kind and eps) and sources of rank `rank`, generated, scheduled and added once."""
         key = (kind, shape, dtype, params, rank)
         if key not in self.kernels:
             variant = sum(k[:3] == key[:3] for k in self.kernels)
@@ -244,19 +245,19 @@ def _make_kernel(kind: str, shape: list[int], dtype: str, params: tuple, variant
     """(name, unscheduled function) of a site, merge or partial kernel over rank-`rank` sources;
     `variant` tells apart kernels of one shape and dtype with another eps, scale or rank."""
     tail = f"_{dtype}" + (f"_{variant}" if variant else "")
-    if kind in ("site", "merge"):  # params (eps, scale[, norm kind, norm eps]): "_ln" / "_rms" kernels
-        eps, scale, *norm = params  # store the normed output
+    if kind in ("site", "merge"):  # params (eps[, scale][, norm kind, norm eps]): "_ln" / "_rms" kernels
+        eps, *rest = params  # store the normed output
+        scale, norm = (rest[0], rest[1:]) if kind == "site" else (None, rest)
         norm_kind, norm_eps = norm if norm else ("layer", None)
         suffix = {"layer": "_ln", "rms": "_rms"}[norm_kind] if norm else ""
     if kind == "site":
         sources, size = shape
         return (kernel_name(sources, size, dtype, variant) + suffix,
                 depth_attention_func(sources, size, dtype, eps, scale, rank, norm_eps, norm_kind))
-    if kind == "merge":
-        queries, index, extras, size = shape
-        return (f"{KERNEL_PREFIX}_merge_q{queries}i{index}_e{extras}_d{size}{tail}{suffix}",
-                depth_attention_merge_indexed_func(queries, index, extras, size, dtype, eps, scale, rank, norm_eps,
-                                                   norm_kind))
+    if kind == "merge":  # index and scale: arguments
+        queries, extras, size = shape
+        return (f"{KERNEL_PREFIX}_merge_q{queries}_e{extras}_d{size}{tail}{suffix}",
+                depth_attention_merge_indexed_func(queries, extras, size, dtype, eps, rank, norm_eps, norm_kind))
     (history, queries, size, start), (eps,) = shape, params  # start: the link continues a state
     return (f"{PARTIAL_PREFIX}_j{history}_q{queries}_d{size}{tail}" + ("_cont" if start else ""),
             depth_attention_partial_func(history, queries, size, dtype, eps, rank, start))

@@ -212,8 +212,8 @@ def _locations(proto, onnx_io) -> list[str]:
 
 
 def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
-    """(outputs, inputs, force) of the command in `args`, for outputs.check. A missing ONNX input is
-    reported here, before the command imports onnx and torch (~4 s)."""
+    """(outputs, inputs, force) of the command in `args`, for outputs.check. A missing ONNX input and
+    a bad config option are reported here, before the command imports onnx and the passes (~1 s)."""
     model = getattr(args, "model", None)
     if args.command in ("inspect", "rewrite", "compile") and model and is_onnx_path(model) and not Path(model).is_file():
         raise InputError(f"{Path(model)}: no such file")
@@ -485,12 +485,10 @@ _REAL_STDERR: list[int] = []  # the terminal's stderr, duplicated, while _quiet 
 def _quiet():
     """Keep stderr to the one-line error: library warnings, log lines and partial graphs (Python's
     sys.stderr) and native libraries' lines written to file descriptor 2 (TVM, onnxruntime) go to
-    a scratch file that is dropped; progress written to sys.__stderr__ stays visible. torch's own
-    log levels are lowered only where torch is loaded already (the commands import it when they
-    need it: usage errors and missing files are answered without it); a torch imported inside
-    writes its log lines to the redirected stderr, and its handlers are set up again at the end."""
-    if "torch" in sys.modules:
-        sys.modules["torch"]._logging.set_logs(all=logging.CRITICAL)
+    a scratch file that is dropped; progress written to sys.__stderr__ stays visible."""
+    import torch  # loaded with the package already (it registers the ops)
+
+    torch._logging.set_logs(all=logging.CRITICAL)
     sys.stderr.flush()
     saved = os.dup(2)
     _REAL_STDERR.append(saved)
@@ -510,8 +508,7 @@ def _quiet():
         _REAL_STDERR.pop()
         os.close(saved)
         scratch.close()
-        if "torch" in sys.modules:  # back to torch's defaults, its handlers on the restored stderr
-            sys.modules["torch"]._logging.set_logs()
+        torch._logging.set_logs()  # back to torch's defaults
 
 
 if __name__ == "__main__":

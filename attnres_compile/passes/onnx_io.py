@@ -27,7 +27,6 @@ from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
 from .. import outputs
-from ..outputs import data_file_name
 from ..errors import CorruptModelError, ExternalDataError, InputError, NotOnnxError, UnsupportedOpsetError, first_line
 from .onnx_function import MIN_OPSET, default_opset
 
@@ -359,7 +358,7 @@ def data_name(stage: outputs.Stage) -> str:
     pattern = re.compile(rf"^{re.escape(out.name)}(\.[0-9a-f]{{8}})?\.data$")
     with contextlib.suppress(OSError):
         stage.obsolete += [out.parent / n for n in os.listdir(out.parent) if pattern.match(n)]
-    default = data_file_name(out)
+    default = outputs.data_file_name(out)
     return default if not os.path.lexists(out.parent / default) else f"{out.name}.{secrets.token_hex(4)}.data"
 
 
@@ -370,7 +369,7 @@ def write(model: onnx.ModelProto, path: Path, external: bool = False, data: str 
     if external or weight_bytes(model) > EXTERNAL_LIMIT:  # marked by hand: onnx's own conversion checks the cwd
         for tensor in model.graph.initializer:
             if len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
-                set_external_data(tensor, data or data_file_name(path))
+                set_external_data(tensor, data or outputs.data_file_name(path))
     onnx.save_model(model, str(path))
 
 

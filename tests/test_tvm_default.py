@@ -341,12 +341,15 @@ def test_cumsum_over_symbolic_dims_matches_numpy(tmp_path):
 def test_opt_from_a_pt2_with_dynamic_dims_compiles_and_matches_a_padded_batch(tmp_path):
     """HF OPT computes its positions as `cumsum(attention_mask)` over the (symbolic) sequence. Its
     `.pt2` from the CLI compiles, and the artifact matches HF's model at another batch and
-    length with left padding in the mask (positions that differ from 0..L-1)."""
+    length with left padding in the mask (positions that differ from 0..L-1). The norms after its
+    sites, read through a reshape, are fused into the site kernels."""
     from attnres_compile.cli import main
 
     assert main(["rewrite", "samples.hf_models:opt_factory", "-o", str(tmp_path / "opt.pt2"), "--blocks", "2",
                  "--no-verify"]) == 0
-    compile_model(tmp_path / "opt.pt2", tmp_path / "art", verify_outputs=False)  # checked below, padded
+    manifest = compile_model(tmp_path / "opt.pt2", tmp_path / "art", verify_outputs=False)  # checked below, padded
+    # each site's norm reads it through OPT's [batch * seq, D] view: fused all the same
+    assert manifest["sites"] and all(site["kernel"].endswith("_ln") for site in manifest["sites"])
     model, _ = hf_models.opt_factory()
     ids = torch.randint(0, 100, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 11, dtype=torch.long)

@@ -28,15 +28,20 @@ def _rms(bb, x, gamma, form: str):
     return bb.emit(relax.op.multiply(gamma, bb.emit(relax.op.multiply(x, rinv))))
 
 
-def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamma: bool = False) -> tvm.IRModule:
+def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamma: bool = False,
+            view: tuple | None = None) -> tvm.IRModule:
     """main(s0, s1, w, gamma, beta) = norm(site(s0, s1)) [+ the site's value, read a second time]
-    [with gamma + 1 as the norm's gain, computed after the site, as Gemma's norm does]."""
+    [with gamma + 1 as the norm's gain, computed after the site, as Gemma's norm does]
+    [of the site's value reshaped to `view` first, as HF OPT views its stream as [batch * seq, D]]."""
     bb = relax.BlockBuilder()
     s0, s1 = (relax.Var(f"s{i}", relax.TensorType((2, 5, D), "float32")) for i in range(2))
-    w, gamma, beta = (relax.Var(n, relax.TensorType((D,), "float32")) for n in ("w", "gamma", "beta"))
+    w = relax.Var("w", relax.TensorType((D,), "float32"))
+    gamma, beta = (relax.Var(n, relax.TensorType((D if view is None else view[-1],), "float32")) for n in ("gamma", "beta"))
     with bb.function("main", [s0, s1, w, gamma, beta]):
         with bb.dataflow():
             x = bb.emit(site_call([s0, s1], w, 1e-6, 2.0, -1))
+            if view is not None:
+                x = bb.emit(relax.op.reshape(x, view))
             if late_gamma:
                 gamma = bb.emit(relax.op.add(gamma, relax.const(1.0, "float32")))
             if norm == "layer":
@@ -63,18 +68,35 @@ def test_a_norm_read_only_by_its_site_is_planned(norm, form):
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-@pytest.mark.parametrize("case", ["site value read elsewhere too", "gain computed after the site"])
+def test_a_norm_of_a_row_view_of_the_site_is_planned(norm):
+    """Between site and norm, a reshape that keeps the feature size (OPT's [batch * seq, D]): the
+    norm's value is replaced by that reshape, which stays and now reshapes the normed rows."""
+    main = _module(norm, "sqrt", view=(10, D))["main"]
+    plan = Plan()
+    plan.add(main)
+    assert len(plan.norms) == 1
+    (view,) = plan.replaced.values()
+    reshapes = [b.var for b in main.body.blocks[0].bindings if getattr(b.value, "op", None) == tvm.ir.Op.get("relax.reshape")]
+    assert [view] == reshapes
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("case", ["site value read elsewhere too", "gain computed after the site",
+                                  "reshape that regroups the features"])
 def test_not_fused(norm, case):
     plan = Plan()
-    plan.add(_module(norm, "sqrt", extra_reader=case.startswith("site"), late_gamma=case.startswith("gain"))["main"])
+    plan.add(_module(norm, "sqrt", extra_reader=case.startswith("site"), late_gamma=case.startswith("gain"),
+                     view=(5, 2 * D) if case.startswith("reshape") else None)["main"])
     assert plan.norms == {} and plan.dropped == set()
 
 
-@pytest.mark.parametrize("norm, form", [("layer", ""), ("rms", "sqrt"), ("rms", "rsqrt")])
-def test_lowered_with_the_norm_fused_matches_float64(norm, form):
+@pytest.mark.parametrize("norm, form, view", [("layer", "", None), ("rms", "sqrt", None), ("rms", "rsqrt", None),
+                                              ("layer", "", (10, D)), ("rms", "sqrt", (10, D))])
+def test_lowered_with_the_norm_fused_matches_float64(norm, form, view):
     """The CPU lowering gives the site an `_ln` / `_rms` kernel and leaves none of the norm's ops;
-    the compiled module matches the site and the norm in float64 (numpy)."""
-    lowered = LowerDepthAttention(make_target("llvm"))(_module(norm, form))
+    the compiled module matches the site and the norm in float64 (numpy), also where the norm
+    reads the site's rows through a reshape."""
+    lowered = LowerDepthAttention(make_target("llvm"))(_module(norm, form, view=view))
     counted = calls(lowered)
     suffix = "_ln" if norm == "layer" else "_rms"
     assert sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith(suffix)) == 1
@@ -93,4 +115,6 @@ def test_lowered_with_the_norm_fused_matches_float64(norm, form):
         expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * gamma + beta
     else:
         expected = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * gamma
+    expected = expected if view is None else expected.reshape(view)
+    assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

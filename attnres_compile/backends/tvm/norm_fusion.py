@@ -2,13 +2,14 @@
 next sublayer's norm (or the final one) and by nothing else, so the kernel can store the normed
 row from the row still in cache, and the norm's own pass over the tensor is gone.
 
-Two patterns, each over the last axis of a float32 site value that nothing else reads:
+Two patterns, each over the last axis of a float32 site value that nothing else reads, or of a
+reshape of it that keeps the feature size and is all that reads it (HF OPT):
 - `relax.nn.layer_norm(x, gamma, beta)` (HF GPT-2, BERT-style PreNorm models);
 - RMSNorm as exporters write it, `gamma * (x * r)` with r = rsqrt(mean(x^2) + eps) or
   1 / sqrt(mean(x^2) + eps) (HF Llama, Mistral, Qwen; no Relax op exists for it), every
   intermediate read once.
 `Plan.add` finds them; the lowering then gives the site an `_ln` / `_rms` kernel, replaces the
-norm's last binding by the site's value and drops the intermediates.
+norm's last binding by the site's value (or that reshape of it) and drops the intermediates.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class Plan:
             site = parse(value) if isinstance(value, relax.Call) and _f32_tensor(value.ty) else None
             if site is None or site.axis % value.ty.ndim != value.ty.ndim - 1:
                 continue
-            match = _layer_norm(b, var) or _rms_norm(b, var)
+            view = _row_view(b, var)
+            x = var if view is None else view
+            match = _layer_norm(b, x, var) or _rms_norm(b, x, var)
             if match is not None:
                 norm, last, steps = match
                 self.norms[value] = norm
-                self.replaced[b.value[last]] = var
+                self.replaced[b.value[last]] = x
                 self.dropped.update(steps)
 
 
@@ -67,11 +70,26 @@ def _f32_tensor(ty, ndim: int | None = None) -> bool:
             and (ndim is None or ty.ndim == ndim))
 
 
-def _affine(param: relax.Expr, x: relax.Var, b: _Bindings) -> bool:
+def _row_view(b: _Bindings, site: relax.Var) -> relax.Var | None:
+    """The reshape that alone reads the site's value, if it keeps the feature size (HF OPT views its
+    stream as [batch * seq, D] around the MLP): row-major, it maps rows to rows, so the norm of its
+    rows is the reshaped norm of the site's rows."""
+    view = b.only_reader(site, "relax.reshape")
+    if view is None or not _f32_tensor(view.ty):
+        return None
+    shapes = [v.ty.shape for v in (site, view)]
+    if not all(isinstance(s, relax.ShapeExpr) for s in shapes):
+        return None
+    sizes = [s.values[-1] for s in shapes]
+    same = all(isinstance(n, tvm.tirx.IntImm) for n in sizes) and int(sizes[0]) == int(sizes[1])
+    return view if same else None
+
+
+def _affine(param: relax.Expr, x: relax.Var, b: _Bindings, site: relax.Var) -> bool:
     """A float32 [D] gamma or beta for x's features (D as far as both shapes are known) that
     exists where the site's kernel is called: a constant, a parameter or a value bound before
     the site (Gemma's `1 + weight`, computed at the norm, would be used before it is defined)."""
-    if not _f32_tensor(param.ty, 1) or not b.before(param, x):
+    if not _f32_tensor(param.ty, 1) or not b.before(param, site):
         return False
     shapes = [t.ty.shape for t in (param, x)]
     if not all(isinstance(s, relax.ShapeExpr) for s in shapes):
@@ -134,19 +152,20 @@ class _Bindings:
         return None
 
 
-def _layer_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None:
+def _layer_norm(b: _Bindings, x: relax.Var, site: relax.Var) -> tuple[Norm, relax.Var, list] | None:
+    """A LayerNorm over the last axis of x (the site's value or its row view) read only by it."""
     ln = b.only_reader(x, "relax.nn.layer_norm")
     if ln is None:
         return None
     call = b.value[ln]
     data, gamma, beta = call.args
     if not (call.attrs.center and call.attrs.scale and _last_axis(call, x.ty.ndim)
-            and all(_affine(t, x, b) for t in (gamma, beta))):
+            and all(_affine(t, x, b, site) for t in (gamma, beta))):
         return None
     return Norm("layer", float(call.attrs.epsilon), gamma, beta), ln, []
 
 
-def _rms_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None:
+def _rms_norm(b: _Bindings, x: relax.Var, site: relax.Var) -> tuple[Norm, relax.Var, list] | None:
     """gamma * (x * r), r = rsqrt(mean(x^2) + eps) or 1 / sqrt(...): x is read by the square and
     the product only, each intermediate by the next step only."""
     readers = b.read_by(x)
@@ -180,6 +199,6 @@ def _rms_norm(b: _Bindings, x: relax.Var) -> tuple[Norm, relax.Var, list] | None
     if normed is None:
         return None
     gamma = next((a for a in b.value[normed].args if not a.same_as(scaled)), None)
-    if gamma is None or not _affine(gamma, x, b):
+    if gamma is None or not _affine(gamma, x, b, site):
         return None
     return Norm("rms", eps, gamma), normed, [*steps, scaled]

@@ -337,8 +337,13 @@ def _rewrite(args) -> int:
     elif failed:
         from .passes.verify import describe
 
-        raise VerificationError(f"{args.scale}-mode verification failed on {len(failed)} output(s), e.g. "
-                                f"{' '.join(describe(failed[0]).split()[1:])}")
+        message = (f"{args.scale}-mode verification failed on {len(failed)} output(s), e.g. "
+                   f"{' '.join(describe(failed[0]).split()[1:])}")
+        if "original_export" in failed[0]:
+            message += ("; the original model, exported to ONNX the same way, fails that check too "
+                        f"({' '.join(failed[0]['original_export'].split()[2:])}): the ONNX export or onnxruntime "
+                        "computes this model wrongly, not the rewrite; -o X.pt2 keeps it in PyTorch")
+        raise VerificationError(message)
     return 0
 
 

@@ -167,4 +167,32 @@ def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, toleranc
     tensors = [t.numpy() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
     names = [f"onnxruntime:{n}" for n in actual]
-    return ort_backend.compare_outputs(dict(zip(names, (e.numpy() for e in expected))), dict(zip(names, actual.values())), tolerance)
+    expected = dict(zip(names, (e.numpy() for e in expected)))
+    rows = ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance)
+    if any(r.get("ok") is False for r in rows):
+        _blame_export(original, args, kwargs, tensors, expected, rows, tolerance, timeout)
+    return rows
+
+
+def _blame_export(original: Any, args: tuple, kwargs: dict, tensors: list, expected: dict, rows: list[dict],
+                  tolerance: tuple, timeout: float | None) -> None:
+    """After a failed onnxruntime check, the original model exported the same way (static shapes)
+    and checked alike: where it fails too, the exporter or onnxruntime computes this model wrongly,
+    not the rewrite, and the failed rows say so (`original_export`: that check's line)."""
+    import tempfile
+
+    from .backends import onnxruntime as ort_backend
+    from .passes.onnx_export import export
+
+    with tempfile.TemporaryDirectory(prefix="attnres-original-") as folder:
+        path = Path(folder) / "original.onnx"
+        try:
+            onnx_io.write(export(original, args, kwargs, None), path)
+            actual = ort_backend.run_file(path, tensors, timeout=timeout, consequence="no verdict on the original")
+        except Exception:  # noqa: BLE001 - no verdict on the original: the rows stay as they are
+            return
+    checked = {r["output"]: r for r in ort_backend.compare_outputs(expected, dict(zip(expected, actual.values())), tolerance)}
+    for row in rows:
+        same = checked.get(row["output"])
+        if row.get("ok") is False and same is not None and same.get("ok") is False:
+            row["original_export"] = verify.describe(same)

@@ -6,6 +6,7 @@ the original, at the exported shape and at another one (dims stay dynamic).
 """
 
 import importlib.metadata
+import json
 from pathlib import Path
 
 import numpy as np
@@ -446,3 +447,30 @@ def test_passthrough_and_layout_ops_between_links(tmp_path):
     assert not {"Cast", "Identity", "Dropout", "Sum"} & {n.op_type for n in model.graph.node}
     assert sorted(n.input[0] for n in model.graph.node if n.op_type == "Reshape") == ["a", "h1", "x"]
     onnx.checker.check_model(str(out), full_check=True)
+
+
+@pytest.mark.parametrize("faulty", ["every file", "the rewritten file"])
+def test_a_failed_onnxruntime_check_is_blamed_on_the_export_where_the_original_fails_it_too(
+        tmp_path, monkeypatch, capsys, faulty):
+    """After a failed onnxruntime check the original model is exported and checked the same way.
+    Where onnxruntime gets that one wrong too (here a runtime that adds 1 to every output; HF
+    Helium's ONNX export gives non-finite logits in onnxruntime with or without the rewrite), the
+    failed rows and the CLI's line say the export is at fault; where only the rewritten file is
+    wrong, they do not."""
+    from attnres_compile.cli import main
+
+    run_file = ort_backend.run_file
+
+    def faulty_runtime(path, arrays, **kwargs):
+        outputs = run_file(path, arrays, **kwargs)
+        wrong = faulty == "every file" or Path(path).name != "original.onnx"
+        return {k: v + 1 for k, v in outputs.items()} if wrong else outputs
+
+    monkeypatch.setattr(ort_backend, "run_file", faulty_runtime)
+    report = tmp_path / "report.json"
+    assert main(["rewrite", "samples.models:gpt_factory", "-o", str(tmp_path / "gpt.onnx"), "--report", str(report)]) == 7
+    failed = [r for r in json.loads(report.read_text())["verification"] if r["ok"] is False]
+    assert failed and all(r["output"].startswith("onnxruntime:") for r in failed)
+    blamed = faulty == "every file"
+    assert all(("original_export" in r) == blamed for r in failed)
+    assert ("not the rewrite; -o X.pt2 keeps it in PyTorch" in capsys.readouterr().err) == blamed

@@ -28,10 +28,11 @@ def _rms(bb, x, gamma, form: str):
     return bb.emit(relax.op.multiply(gamma, bb.emit(relax.op.multiply(x, rinv))))
 
 
-def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamma: bool = False,
+def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamma: int = 0,
             view: tuple | None = None) -> tvm.IRModule:
     """main(s0, s1, w, gamma, beta) = norm(site(s0, s1)) [+ the site's value, read a second time]
-    [with gamma + 1 as the norm's gain, computed after the site, as Gemma's norm does]
+    [with gamma + 1 as the norm's gain, computed after the site, as Gemma's norm does in a .pt2;
+    late_gamma=2: then times 2, a second step]
     [of the site's value reshaped to `view` first, as HF OPT views its stream as [batch * seq, D]]."""
     bb = relax.BlockBuilder()
     s0, s1 = (relax.Var(f"s{i}", relax.TensorType((2, 5, D), "float32")) for i in range(2))
@@ -44,6 +45,8 @@ def _module(norm: str, form: str = "sqrt", extra_reader: bool = False, late_gamm
                 x = bb.emit(relax.op.reshape(x, view))
             if late_gamma:
                 gamma = bb.emit(relax.op.add(gamma, relax.const(1.0, "float32")))
+            if late_gamma > 1:
+                gamma = bb.emit(relax.op.multiply(gamma, relax.const(2.0, "float32")))
             if norm == "layer":
                 y = bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=EPS))
             else:
@@ -81,22 +84,33 @@ def test_a_norm_of_a_row_view_of_the_site_is_planned(norm):
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-@pytest.mark.parametrize("case", ["site value read elsewhere too", "gain computed after the site",
+def test_a_gain_computed_after_the_site_is_computed_before_it(norm):
+    """Gemma's `1 + weight`, bound at the norm (a .pt2): the plan keeps that call as the gain, for the
+    lowering to emit before the kernel."""
+    plan = Plan()
+    plan.add(_module(norm, "sqrt", late_gamma=1)["main"])
+    (fused,) = plan.norms.values()
+    assert isinstance(fused.gamma, relax.Call) and fused.gamma.op.name == "relax.add"
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("case", ["site value read elsewhere too", "gain computed after the site in two steps",
                                   "reshape that regroups the features"])
 def test_not_fused(norm, case):
     plan = Plan()
-    plan.add(_module(norm, "sqrt", extra_reader=case.startswith("site"), late_gamma=case.startswith("gain"),
+    plan.add(_module(norm, "sqrt", extra_reader=case.startswith("site"), late_gamma=2 * case.startswith("gain"),
                      view=(5, 2 * D) if case.startswith("reshape") else None)["main"])
     assert plan.norms == {} and plan.dropped == set()
 
 
-@pytest.mark.parametrize("norm, form, view", [("layer", "", None), ("rms", "sqrt", None), ("rms", "rsqrt", None),
-                                              ("layer", "", (10, D)), ("rms", "sqrt", (10, D))])
-def test_lowered_with_the_norm_fused_matches_float64(norm, form, view):
+@pytest.mark.parametrize("norm, form, view, late_gamma", [
+    ("layer", "", None, 0), ("rms", "sqrt", None, 0), ("rms", "rsqrt", None, 0),
+    ("layer", "", (10, D), 0), ("rms", "sqrt", (10, D), 0), ("layer", "", None, 1), ("rms", "rsqrt", None, 1)])
+def test_lowered_with_the_norm_fused_matches_float64(norm, form, view, late_gamma):
     """The CPU lowering gives the site an `_ln` / `_rms` kernel and leaves none of the norm's ops;
     the compiled module matches the site and the norm in float64 (numpy), also where the norm
-    reads the site's rows through a reshape."""
-    lowered = LowerDepthAttention(make_target("llvm"))(_module(norm, form, view=view))
+    reads the site's rows through a reshape and where its gain is computed after the site."""
+    lowered = LowerDepthAttention(make_target("llvm"))(_module(norm, form, view=view, late_gamma=late_gamma))
     counted = calls(lowered)
     suffix = "_ln" if norm == "layer" else "_rms"
     assert sum(v for k, v in counted.items() if k.startswith(KERNEL_PREFIX) and k.endswith(suffix)) == 1
@@ -111,10 +125,11 @@ def test_lowered_with_the_norm_fused_matches_float64(norm, form, view):
     z = np.einsum("d,s...d->s...", w, v) / np.sqrt((v**2).mean(-1) + 1e-6)
     p = np.exp(z - z.max(0))
     x = 2.0 * np.einsum("s...,s...d->...d", p / p.sum(0), v)
+    gain = gamma + late_gamma  # late_gamma 1: gamma + 1
     if norm == "layer":
-        expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * gamma + beta
+        expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * gain + beta
     else:
-        expected = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * gamma
+        expected = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * gain
     expected = expected if view is None else expected.reshape(view)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

@@ -159,7 +159,9 @@ class _SiteLowerer(expr_functor.PyExprMutator):
         fused, affine = (), []
         if norm is not None:
             fused = (norm.kind, norm.eps)
-            affine = [self.visit_expr(t) for t in (norm.gamma, norm.beta) if t is not None]
+            # a gain computed at the norm (Gemma's 1 + weight) is computed here, before the kernel
+            affine = [bb.emit(self.visit_expr(t)) if isinstance(t, relax.Call) else self.visit_expr(t)
+                      for t in (norm.gamma, norm.beta) if t is not None]
             record[f"{norm.kind}_norm_eps"] = norm.eps
         if planned:  # the query's index and the scale are the merge kernel's arguments
             group, index = planned

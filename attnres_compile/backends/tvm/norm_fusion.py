@@ -25,7 +25,8 @@ from .sites import parse
 
 @dataclass(frozen=True)
 class Norm:
-    """A norm a site's kernel applies: kind "layer" (gamma, beta) or "rms" (gamma; beta None)."""
+    """A norm a site's kernel applies: kind "layer" (gamma, beta) or "rms" (gamma; beta None).
+    gamma and beta are values that exist at the site, or the operator call that computes one."""
 
     kind: str
     eps: float
@@ -62,7 +63,8 @@ class Plan:
 
 
 def _op(expr, *names: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
+    """Whether expr calls an operator (one of `names`, if given)."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and (not names or expr.op.name in names)
 
 
 def _f32_tensor(ty, ndim: int | None = None) -> bool:
@@ -85,17 +87,28 @@ def _row_view(b: _Bindings, site: relax.Var) -> relax.Var | None:
     return view if same else None
 
 
-def _affine(param: relax.Expr, x: relax.Var, b: _Bindings, site: relax.Var) -> bool:
-    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known) that
-    exists where the site's kernel is called: a constant, a parameter or a value bound before
-    the site (Gemma's `1 + weight`, computed at the norm, would be used before it is defined)."""
-    if not _f32_tensor(param.ty, 1) or not b.before(param, site):
-        return False
+def _affine(param: relax.Expr, x: relax.Var, b: _Bindings, site: relax.Var) -> relax.Expr | None:
+    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known), as the
+    site's kernel call can take it: the value itself where it exists at the site (a constant, a
+    parameter, a value bound before the site); or, where it is bound later from such values by one
+    operator (Gemma's `1 + weight`, computed at the norm in a .pt2), that call, which the lowering
+    emits before the kernel. None otherwise."""
+    if not _f32_tensor(param.ty, 1):
+        return None
+    value = param if b.before(param, site) else b.value.get(param)
+    if not (value is param or _op(value) and all(_at_site(a, b, site) for a in value.args)):
+        return None
     shapes = [t.ty.shape for t in (param, x)]
     if not all(isinstance(s, relax.ShapeExpr) for s in shapes):
-        return True
+        return value
     size, features = shapes[0].values[0], shapes[1].values[-1]
-    return not (isinstance(size, tvm.tirx.IntImm) and isinstance(features, tvm.tirx.IntImm)) or int(size) == int(features)
+    fits = not (isinstance(size, tvm.tirx.IntImm) and isinstance(features, tvm.tirx.IntImm)) or int(size) == int(features)
+    return value if fits else None
+
+
+def _at_site(arg: relax.Expr, b: _Bindings, site: relax.Var) -> bool:
+    """Whether a call argument exists where the site's kernel is called."""
+    return isinstance(arg, tvm.ir.GenericConst) or isinstance(arg, relax.Var) and b.before(arg, site)
 
 
 def _scalar(expr) -> float | None:
@@ -158,9 +171,9 @@ def _layer_norm(b: _Bindings, x: relax.Var, site: relax.Var) -> tuple[Norm, rela
     if ln is None:
         return None
     call = b.value[ln]
-    data, gamma, beta = call.args
+    gamma, beta = (_affine(t, x, b, site) for t in call.args[1:])
     if not (call.attrs.center and call.attrs.scale and _last_axis(call, x.ty.ndim)
-            and all(_affine(t, x, b, site) for t in (gamma, beta))):
+            and gamma is not None and beta is not None):
         return None
     return Norm("layer", float(call.attrs.epsilon), gamma, beta), ln, []
 
@@ -199,6 +212,7 @@ def _rms_norm(b: _Bindings, x: relax.Var, site: relax.Var) -> tuple[Norm, relax.
     if normed is None:
         return None
     gamma = next((a for a in b.value[normed].args if not a.same_as(scaled)), None)
-    if gamma is None or not _affine(gamma, x, b, site):
+    gamma = None if gamma is None else _affine(gamma, x, b, site)
+    if gamma is None:
         return None
     return Norm("rms", eps, gamma), normed, [*steps, scaled]

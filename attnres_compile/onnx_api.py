@@ -191,6 +191,8 @@ def _blame_export(original: Any, args: tuple, kwargs: dict, tensors: list, expec
             actual = ort_backend.run_file(path, tensors, timeout=timeout, consequence="no verdict on the original")
         except Exception:  # noqa: BLE001 - no verdict on the original: the rows stay as they are
             return
+    if len(actual) != len(expected):
+        return
     checked = {r["output"]: r for r in ort_backend.compare_outputs(expected, dict(zip(expected, actual.values())), tolerance)}
     for row in rows:
         same = checked.get(row["output"])

@@ -1,0 +1,114 @@
+"""HF architectures the suite does not name, through the CLI: `rewrite` (Full) to .pt2 and .onnx,
+then `compile` each, one line per model and route.
+
+    python benchmarks/unseen_models.py [NAME ...] [--out FOLDER]
+
+Tiny random configs (2-4 layers, width 16-32), built here and called as `unseen_models:NAME`
+factories. Each line: the step that failed with its one-line error, or the compile's verification
+line (the artifact against onnxruntime for .onnx, against torch for .pt2) and the kinds of its
+site kernels (`_ln` / `_rms`: the next norm fused). A model the tool handles today is only a
+starting point for the next one: add configs here when a user's model breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+ROUTES = ("pt2", "onnx")
+
+
+def _text(vocab: int) -> dict:
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+
+
+def _pixels(size: int) -> dict:
+    return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
+
+
+def _build(cls, cfg, inputs):
+    torch.manual_seed(0)
+    return cls(cfg).eval(), inputs
+
+
+LM = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100, max_position_embeddings=32)
+GQA = dict(LM, num_key_value_heads=1)
+VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=16, patch_size=8)
+
+MODELS = {
+    "gptj": lambda: _build(tf.GPTJForCausalLM, tf.GPTJConfig(n_layer=3, n_embd=32, n_head=2, rotary_dim=8,
+                                                            vocab_size=100, n_positions=32), _text(100)),
+    "gemma3": lambda: _build(tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(num_hidden_layers=3, head_dim=16,
+                                                                       sliding_window=4, **GQA), _text(100)),
+    "smollm3": lambda: _build(tf.SmolLM3ForCausalLM, tf.SmolLM3Config(num_hidden_layers=4, pad_token_id=0, **GQA),
+                              _text(100)),
+    "olmo": lambda: _build(tf.OlmoForCausalLM, tf.OlmoConfig(num_hidden_layers=3, **LM), _text(100)),
+    "glm": lambda: _build(tf.GlmForCausalLM, tf.GlmConfig(num_hidden_layers=3, head_dim=16, pad_token_id=0, **GQA),
+                          _text(100)),
+    "helium": lambda: _build(tf.HeliumForCausalLM, tf.HeliumConfig(num_hidden_layers=3, head_dim=16, **GQA), _text(100)),
+    "clip_vision": lambda: _build(tf.CLIPVisionModel, tf.CLIPVisionConfig(num_hidden_layers=3, **VISION), _pixels(16)),
+    "dinov2_registers": lambda: _build(tf.Dinov2WithRegistersModel, tf.Dinov2WithRegistersConfig(
+        num_hidden_layers=3, num_register_tokens=2, **VISION), _pixels(16)),
+    "swinv2": lambda: _build(tf.Swinv2Model, tf.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                                                            num_heads=[2, 2], window_size=4), _pixels(32)),
+    "pvt_v2": lambda: _build(tf.PvtV2Model, tf.PvtV2Config(num_encoder_blocks=2, depths=[2, 2], hidden_sizes=[16, 32],
+                                                          num_attention_heads=[1, 2], sr_ratios=[2, 1],
+                                                          patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]),
+                             _pixels(32)),
+}
+globals().update({name: make for name, make in MODELS.items()})  # `unseen_models:NAME` factories for the CLI
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "attnres_compile.cli", *args], capture_output=True, text=True, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+def run(name: str, route: str, folder: Path) -> dict:
+    """One model through `rewrite -o NAME.ROUTE` and `compile`: a row with the outcome."""
+    model = folder / f"{name}.{route}"
+    code, text = _cli("rewrite", f"unseen_models:{name}", "-o", str(model), "--force")
+    if code:
+        return {"model": name, "route": route, "failed": "rewrite", "line": text.strip().splitlines()[-1]}
+    code, text = _cli("compile", str(model), "-o", str(folder / f"{name}_{route}"), "--force")
+    if code:
+        return {"model": name, "route": route, "failed": "compile", "line": text.strip().splitlines()[-1]}
+    sites = json.loads((folder / f"{name}_{route}" / "manifest.json").read_text())["sites"]
+    kinds = collections.Counter(s["kernel"].rsplit("_", 1)[-1] if s["kernel"].endswith(("_ln", "_rms")) else "unfused"
+                                for s in sites)
+    checks = [" ".join(line.split()) for line in text.splitlines() if line.strip()[:1] in ("✓", "✗", "?")]
+    return {"model": name, "route": route, "sites": len(sites), "kernels": dict(kinds), "verified": checks}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"default: all of {', '.join(MODELS)}")
+    parser.add_argument("--out", type=Path, help="keep the files here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.out or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in args.names or MODELS:
+            for route in ROUTES:
+                row = run(name, route, folder)
+                outcome = (f"{row['failed']} failed: {row['line']}" if "failed" in row
+                           else f"{row['sites']} sites {row['kernels']}; {' | '.join(row['verified'])}")
+                print(f"{name:>18} {route:>4}: {outcome}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -70,7 +70,8 @@ globals().update({name: make for name, make in MODELS.items()})  # `unseen_model
 
 
 def _cli(*args: str) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(Path(__file__).parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # no empty entry: it would put the cwd first
     done = subprocess.run([sys.executable, "-m", "attnres_compile.cli", *args], capture_output=True, text=True, env=env)
     return done.returncode, done.stdout + done.stderr
 

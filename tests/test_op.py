@@ -5,6 +5,7 @@ kernels' dispatch and disk cache.
 gradcheck needs float64, which only the eager reference computes; the fused backward is checked
 in float32 (and bfloat16) against the float64 analytic gradient, with dtype-scaled tolerances."""
 
+import contextlib
 import os
 
 import pytest
@@ -190,6 +191,35 @@ def test_dispatch_uses_the_fused_kernel_where_it_applies(monkeypatch):
         op_module.set_kernel(previous)
     with pytest.raises(ValueError, match="unknown depth-attention kernel"):
         op_module.set_kernel("fast")
+
+
+def test_plain_eager_calls_the_kernels_without_redispatch(monkeypatch):
+    """In plain eager execution (a Parameter query included, as in a rewritten model) the Autograd
+    kernel calls the backend kernels itself, forward and backward; under a dispatch mode both go
+    through the ops, and the gradients agree."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    sources = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    w = torch.nn.Parameter(torch.randn(8))
+    assert op_module.plain_eager(sources, w)
+    calls = []
+    for name in ("_OP", "_BACKWARD"):
+        monkeypatch.setattr(op_module, name, lambda *a, real=getattr(op_module, name), name=name:
+                            calls.append(name) or real(*a))
+    grads = []
+    for mode in (None, Passthrough()):
+        with mode or contextlib.nullcontext():
+            op(sources, w, 1e-6, 3.0, -1).square().sum().backward()
+        grads.append([t.grad.clone() for t in (*sources, w)])
+        for t in (*sources, w):
+            t.grad = None
+        assert calls == ([] if mode is None else ["_OP", "_BACKWARD"])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
 
 
 def test_threads_follow_torch(one_thread):

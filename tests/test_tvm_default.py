@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from attnres_compile import AttnResConfig
 from attnres_compile.backends.tvm import compile_model, load
 from attnres_compile.backends.tvm.artifact import dim_text
 from attnres_compile.backends.tvm.cli import add_commands
-from attnres_compile.backends.tvm.cpu_rules import Matmul, default_schedule
+from attnres_compile.backends.tvm.cpu_rules import Matmul, RowReduction, default_schedule
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX
 from attnres_compile.backends.tvm.pipeline import build, make_target
@@ -106,6 +107,74 @@ def test_a_matmul_over_one_term_with_a_symbolic_batch():
     args = [tvm.runtime.tensor(x) for x in arrays]
     tvm.compile(scheduled.with_attr("global_symbol", "main"), target)(*args)
     np.testing.assert_allclose(args[-1].numpy(), arrays[0] @ arrays[1], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the row-reduction rule
+
+def _row_op(kind: str):
+    """(legalized prim func, input shape at run time, its weights, float64 numpy reference) of one
+    norm or softmax, as Relax legalizes it for a model."""
+    from tvm.script import relax as R
+
+    from attnres_compile.backends.tvm.pipeline import prepare
+
+    shape = {"layer_norm": (2, 64, 256), "rms_norm": (2, 64, 256), "softmax": (1, 4, 32, 128),
+             "layer_norm_100": (3, 100), "layer_norm_symbolic": ("t", 256), "mean_of_rows": (64, 256)}[kind]
+    run_shape = tuple(13 if isinstance(d, str) else d for d in shape)
+    shape = tuple(tvm.tirx.Var(d, "int64") if isinstance(d, str) else d for d in shape)
+    rng = np.random.default_rng(1)
+    gamma, beta = (rng.standard_normal(run_shape[-1]).astype(np.float32) for _ in range(2))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if kind.startswith("layer_norm"):
+                y = relax.op.nn.layer_norm(x, relax.const(gamma), relax.const(beta), axes=[-1], epsilon=1e-5)
+            elif kind == "rms_norm":
+                y = relax.op.nn.rms_norm(x, relax.const(gamma), axes=[-1], epsilon=1e-5)
+            elif kind == "softmax":
+                y = relax.op.nn.softmax(x, axis=-1)
+            else:
+                y = relax.op.subtract(x, bb.emit(relax.op.mean(x, axis=[0], keepdims=True)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = prepare(bb.get(), make_target("llvm"))
+    func = next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+
+    def reference(a):
+        a = a.astype(np.float64)
+        if kind.startswith("layer_norm"):
+            return (a - a.mean(-1, keepdims=True)) / np.sqrt(a.var(-1, keepdims=True) + 1e-5) * gamma + beta
+        if kind == "rms_norm":
+            return a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-5) * gamma
+        if kind == "softmax":
+            e = np.exp(a - a.max(-1, keepdims=True))
+            return e / e.sum(-1, keepdims=True)
+        return a - a.mean(0, keepdims=True)
+    weights = {"rms_norm": [gamma]}.get(kind, [gamma, beta] if kind.startswith("layer_norm") else [])
+    return func, run_shape, weights, reference
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "softmax", "layer_norm_100", "layer_norm_symbolic",
+                                  "mean_of_rows"])
+def test_row_reduction_rule_vectorises_the_rows_and_matches_numpy(kind):
+    """Norms and softmax get RowReduction's schedule: a partial sum per vector lane (a `_rf` block
+    whose innermost loop is vectorised) where the reduced axis is a multiple of the vector width,
+    scalar sums where it is not (100 features); a mean over the rows would be recomputed per row,
+    so the rule refuses it and dlight's Reduction takes it. Every result matches float64 numpy."""
+    func, shape, weights, reference = _row_op(kind)
+    target = make_target("llvm")
+    with target:
+        mine = RowReduction().apply(func, target, False)
+    assert (mine is None) == (kind == "mean_of_rows")
+    scheduled = default_schedule(func, target).mod["main"]
+    vectorised = re.findall(r"in T\.vectorized\([^\n]*\n\s*with T\.sblock\(\"(\w+_rf)\"\)", scheduled.script())
+    assert len(vectorised) == {"layer_norm": 2, "layer_norm_symbolic": 2, "rms_norm": 1, "softmax": 2}.get(kind, 0), vectorised
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    args = [tvm.runtime.tensor(a) for a in (x, *weights, np.zeros(shape, np.float32))]
+    tvm.compile(scheduled.with_attr("global_symbol", "main"), target)(*args)
+    expected = reference(x)
+    np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 # ---------------------------------------------------------------- legacy exports and the pre-pass

@@ -6,11 +6,11 @@ multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastM
 swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization)
 and cumsum becomes a scan that builds with symbolic dims (cumsum.py); the module is legalized and
 fused. Then (`schedule`) every operator gets a default schedule: cpu_rules.py's on CPU
-(register-tiled GEMMs with pre-packed weights, dlight's GEMV and Reduction, parallel/vectorised
-injective operators), dlight's GPU rules on CUDA (gpu_rules.py: a rule's schedule that TVM cannot
-lower goes to the next rule). With tuning, meta_schedule tunes the prepared operators first
-(tune.py) and the default schedules fill in whatever it did not schedule. The rest is TVM's
-standard lowering.
+(register-tiled GEMMs with pre-packed weights, dlight's GEMV, norms and softmax with their row
+sums in vector lanes, parallel/vectorised injective operators), dlight's GPU rules on CUDA
+(gpu_rules.py: a rule's schedule that TVM cannot lower goes to the next rule). With tuning,
+meta_schedule tunes the prepared operators first (tune.py) and the default schedules fill in
+whatever it did not schedule. The rest is TVM's standard lowering.
 """
 
 from __future__ import annotations

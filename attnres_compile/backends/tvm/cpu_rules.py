@@ -257,8 +257,8 @@ class RowReduction(_SafeRule):
     """Reductions and elementwise stages over shared leading (row) axes, ending in an elementwise
     stage (dlight's `Reduction` form: softmax, layer and RMS norms), one row at a time: the rows
     loop in parallel, every stage is computed at the row, and each reduction over a trailing axis
-    that is a static multiple of the vector width keeps one partial sum per lane (rfactor), summed
-    across the lanes at the end of the row. Elementwise stages read by one stage, or that only
+    that is a static multiple of the vector width (or of a half or quarter of it) keeps one partial
+    sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise stages read by one stage, or that only
     cast or copy, are inlined into their readers. A stage that would be recomputed per row (a mean
     over the rows) leaves the operator to the next rule."""
 
@@ -336,15 +336,17 @@ def _extent_of(value) -> int:
 
 
 def _lane_partials(sch: s_tir.Schedule, block, lane: int) -> dict[str, str]:
-    """Split a reduction's trailing reduce loop by the vector width and keep a partial per lane
-    (rfactor): {the partials' block name: its lane iterator's name}, empty where the reduction does
-    not end in one reduce axis that is a static multiple of the width above it."""
+    """Split a reduction's trailing reduce loop by the vector width (or a half or quarter of it, at
+    least 4, where the extent needs) and keep a partial per lane (rfactor): {the partials' block
+    name: its lane iterator's name}, empty where the reduction does not end in one static reduce
+    axis longer than, and a multiple of, such a width."""
     kinds = "".join("R" if iv.iter_type == tirx.IterVar.CommReduce else "S" for iv in sch.get(block).iter_vars)
     loops = sch.get_loops(block)
     extent = _extent(sch, loops[-1])
-    if kinds.count("R") != 1 or not kinds.endswith("R") or extent is None or extent <= lane or extent % lane:
+    width = next((w for w in (lane, lane // 2, lane // 4) if w >= 4 and extent and extent > w and extent % w == 0), None)
+    if kinds.count("R") != 1 or not kinds.endswith("R") or width is None:
         return {}
-    _, inner = sch.split(loops[-1], [None, lane])
+    _, inner = sch.split(loops[-1], [None, width])
     name = "v" + sch.get(inner).loop_var.name  # the partials' iterator over the lanes
     partials = sch.rfactor(inner, factor_axis=len(sch.get(block).writes[0].source.shape))
     return {sch.get(partials).name_hint: name}

@@ -257,10 +257,10 @@ class RowReduction(_SafeRule):
     """Reductions and elementwise stages over shared leading (row) axes, ending in an elementwise
     stage (dlight's `Reduction` form: softmax, layer and RMS norms), one row at a time: the rows
     loop in parallel, every stage is computed at the row, and each reduction over a trailing axis
-    that is a static multiple of the vector width (or of a half or quarter of it) keeps one partial
-    sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise stages read by one stage, or that only
-    cast or copy, are inlined into their readers. A stage that would be recomputed per row (a mean
-    over the rows) leaves the operator to the next rule."""
+    that is a static multiple of the vector width (or of a half or quarter of it) keeps one
+    partial sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise
+    stages read by one stage, or that only cast or copy, are inlined into their readers. A stage
+    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
@@ -284,7 +284,8 @@ class RowReduction(_SafeRule):
             sch.compute_at(block, row, preserve_unit_loops=True)
         if not all(_once_per_row(sch, block, row) for block in stages):
             return None  # a stage not indexed by the rows (a mean over them) would be recomputed per row
-        if _cores(target) > 1 and math.prod(_extent(sch, lp) or PARALLEL_MIN for lp in sch.get_loops(last)) >= PARALLEL_MIN:
+        points = math.prod(_extent(sch, lp) or PARALLEL_MIN for lp in sch.get_loops(last))
+        if _cores(target) > 1 and points >= PARALLEL_MIN:
             sch.parallel(row)
         for block in stages:
             name = sch.get(block).name_hint
@@ -320,7 +321,8 @@ def _inline_stages(sch: s_tir.Schedule, infos: list[SBlockInfo]) -> list:
         readers = sch.get_consumers(info.block_rv)
         size = math.prod(_extent_of(x) for x in block.writes[0].source.shape)
         cheap = isinstance(block.body, tirx.BufferStore) and isinstance(block.body.value, (tirx.Cast, TensorLoad))
-        once = len(readers) == 1 and math.prod(_extent_of(iv.dom.extent) for iv in sch.get(readers[0]).iter_vars) <= size
+        once = (len(readers) == 1
+                and math.prod(_extent_of(iv.dom.extent) for iv in sch.get(readers[0]).iter_vars) <= size)
         if info.is_injective() and readers and (cheap or once):
             try:
                 sch.compute_inline(info.block_rv)
@@ -343,7 +345,8 @@ def _lane_partials(sch: s_tir.Schedule, block, lane: int) -> dict[str, str]:
     kinds = "".join("R" if iv.iter_type == tirx.IterVar.CommReduce else "S" for iv in sch.get(block).iter_vars)
     loops = sch.get_loops(block)
     extent = _extent(sch, loops[-1])
-    width = next((w for w in (lane, lane // 2, lane // 4) if w >= 4 and extent and extent > w and extent % w == 0), None)
+    widths = (w for w in (lane, lane // 2, lane // 4) if w >= 4 and extent and extent > w and extent % w == 0)
+    width = next(widths, None)
     if kinds.count("R") != 1 or not kinds.endswith("R") or width is None:
         return {}
     _, inner = sch.split(loops[-1], [None, width])

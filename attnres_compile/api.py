@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from . import pytree_warning
+from . import hf_experts, pytree_warning
 from .config import AttnResConfig
 from .errors import InputError, TraceError, first_line
 from .passes import dynamic_dims, verify
@@ -87,7 +87,9 @@ def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | 
         dynamic_shapes = dynamic_dims.export_spec(dims, model, args, kwargs)
         notes += dynamic_dims.size_one_note(dims, model, args, kwargs)
     try:
-        ep = dynamic_dims.export_program(model, args, kwargs, dynamic_shapes, what, notes)
+        with hf_experts.export_friendly(model) as note:
+            ep = dynamic_dims.export_program(model, args, kwargs, dynamic_shapes, what, notes)
+        notes += [note] if note else []
         return Traced(make_mode_switchable(ep.module(check_guards=False), model.training), "torch.export", args, kwargs, notes)
     except Exception as export_exc:  # noqa: BLE001 - any tracer failure falls back, then is reported
         try:

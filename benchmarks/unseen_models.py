@@ -32,6 +32,11 @@ def _text(vocab: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
 
 
+def _encoder_text(vocab: int) -> dict:
+    """_text without `use_cache`, for encoders that take no such argument."""
+    return {k: v for k, v in _text(vocab).items() if k != "use_cache"}
+
+
 def _pixels(size: int) -> dict:
     return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
 
@@ -65,6 +70,30 @@ MODELS = {
                                                           num_attention_heads=[1, 2], sr_ratios=[2, 1],
                                                           patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]),
                              _pixels(32)),
+    "mixtral": lambda: _build(tf.MixtralForCausalLM, tf.MixtralConfig(num_hidden_layers=2, num_local_experts=4,
+                                                                       num_experts_per_tok=2, **GQA), _text(100)),
+    "qwen3_moe": lambda: _build(tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, **GQA),
+        _text(100)),
+    "deepseek_v3": lambda: _build(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=32, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, **LM), _text(100)),
+    "mamba": lambda: _build(tf.MambaForCausalLM, tf.MambaConfig(num_hidden_layers=3, hidden_size=32, state_size=8,
+                                                                 vocab_size=100, conv_kernel=4), _text(100)),
+    "modernbert": lambda: _build(tf.ModernBertModel, tf.ModernBertConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100,
+        global_attn_every_n_layers=2, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        cls_token_id=1, sep_token_id=2), _encoder_text(100)),
+    "bloom": lambda: _build(tf.BloomForCausalLM, tf.BloomConfig(n_layer=3, hidden_size=32, n_head=2, vocab_size=100),
+                            _text(100)),
+    "cohere": lambda: _build(tf.CohereForCausalLM, tf.CohereConfig(num_hidden_layers=3, pad_token_id=0, bos_token_id=1,
+                                                                   eos_token_id=2, **GQA), _text(100)),
+    "segformer": lambda: _build(tf.SegformerModel, tf.SegformerConfig(
+        num_encoder_blocks=2, depths=[2, 2], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]), _pixels(32)),
+    "beit": lambda: _build(tf.BeitModel, tf.BeitConfig(num_hidden_layers=3, use_relative_position_bias=True,
+                                                       layer_scale_init_value=0.1, **VISION), _pixels(16)),
 }
 globals().update({name: make for name, make in MODELS.items()})  # `unseen_models:NAME` factories for the CLI
 

@@ -131,6 +131,12 @@ def gemma_factory():
     return _lm(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=16, num_key_value_heads=1)
 
 
+def mixtral_factory():
+    """Mixtral (pre-norm decoder, sparse mixture of experts: 4 experts, top 2 per token)."""
+    return _lm(tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=1, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
 ZOO = {
     "t5": t5_factory,
     "whisper": whisper_factory,
@@ -144,4 +150,5 @@ ZOO = {
     "gpt_neox": gpt_neox_factory,
     "qwen2": qwen2_factory,
     "gemma": gemma_factory,
+    "mixtral": mixtral_factory,
 }

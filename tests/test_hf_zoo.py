@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import attnres_compile as ac
+from attnres_compile import hf_experts
 from attnres_compile.api import trace
 from attnres_compile.config import AttnResConfig
 from attnres_compile.passes.chain_analysis import NOT_LEARNED, analyze
@@ -53,6 +54,8 @@ EXPECTED = {
     "gpt_neox": ([(2, 5)], "2 layers, parallel residual x + attn(ln1 x) + mlp(ln2 x): 2 branches each"),
     "qwen2": ([(4, 5)], "pre-norm decoder: 2 layers x (attn, MLP)"),
     "gemma": ([(4, 5)], "pre-norm decoder: 2 layers x (attn, MLP)"),
+    "mixtral": ([(4, 5)], "pre-norm decoder: 2 layers x (attn, sparse MoE); the experts' weighted sum is "
+                          "inside the MoE branch, not a link"),
 }
 SUITE = {  # the HF models of the rest of the suite, for the fx/ONNX agreement
     "gpt2": ([(4, 5)], "2 layers x (attn, MLP); GELU-new's internal adds are not links"),
@@ -122,7 +125,7 @@ RELOAD = textwrap.dedent("""
             out[name]["names"].append(archive.outputs)
     print(json.dumps(out))
 """)
-# through the CLI: nine architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path;
+# through the CLI: ten architectures (DeiT and Gemma, near copies of ViT and Llama, only on the fx path;
 # T5, the costliest export at 34 s of CPU, only on the fx path and in the agreement: Whisper is the
 # encoder-decoder that goes through the CLI)
 CLI = [name for name in EXPECTED if name not in ("deit", "gemma", "t5")]
@@ -132,7 +135,7 @@ CLI = [name for name in EXPECTED if name not in ("deit", "gemma", "t5")]
 PT2 = ["whisper", "swin", "convnext", "phi"]
 # two halves of about equal export cost (the encoder-decoders and the convnets cost most)
 HALVES = (["t5", "mobilenetv2", "falcon", "qwen2", "gpt_neox", "deit", "gpt2", "vit", "resnet"],
-          ["whisper", "swin", "phi", "gemma", "dinov2", "convnext", "llama", "bert"])
+          ["whisper", "swin", "phi", "gemma", "dinov2", "convnext", "llama", "bert", "mixtral"])
 
 
 def _python(code: str, *argv: str) -> subprocess.Popen:
@@ -214,6 +217,18 @@ def test_links_and_exact_preserve_rewrite(name, workers):
         assert err <= 1e-5, variant
 
 
+def test_moe_experts_traced_with_standard_ops():
+    """transformers runs Mixtral's experts as its custom op grouped_mm_fallback, which neither
+    torch.onnx nor TVM can import: the trace uses batched_mm instead, says so, and leaves the
+    model passed in as it was."""
+    model, inputs = hf_zoo.mixtral_factory()
+    traced = trace(model, inputs)
+    ops = {str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
+    assert not [op for op in ops if op.startswith("transformers.")], sorted(ops)
+    assert hf_experts.NOTE in traced.notes
+    assert model.get_experts_implementation() == {"": hf_experts.FROM}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*EXPECTED, *SUITE])
 def test_fx_and_onnx_analyses_agree(name, workers):
@@ -233,7 +248,7 @@ def test_fx_and_onnx_analyses_agree(name, workers):
 
 @pytest.mark.slow
 def test_cli_onnx_and_pt2_reload_in_a_fresh_process(workers):
-    """`rewrite FACTORY -o X.onnx` (Block) for nine zoo models and `-o X.pt2` for four (in the
+    """`rewrite FACTORY -o X.onnx` (Block) for ten zoo models and `-o X.pt2` for four (in the
     worker processes), then fresh processes load each file, run it at batch 3 (traced at 2) and
     match the original: that is the verification (the CLI's own runs are skipped to save CI time)."""
     results = workers.results()

@@ -536,6 +536,41 @@ def test_reshape_of_a_shape_dim_to_a_vector(tmp_path):
         np.testing.assert_array_equal(actual, expected)
 
 
+def test_shape_of_a_runtime_constant_of_shape_and_an_unsorted_top_k(tmp_path):
+    """HF DeepSeek-V3's ONNX export: the Shape of a ConstantOfShape whose shape is read at run time
+    (`new_empty` of [batch, seq, heads, d]) failed TVM's Shape converter ("'Type' object has no
+    attribute 'shape'": the fill was not normalised), and its expert routing's TopK(sorted=0) was
+    refused. Built once with symbolic dims, run at two shapes against onnxruntime (the unsorted
+    top k compared as sets)."""
+    i64 = lambda name, v: onnx.numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    fill = onnx.numpy_helper.from_array(np.array([0.5], np.float32))
+    nodes = [onnx.helper.make_node("Shape", ["x"], ["s"]),
+             onnx.helper.make_node("Concat", ["s", "four"], ["shape"], axis=0),
+             onnx.helper.make_node("ConstantOfShape", ["shape"], ["c"], value=fill),
+             onnx.helper.make_node("Shape", ["c"], ["cs"]),
+             onnx.helper.make_node("Unsqueeze", ["x", "minus_one"], ["x1"]),
+             onnx.helper.make_node("Add", ["x1", "c"], ["y"]),
+             onnx.helper.make_node("TopK", ["x", "two"], ["values", "indices"], axis=-1, sorted=0)]
+    graph = onnx.helper.make_graph(
+        nodes, "deepseek", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["a", "b"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["a", "b", 4]),
+         onnx.helper.make_tensor_value_info("cs", onnx.TensorProto.INT64, [3]),
+         onnx.helper.make_tensor_value_info("values", onnx.TensorProto.FLOAT, ["a", 2]),
+         onnx.helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, ["a", 2])],
+        initializer=[i64("four", [4]), i64("minus_one", [-1]), i64("two", [2])])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "d.onnx")
+    vm = relax.VirtualMachine(build(import_model(tmp_path / "d.onnx"), make_target("llvm")).executable, tvm.cpu())
+    session = ort.InferenceSession(str(tmp_path / "d.onnx"), providers=["CPUExecutionProvider"])
+    for shape in [(2, 5), (3, 7)]:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        expected = session.run(None, {"x": x})
+        actual = [a.numpy() if hasattr(a, "numpy") else np.array(list(a)) for a in vm["main"](tvm.runtime.tensor(x))]
+        for name, e, a in zip(["y", "cs", "values", "indices"], expected, actual):
+            e, a = (np.sort(e, -1), np.sort(a, -1)) if name in ("values", "indices") else (e, a)
+            assert a.shape == e.shape, name
+            np.testing.assert_array_equal(a, e, err_msg=name)
+
+
 def test_view_to_symbolic_dims_of_the_same_rank():
     """view(b, s, -1, 8) of a [b, 1, s, 32] tensor with b and s symbolic (HF GPT-BigCode's heads):
     TVM's PyTorch frontend compared the old and new dims with ==, which raises on symbolic dims.

@@ -22,6 +22,7 @@ import torch
 from onnx.defs import OpSchema
 from onnxscript import ir
 
+from .. import hf_experts
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from ..errors import TraceError, first_line
 from ..pt2 import output_names
@@ -89,7 +90,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     _read_torchlib_once()
     with contextlib.redirect_stdout(io.StringIO()), _quiet_loggers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
-        exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with hf_experts.export_friendly(module):
+            exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         one_pass(exported.graph_module)  # a two-phase module's sites: regrouped below as the ONNX form does
         _contiguous_as_clone(exported.graph_module)
         names = output_names(exported)  # the .pt2 archive's names (`logits`, `hidden_states.1`)

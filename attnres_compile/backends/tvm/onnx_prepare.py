@@ -9,7 +9,9 @@ Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they ar
 
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
-Qwen2/Llama/GPT-2), Expand to a shape known at run time (the stock one broadcast one way only,
+Qwen2/Llama/GPT-2) and of one read at run time (normalised, so that a Shape of it reads its
+dims: DeepSeek-V3), TopK with sorted=0 (refused by the stock converter; sorted is one valid
+order), Expand to a shape known at run time (the stock one broadcast one way only,
 giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
 stock one read the data's dims as integers), Reshape of a shape dim to a 1-element vector (BLOOM,
 XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), SequenceInsert at a
@@ -112,7 +114,7 @@ class ConverterFixes:
 
     def _convert_operator(self, op_name: str, inputs, attrs: dict, opset: int):
         if op_name == "ConstantOfShape":
-            return _constant_of_shape(inputs[0], attrs, [self._nodes, self._params])
+            return self.bb.normalize(_constant_of_shape(inputs[0], attrs, [self._nodes, self._params]))
         try:
             if op_name == "Expand" and _runtime_shape_of_known_length(inputs[0], inputs[1]):
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
@@ -128,6 +130,10 @@ class ConverterFixes:
                 return relax.const(len(inputs[0].ty.fields), "int64")
             if op_name == "Split" and len(inputs) == 2 and _runtime_shape_of_known_length(inputs[0], inputs[1]):
                 return _split_at_runtime(self.bb, inputs[0], inputs[1], attrs.get("axis", 0))
+            if op_name == "TopK" and attrs.get("sorted", 1) == 0:
+                # the order of an unsorted top k is unspecified, so sorted is one valid answer; the
+                # stock converter refuses sorted=0 (DeepSeek-V3's expert routing)
+                attrs = {**attrs, "sorted": 1}
             if op_name == "Unsqueeze" and len(inputs) == 2 and isinstance(inputs[1], tvm.ir.GenericConst):
                 # one axis as a scalar (onnxscript's folding of ConcatFromSequence writes it so)
                 inputs = [inputs[0], relax.const(inputs[1].value.numpy().reshape(-1), "int64")]

@@ -591,6 +591,29 @@ def test_view_to_symbolic_dims_of_the_same_rank():
         for expected, actual in zip(Heads()(x), vm["main"](tvm.runtime.tensor(x.numpy()))):
             np.testing.assert_array_equal(actual.numpy(), expected.numpy())
 
+def test_new_empty_of_symbolic_size_and_an_unsorted_top_k():
+    """HF DeepSeek-V3's `.pt2`: `new_empty` of [batch, seq, ...] filled by slices (its key
+    expansion) failed TVM's PyTorch frontend (the size's symbolic dims went to Relax as fx nodes),
+    and its routing's topk(sorted=False) was refused. Built once with symbolic dims, run at two
+    shapes against torch (the unsorted top k compared sorted)."""
+    class Expand(torch.nn.Module):
+        def forward(self, x):
+            b, s, d = x.shape
+            out = x.new_empty(b, s, 2 * d)
+            out[..., :d] = x
+            out[..., d:] = 2 * x
+            return out, torch.topk(x, 2, dim=-1, sorted=False)[0]
+
+    dims = {0: torch.export.Dim("b"), 1: torch.export.Dim("s")}
+    program = torch.export.export(Expand(), (torch.randn(2, 5, 4),), dynamic_shapes=(dims,))
+    vm = relax.VirtualMachine(build(import_model(program), make_target("llvm")).executable, tvm.cpu())
+    for shape in [(2, 5, 4), (3, 2, 4)]:
+        x = torch.randn(shape)
+        (expanded, top), (got_expanded, got_top) = Expand()(x), vm["main"](tvm.runtime.tensor(x.numpy()))
+        np.testing.assert_array_equal(got_expanded.numpy(), expanded.numpy())
+        np.testing.assert_array_equal(np.sort(got_top.numpy(), -1), np.sort(top.numpy(), -1))
+
+
 def test_sequence_insert_at_a_negative_position():
     """The onnx wheel's simple/test_sequence_model3: SequenceConstruct(X, Y, Z), erase at -3, insert
     X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter

@@ -134,7 +134,28 @@ def from_exported_program(program) -> tvm.IRModule:
     from ... import op as _op  # noqa: F401  (registers torch.ops.attnres before decompositions run)
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
-                                                "reshape.default": _convert_reshape})
+                                                "reshape.default": _convert_reshape, "empty.default": _convert_empty,
+                                                "empty.memory_format": _convert_empty, "topk.default": _convert_topk})
+
+
+def _convert_topk(node, importer) -> relax.Expr:
+    """topk, sorted whatever its `sorted` says: the order of an unsorted top k is unspecified, so
+    sorted is one valid answer; the stock converter refused sorted=False (DeepSeek-V3's routing)."""
+    args = importer.retrieve_args(node)
+    x = args[0]
+    k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
+    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
+    return importer.block_builder.emit(relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+
+
+def _convert_empty(node, importer) -> relax.Expr:
+    """empty (what `new_empty` decomposes to) as zeros, with symbolic sizes read as dims: the stock
+    converter passed the size list's fx nodes to Relax as they were (HF DeepSeek-V3's key
+    expansion: "Mismatched type on argument #0 when calling relax.ShapeExpr")."""
+    size = importer.retrieve_args(node)[0]
+    dtype = importer._convert_data_type(node.kwargs.get("dtype", torch.get_default_dtype()), importer.env)
+    return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(list(size)), dtype))
 
 
 def _convert_reshape(node, importer) -> relax.Expr:

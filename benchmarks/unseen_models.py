@@ -37,6 +37,10 @@ def _encoder_text(vocab: int) -> dict:
     return {k: v for k, v in _text(vocab).items() if k != "use_cache"}
 
 
+def _audio(samples: int) -> dict:
+    return {"input_values": torch.randn(2, samples, generator=torch.Generator().manual_seed(0))}
+
+
 def _pixels(size: int) -> dict:
     return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
 
@@ -94,6 +98,21 @@ MODELS = {
         patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]), _pixels(32)),
     "beit": lambda: _build(tf.BeitModel, tf.BeitConfig(num_hidden_layers=3, use_relative_position_bias=True,
                                                        layer_scale_init_value=0.1, **VISION), _pixels(16)),
+    "qwen3": lambda: _build(tf.Qwen3ForCausalLM, tf.Qwen3Config(num_hidden_layers=3, head_dim=16, **GQA), _text(100)),
+    "lfm2": lambda: _build(tf.Lfm2ForCausalLM, tf.Lfm2Config(
+        num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, **GQA), _text(100)),
+    "jamba": lambda: _build(tf.JambaForCausalLM, tf.JambaConfig(
+        num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=4, **GQA), _text(100)),
+    "granitemoe": lambda: _build(tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **GQA), _text(100)),
+    "wav2vec2": lambda: _build(tf.Wav2Vec2Model, tf.Wav2Vec2Config(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=True), _audio(400)),
+    "hiera": lambda: _build(tf.HieraModel, tf.HieraConfig(
+        embed_dim=16, image_size=[64, 64], patch_size=[7, 7], patch_stride=[4, 4], patch_padding=[3, 3], depths=[1, 2],
+        num_heads=[1, 2], query_stride=[2, 2], masked_unit_size=[4, 4], num_query_pool=1), _pixels(64)),
 }
 globals().update({name: make for name, make in MODELS.items()})  # `unseen_models:NAME` factories for the CLI
 

@@ -614,6 +614,34 @@ def test_new_empty_of_symbolic_size_and_an_unsorted_top_k():
         np.testing.assert_array_equal(np.sort(got_top.numpy(), -1), np.sort(top.numpy(), -1))
 
 
+def test_slices_of_symbolic_extent_keep_their_shapes():
+    """HF LFM2's `.pt2`: its mask `m[:, -s:]` (the whole mask) and causal conv `conv(x)[..., :s]`
+    (s of s + 2) are slices whose extent TVM could not prove equal to s, so the products that
+    follow got unknown shapes and legalization failed ("emit_te now only supports Tensor that has
+    ShapeExpr shape"). Built once with symbolic dims, run at two shapes against torch."""
+    class CausalConv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 4, 3, padding=2, groups=4)
+
+        def forward(self, x, mask):
+            s = x.shape[1]
+            gate = mask[:, -s:].unsqueeze(-1).to(x.dtype)
+            return (self.conv(x.transpose(1, 2))[..., :s].transpose(1, 2) * gate,)
+
+    torch.manual_seed(0)
+    model = CausalConv().eval()
+    dims = {0: torch.export.Dim("b"), 1: torch.export.Dim("s")}
+    program = torch.export.export(model, (torch.randn(2, 5, 4), torch.ones(2, 5, dtype=torch.int64)),
+                                  dynamic_shapes=(dims, dims))
+    vm = relax.VirtualMachine(build(import_model(program), make_target("llvm")).executable, tvm.cpu())
+    for b, s in [(2, 5), (3, 2)]:
+        x, mask = torch.randn(b, s, 4), (torch.rand(b, s) > 0.3).to(torch.int64)
+        got = vm["main"](tvm.runtime.tensor(x.numpy()), tvm.runtime.tensor(mask.numpy()))
+        got = (got[0] if isinstance(got, tvm.ir.Array) else got).numpy()
+        np.testing.assert_allclose(got, model(x, mask)[0].detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_sequence_insert_at_a_negative_position():
     """The onnx wheel's simple/test_sequence_model3: SequenceConstruct(X, Y, Z), erase at -3, insert
     X at -1, read at -1. ONNX inserts at -1 before the last tensor (Z is read); TVM's converter

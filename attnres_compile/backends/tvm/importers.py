@@ -135,7 +135,24 @@ def from_exported_program(program) -> tvm.IRModule:
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
                                                 "reshape.default": _convert_reshape, "empty.default": _convert_empty,
-                                                "empty.memory_format": _convert_empty, "topk.default": _convert_topk})
+                                                "empty.memory_format": _convert_empty, "topk.default": _convert_topk,
+                                                "slice.Tensor": _convert_slice})
+
+
+def _convert_slice(node, importer) -> relax.Expr:
+    """slice(x, dim, 0, end) whose result torch's shapes say has `end` elements (an in-bounds
+    symbolic end) as a strided_slice that assumes so: the stock converter clips the bounds, and
+    with symbolic dims TVM cannot prove the clipped extent equal to `end` (HF LFM2's causal conv,
+    `conv(x)[..., :seq_len]`), so the product with a tensor of that dim has an unknown shape and
+    fusion fails. Every other slice goes to the stock converter."""
+    x, dim, start, end, step = [*node.args, *[None] * 5][:5]
+    inbound = (start in (None, 0) and step in (None, 1) and isinstance(end, torch.fx.Node)
+               and isinstance(node.meta.get("val"), torch.Tensor)
+               and str(node.meta["val"].shape[dim]) == str(end.meta.get("val")))
+    if not inbound:
+        return importer._slice(node)
+    return importer.block_builder.emit(relax.op.strided_slice(importer.env[x], [dim], [0], [importer.env[end]], [1],
+                                                              assume_inbound=True))
 
 
 def _convert_topk(node, importer) -> relax.Expr:

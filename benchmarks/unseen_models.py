@@ -41,6 +41,12 @@ def _audio(samples: int) -> dict:
     return {"input_values": torch.randn(2, samples, generator=torch.Generator().manual_seed(0))}
 
 
+def _seq2seq(vocab: int) -> dict:
+    """_text for the encoder, its first six tokens for the decoder."""
+    text = _text(vocab)
+    return {**text, "decoder_input_ids": text["input_ids"][:, :6], "decoder_attention_mask": text["attention_mask"][:, :6]}
+
+
 def _pixels(size: int) -> dict:
     return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
 
@@ -50,6 +56,9 @@ def _build(cls, cfg, inputs):
     return cls(cfg).eval(), inputs
 
 
+SEQ2SEQ = dict(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
 LM = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100, max_position_embeddings=32)
 GQA = dict(LM, num_key_value_heads=1)
 VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=16, patch_size=8)
@@ -113,6 +122,16 @@ MODELS = {
     "hiera": lambda: _build(tf.HieraModel, tf.HieraConfig(
         embed_dim=16, image_size=[64, 64], patch_size=[7, 7], patch_stride=[4, 4], patch_padding=[3, 3], depths=[1, 2],
         num_heads=[1, 2], query_stride=[2, 2], masked_unit_size=[4, 4], num_query_pool=1), _pixels(64)),
+    "bart": lambda: _build(tf.BartForConditionalGeneration, tf.BartConfig(**SEQ2SEQ), _seq2seq(100)),
+    "mbart": lambda: _build(tf.MBartForConditionalGeneration, tf.MBartConfig(**SEQ2SEQ), _seq2seq(100)),
+    "clip_text": lambda: _build(tf.CLIPTextModel, tf.CLIPTextConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100,
+        max_position_embeddings=32, bos_token_id=1, eos_token_id=2), _encoder_text(100)),
+    "xlm_roberta_xl": lambda: _build(tf.XLMRobertaXLModel, tf.XLMRobertaXLConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100,
+        max_position_embeddings=40), _encoder_text(100)),
+    "olmo2": lambda: _build(tf.Olmo2ForCausalLM, tf.Olmo2Config(num_hidden_layers=3, pad_token_id=0, eos_token_id=2,
+                                                                **LM), _text(100)),
 }
 globals().update({name: make for name, make in MODELS.items()})  # `unseen_models:NAME` factories for the CLI
 

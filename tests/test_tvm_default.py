@@ -109,6 +109,25 @@ def test_a_matmul_over_one_term_with_a_symbolic_batch():
     np.testing.assert_allclose(args[-1].numpy(), arrays[0] @ arrays[1], rtol=1e-6)
 
 
+def test_a_batched_matrix_vector_product_is_not_vectorised_around_its_reduction():
+    """[32, 128, 32] @ [32, 32, 1] (HF GraniteMoE's experts as batched_mm): dlight's GEMV rule
+    vectorised the 128 rows around the reduction loop, and the build ran for over ten minutes.
+    No schedule may vectorise a loop with loops inside it; the operator compiles and matches numpy."""
+    a, bm = te.placeholder((32, 128, 32), name="a"), te.placeholder((32, 32, 1), name="bm")
+    k = te.reduce_axis((0, 32), name="k")
+    out = te.compute((32, 128, 1), lambda s, i, j: te.sum(a[s, i, k] * bm[s, k, j], axis=k), name="matmul")
+    func, target = te.create_prim_func([a, bm, out]), make_target("llvm")
+    sch = default_schedule(func, target)
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        kinds = [sch.get(loop).kind for loop in sch.get_loops(block)]
+        assert tvm.tirx.ForKind.VECTORIZED not in kinds[:-1], sch.mod["main"].script()
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((32, 128, 32), (32, 32, 1), (32, 128, 1))]
+    args = [tvm.runtime.tensor(x) for x in arrays]
+    tvm.compile(sch.mod["main"].with_attr("global_symbol", "main"), target)(*args)
+    np.testing.assert_allclose(args[-1].numpy(), arrays[0] @ arrays[1], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- the row-reduction rule
 
 def _row_op(kind: str):

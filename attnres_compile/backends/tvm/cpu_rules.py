@@ -14,7 +14,8 @@ wins; the kernels, already scheduled, are never touched):
   pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
   a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
   `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
-- dlight's `GEMV`, each passing on an operator its own assertions refuse.
+- dlight's `GEMV`, passing on an operator its own assertions refuse or that it would vectorise
+  around a loop (a build that did not finish).
 - `RowReduction`: norms, softmax and other row reductions in dlight's `Reduction` form, with
   the reductions vectorised (one partial sum per vector lane, then a horizontal sum) where
   dlight adds each row serially: a chain of dependent float adds, which made a [128, 256]
@@ -101,16 +102,29 @@ class _SafeRule(CPUScheduleRule):
 class _Guarded(CPUScheduleRule):
     """One of dlight's rules, where its own assertions on an operator it did not expect mean that it
     does not apply: GEMV asserted on a batched matmul with K = 1 and a symbolic batch (HF LeViT's
-    and MobileViT's attention over one token), and the whole build failed."""
+    and MobileViT's attention over one token), and the whole build failed. A schedule that
+    vectorises a loop with loops inside it is refused too: GEMV did so over the 128 rows of a
+    batched [32, 128, 32] x [32, 32, 1] product (HF GraniteMoE's experts as batched_mm), and the
+    build ran for over ten minutes without finishing; the next rule takes such an operator."""
 
     def __init__(self, rule: dlight.ScheduleRule):
         self.rule = rule
 
     def apply(self, func, target: Target, tunable: bool):
         try:
-            return self.rule.apply(func, target, tunable)
+            sch = self.rule.apply(func, target, tunable)
         except AssertionError:
             return None
+        return None if isinstance(sch, s_tir.Schedule) and _vector_loop_nest(sch) else sch
+
+
+def _vector_loop_nest(sch: s_tir.Schedule) -> bool:
+    """Whether a block of `sch` sits under a vectorised loop that is not its innermost."""
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        kinds = [sch.get(loop).kind for loop in sch.get_loops(block)]
+        if tirx.ForKind.VECTORIZED in kinds[:-1]:
+            return True
+    return False
 
 
 class Matmul(_SafeRule):

@@ -146,6 +146,7 @@ def _convert_slice(node, importer) -> relax.Expr:
     `conv(x)[..., :seq_len]`), so the product with a tensor of that dim has an unknown shape and
     fusion fails. Every other slice goes to the stock converter."""
     x, dim, start, end, step = [*node.args, *[None] * 5][:5]
+    dim = 0 if dim is None else dim
     inbound = (start in (None, 0) and step in (None, 1) and isinstance(end, torch.fx.Node)
                and isinstance(node.meta.get("val"), torch.Tensor)
                and str(node.meta["val"].shape[dim]) == str(end.meta.get("val")))

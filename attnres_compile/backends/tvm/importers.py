@@ -135,45 +135,34 @@ def from_exported_program(program) -> tvm.IRModule:
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
                                                 "reshape.default": _convert_reshape, "empty.default": _convert_empty,
-                                                "empty.memory_format": _convert_empty, "topk.default": _convert_topk,
-                                                "slice.Tensor": _convert_slice})
+                                                "empty.memory_format": _convert_empty, "slice.Tensor": _convert_slice})
 
 
 def _convert_slice(node, importer) -> relax.Expr:
-    """slice(x, dim, 0, end) whose result torch's shapes say has `end` elements (an in-bounds
-    symbolic end) as a strided_slice that assumes so: the stock converter clips the bounds, and
-    with symbolic dims TVM cannot prove the clipped extent equal to `end` (HF LFM2's causal conv,
-    `conv(x)[..., :seq_len]`), so the product with a tensor of that dim has an unknown shape and
-    fusion fails. Every other slice goes to the stock converter."""
+    """slice(x, dim, start, end), where torch's shapes show what TVM cannot prove with symbolic
+    bounds: the result is all of x (HF LFM2's `mask[:, -seq_len:]`), or has `end` elements of x
+    from 0 (its causal conv's `conv(x)[..., :seq_len]`), emitted as x itself or as a strided_slice
+    that assumes its end in bounds. The stock converter clips the bounds into extents TVM cannot
+    equal to the dim, the products that follow get unknown shapes, and legalization fails ("emit_te
+    now only supports Tensor that has ShapeExpr shape"). Every other slice goes to the stock converter."""
     x, dim, start, end, step = [*node.args, *[None] * 5][:5]
     dim = 0 if dim is None else dim
-    inbound = (start in (None, 0) and step in (None, 1) and isinstance(end, torch.fx.Node)
-               and isinstance(node.meta.get("val"), torch.Tensor)
-               and str(node.meta["val"].shape[dim]) == str(end.meta.get("val")))
-    if not inbound:
+    before, after = x.meta.get("val"), node.meta.get("val")
+    if step not in (None, 1) or not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
         return importer._slice(node)
-    return importer.block_builder.emit(relax.op.strided_slice(importer.env[x], [dim], [0], [importer.env[end]], [1],
-                                                              assume_inbound=True))
-
-
-def _convert_topk(node, importer) -> relax.Expr:
-    """topk, sorted whatever its `sorted` says: the order of an unsorted top k is unspecified, so
-    sorted is one valid answer; the stock converter refused sorted=False (DeepSeek-V3's routing)."""
-    args = importer.retrieve_args(node)
-    x = args[0]
-    k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
-    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
-    largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
-    return importer.block_builder.emit(relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+    if [str(d) for d in before.shape] == [str(d) for d in after.shape]:
+        return importer.env[x]
+    if start in (None, 0) and isinstance(end, torch.fx.Node) and str(after.shape[dim]) == str(end.meta.get("val")):
+        return importer.block_builder.emit(relax.op.strided_slice(importer.env[x], [dim], [0], [importer.env[end]], [1],
+                                                                  assume_inbound=True))
+    return importer._slice(node)
 
 
 def _convert_empty(node, importer) -> relax.Expr:
-    """empty (what `new_empty` decomposes to) as zeros, with symbolic sizes read as dims: the stock
-    converter passed the size list's fx nodes to Relax as they were (HF DeepSeek-V3's key
-    expansion: "Mismatched type on argument #0 when calling relax.ShapeExpr")."""
-    size = importer.retrieve_args(node)[0]
-    dtype = importer._convert_data_type(node.kwargs.get("dtype", torch.get_default_dtype()), importer.env)
-    return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(list(size)), dtype))
+    """empty (what `new_empty` decomposes to) as the stock converter's zeros, which reads symbolic
+    sizes as dims: its `empty` passed the size list's fx nodes to Relax as they were (HF
+    DeepSeek-V3's key expansion: "Mismatched type on argument #0 when calling relax.ShapeExpr")."""
+    return importer._zeros(node)
 
 
 def _convert_reshape(node, importer) -> relax.Expr:

@@ -15,10 +15,8 @@
   TVM's converter reads out of bounds (HF Falcon's `fused_qkv[..., [-2], :]`);
 - `aten.cumsum` of bools or small integers gets its int64 result dtype explicitly: the converter
   keeps the input dtype, and TVM cannot add bools (HF Whisper's decoder positions);
-- an `aten.slice` whose result has its input's shape (step 1) is dropped: with symbolic bounds
-  (HF LFM2's `attention_mask[:, -seq_len:]`) TVM cannot prove the extent equal to the dim, the
-  product with a tensor of that dim gets an unknown shape, and legalization fails ("emit_te now
-  only supports Tensor that has ShapeExpr shape").
+- `aten.topk(sorted=False)` becomes sorted: the order of an unsorted top k is unspecified, so
+  sorted is one valid answer, and the converter refuses sorted=False (HF DeepSeek-V3's routing).
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedP
             _wrap_negative_indices(graph_module.graph, node)
         elif node.target is torch.ops.aten.cumsum.default and node.kwargs.get("dtype") is None:
             _promote_cumsum(node)
-        elif node.target is torch.ops.aten.slice.Tensor and _whole(node):
-            node.replace_all_uses_with(node.args[0])
-            graph_module.graph.erase_node(node)
+        elif node.target is torch.ops.aten.topk.default and len(node.args) > 4 and not node.args[4]:
+            node.args = (*node.args[:4], True)
     graph_module.recompile()
     signature = ExportGraphSignature(input_specs=specs, output_specs=list(program.graph_signature.output_specs))
     with pytree_warning.silenced():
@@ -89,16 +86,6 @@ def _promote_cumsum(node: torch.fx.Node) -> None:
     dtype = node.args[0].meta["val"].dtype
     if dtype == torch.bool or (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.int64):
         node.kwargs = {**node.kwargs, "dtype": torch.int64}
-
-
-def _whole(node: torch.fx.Node) -> bool:
-    """Whether a `slice(x, dim, start, end, step)` node takes all of x: step 1 and x's shape, dim
-    for dim as the same (symbolic) expression."""
-    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-    before, after = node.args[0].meta.get("val"), node.meta.get("val")
-    if step != 1 or not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
-        return False
-    return [str(d) for d in before.shape] == [str(d) for d in after.shape]
 
 
 def _drop(tree, leaves: set[int]):

@@ -62,7 +62,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     The staged output must pass the same checks as an input (onnx_io.load). With
     `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
     with `verify_timeout` seconds (default sized to the model), before the output is put in
-    place: preserve mode must match to 1e-5. An existing output, or one that would replace a
+    place, at the default and the all-1 shape sets (passes/onnx_dims.py; `input_shapes` fixes
+    an input's shape in both): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`.
     """
     config = as_config(config)

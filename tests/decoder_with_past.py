@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 
 import onnx
 import torch
@@ -68,7 +69,8 @@ def export_dynamo(path) -> onnx.ModelProto:
     module, inputs = decoder()
     dyn = torch.export.Dim.DYNAMIC
     spec = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in inputs[3:]))
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's and transformers' deprecation notes
         program = torch.onnx.export(module, inputs, dynamo=True, dynamic_shapes=spec, verbose=False)
     model = program.model_proto
     _rename_values(model, *names())
@@ -103,7 +105,8 @@ def export_torchscript(path) -> None:
             "logits": {0: "batch_size", 1: "sequence_length"}}
     axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in inputs_names[3:]})
     axes.update({n: {0: "batch_size", 2: "past_sequence_length + sequence_length"} for n in output_names[1:]})
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings: the cache's Python branches are traced at these sizes
         torch.onnx.export(module, inputs, str(path), dynamo=False, input_names=inputs_names,
                           output_names=output_names, dynamic_axes=axes, opset_version=17)
 

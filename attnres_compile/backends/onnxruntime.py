@@ -128,7 +128,8 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
     """The original (and the rewritten) model at each shape set (onnx_dims), in this process: per set
     {"shapes", "feeds", "expected", "actual"} at the first variant the original runs at ("actual":
     the rewritten's outputs or the first line of its error), else {"refused": [(shapes, error)],
-    "past": past-like dims}; after a refused default set the small one is not tried."""
+    "past": past-like dims, "mask": a mask input, "symbolic": whether any dim is}; after a
+    refused default set the small one is not tried."""
     sess = session(original)
     model = onnx.load(str(original), load_external_data=False)
     dims = onnx_dims.Dims(declared(sess), overrides)
@@ -158,7 +159,8 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
             break
         else:
             results.append({"refused": refused, "past": [n for n in dims.past if n not in dims.bound],
-                            "mask": next((n for n in dims.inputs if "mask" in n.lower()), None)})
+                            "mask": next((n for n in dims.inputs if "mask" in n.lower()), None),
+                            "symbolic": any(not isinstance(d, int) for ds in dims.inputs.values() for d in ds)})
             if len(results) == 1:
                 break
     return results
@@ -192,7 +194,7 @@ def _refusal(result: dict, consequence: str, hint: str) -> str:
     rule = ""
     if result["past"] and result["mask"]:
         rule = f" ({result['mask']}'s length is the past length plus the sequence length)"
-    give = f"; or give the inputs' shapes with input_shapes{rule}" if any(shapes.values()) else ""
+    give = f"; or give the inputs' shapes with input_shapes{rule}" if result["symbolic"] else ""
     return (f"onnxruntime failed on the original model ({error}) at the shapes tried: {tried}; {consequence}. "
             f"{hint}{give}")
 

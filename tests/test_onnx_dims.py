@@ -51,6 +51,9 @@ def test_given_shapes_solve_the_rest_or_are_refused():
         onnx_dims.Dims(DECODER, {"attention_mask": (1, 4), "input_ids": (1, 8)})
     with pytest.raises(ConfigError, match="unknown input 'ids'"):
         onnx_dims.Dims(DECODER, {"ids": (1, 8)})
+    assert onnx_dims.Dims({"x": ["n", "n - 1"]}).shape_sets() == [[{"x": (2, 1)}], [{"x": (1, 0)}]]
+    with pytest.raises(ConfigError, match="'n - 20' comes out negative at the default sizes"):
+        onnx_dims.Dims({"x": ["n", "n - 20"]}).shape_sets()
 
 
 @pytest.fixture(scope="module")

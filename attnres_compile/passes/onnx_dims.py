@@ -28,9 +28,11 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def declared(model: onnx.ModelProto) -> Declared:
-    """The tensor inputs of `model` (weights listed as inputs aside) and their declared dims."""
+    """The tensor inputs of `model` (weights listed as inputs aside) and their declared dims (a
+    negative dim_value is unknown, as onnxruntime reads it)."""
     weights = {i.name for i in model.graph.initializer}
-    return {i.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in i.type.tensor_type.shape.dim]
+    return {i.name: [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else d.dim_param or None
+                     for d in i.type.tensor_type.shape.dim]
             for i in model.graph.input if i.name not in weights and i.type.HasField("tensor_type")}
 
 
@@ -194,7 +196,8 @@ class Dims:
 
     def shape_sets(self) -> list[list[Shapes]]:
         """[the default set's variants, the small set's variants] (the small set left out when it is
-        the default one): each set tried in order until the original model runs."""
+        the default one, or when a dim expression comes out negative there): each set tried in
+        order until the original model runs. ConfigError when no default shapes exist."""
         sets = []
         for sizes, unnamed in ((self.defaults, (DEFAULT_BATCH, DEFAULT_DIM)),
                                ({n: SMALL_DIM for n in self.defaults}, (SMALL_DIM, SMALL_DIM))):
@@ -203,7 +206,13 @@ class Dims:
             if free_past:
                 variants.append(self.shapes({**sizes, **{n: 0 for n in free_past}}, unnamed))
             variants = [v for v in dict.fromkeys(map(_key, filter(None, variants)))]
-            if sets and [_key(v) for v in sets[0]] == variants:
+            if not sets and not variants:
+                negative = next(d for dims in self.inputs.values() for d in dims
+                                if d in self.exprs and _value(self.exprs[d], self._solve(self.bound, self.constraints,
+                                                                                          sizes)) < 0)
+                raise ConfigError(f"the dim {negative!r} comes out negative at the default sizes; give the inputs' "
+                                  "shapes with --input-shape NAME:1x128")
+            if not variants or (sets and [_key(v) for v in sets[0]] == variants):
                 continue
             sets.append([dict(v) for v in variants])
         return sets

@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("--force", action="store_true",
                     help="overwrite existing outputs (-o, its .data, --report); lets -o replace the input")
     rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                    help="ONNX input shape for verification (repeatable); symbolic dims default to 2 (leading) and 16")
+                    help="ONNX input shape for verification (repeatable); other symbolic dims are 2 (leading) and "
+                         "16, then all 1 (a second check); dims that are sums of others are computed")
     _config_args(rw)
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")

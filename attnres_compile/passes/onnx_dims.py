@@ -199,18 +199,17 @@ class Dims:
         the default one, or when a dim expression comes out negative there): each set tried in
         order until the original model runs. ConfigError when no default shapes exist."""
         sets = []
+        free_past = [n for n in self.past if n not in self.bound]
         for sizes, unnamed in ((self.defaults, (DEFAULT_BATCH, DEFAULT_DIM)),
                                ({n: SMALL_DIM for n in self.defaults}, (SMALL_DIM, SMALL_DIM))):
-            free_past = [n for n in self.past if n not in self.bound]
             variants = [self.shapes(sizes, unnamed)]
             if free_past:
                 variants.append(self.shapes({**sizes, **{n: 0 for n in free_past}}, unnamed))
-            variants = [v for v in dict.fromkeys(map(_key, filter(None, variants)))]
+            variants = list(dict.fromkeys(map(_key, filter(None, variants))))
             if not sets and not variants:
-                negative = next(d for dims in self.inputs.values() for d in dims
-                                if d in self.exprs and _value(self.exprs[d], self._solve(self.bound, self.constraints,
-                                                                                          sizes)) < 0)
-                raise ConfigError(f"the dim {negative!r} comes out negative at the default sizes; give the inputs' "
+                values = self._solve(self.bound, self.constraints, sizes)
+                negative = [text for text, form in self.exprs.items() if _value(form, values) < 0]
+                raise ConfigError(f"the dim {negative[0]!r} comes out negative at the default sizes; give the inputs' "
                                   "shapes with --input-shape NAME:1x128")
             if not variants or (sets and [_key(v) for v in sets[0]] == variants):
                 continue

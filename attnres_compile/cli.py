@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
                          "(past_key_values.* in, logits and present.* out, as optimum names them)")
     rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                    help="ONNX input shape for verification (repeatable); symbolic dims default to 2 (leading) and 16")
+                    help="ONNX input shape for verification (repeatable); other symbolic dims are 2 (leading) and "
+                         "16, then all 1 (a second check); dims that are sums of others are computed")
     _config_args(rw)
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")

@@ -35,6 +35,11 @@ _OOM_WORDS = re.compile(r"bad_alloc|Failed to allocate|out of memory|MemoryError
                         re.IGNORECASE)
 
 
+def out_of_memory(message: str) -> bool:
+    """Whether an error message says that memory ran out (bad_alloc, "Failed to allocate", ...)."""
+    return bool(_OOM_WORDS.search(message))
+
+
 def memory_budget() -> int:
     """Bytes the child may add to its size at the fork: $ATTNRES_COMPILE_MEMORY_LIMIT (e.g. 4G,
     512M, or bytes), else 80% of the memory available now (MemAvailable, or the cgroup's room)."""

@@ -62,7 +62,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     The staged output must pass the same checks as an input (onnx_io.load). With
     `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
     with `verify_timeout` seconds (default sized to the model), before the output is put in
-    place: preserve mode must match to 1e-5. An existing output, or one that would replace a
+    place, at the default and the all-1 shape sets (passes/onnx_dims.py; `input_shapes` fixes
+    an input's shape in both): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`.
     """
     config = as_config(config)
@@ -87,11 +88,14 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
             from .backends import onnxruntime as ort_backend
 
             tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
-            verification, shapes = ort_backend.compare_files(path, stage.path, tolerance, input_shapes,
-                                                             timeout=verify_timeout,
-                                                             consequence="the rewritten model was not written")
-            notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
-    return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
+            verification, verified, run_notes = ort_backend.compare_files(
+                path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
+                consequence="the rewritten model was not written")
+            notes += run_notes
+    report = build(plan, view, config, "onnx", sites, verification, notes)
+    if verify_outputs:
+        report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
+    return OnnxRewriteResult(report, stage.written)
 
 
 def check_written(path: Path) -> None:
@@ -107,22 +111,14 @@ MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB w
 
 
 def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
-    """Refuse to verify when a generated input would be absurdly large (a static dim of 2**40, say),
-    before anything is allocated: symbolic dims count as their --input-shape size, else 16."""
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers and i.type.HasField("tensor_type")]
-    symbols = {}
-    for inp in inputs:
-        for d, size in zip(inp.type.tensor_type.shape.dim, overrides.get(inp.name, ())):
-            if d.HasField("dim_param"):
-                symbols.setdefault(d.dim_param, size)
-    for inp in inputs:
-        declared = inp.type.tensor_type.shape.dim
-        dims = overrides.get(inp.name) or [d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param, 16)
-                                           for d in declared]
+    """Check --input-shape against the model and refuse to verify when a generated input would be
+    absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
+    from .passes import onnx_dims
+
+    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides).shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
-            raise ModelRunError(f"input {inp.name!r} of shape {list(dims)} has {count} elements, too many to generate "
+            raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "
                                 "a verification input; nothing written; verify_outputs=False skips verification")
 
 

@@ -130,7 +130,11 @@ def format_table(data: dict) -> str:
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
     if data["verification"]:
         lines += ["", "verification (original vs rewritten, same inputs):"]
-        lines += [f"  {describe(row)}" for row in data["verification"]]
+        lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in data["verification"]]
+    if data.get("verified_shapes"):
+        lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
+                                                           for name, dims in shapes.items())
+                                                 for shapes in data["verified_shapes"]))
     if data.get("dynamic_dims"):
         dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
         lines.append(f"dynamic input dims: {dims}")

@@ -283,14 +283,14 @@ def test_onnx_inputs_we_cannot_feed_and_opsets_we_cannot_write(tmp_path):
 
 
 def test_cli_wording_and_input_shape_hint(tmp_path):
-    """Messages use the CLI's spelling; onnxruntime refusing the default dims suggests --input-shape
-    with the model's own input name."""
+    """Messages use the CLI's spelling; onnxruntime refusing the default dims names the shapes tried
+    and --input-shape (never an untried shape: x:1x16 fails here too)."""
     m = tiny()
     m.graph.initializer.append(numpy_helper.from_array(np.array([-1, 3], np.int64), "three"))
     m.graph.node.insert(0, helper.make_node("Reshape", ["x", "three"], ["x3"]))  # needs b*16 divisible by 3
     onnx.save(m, str(tmp_path / "m.onnx"))
     run = run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx"])
-    one_line(run, 15, "--no-verify", "--input-shape x:1x16")
+    one_line(run, 15, "--no-verify", "at the shapes tried: x 2x16;", "give the inputs' shapes with --input-shape")
     assert "verify_outputs" not in run.stderr and "input_shapes" not in run.stderr
     one_line(run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--min-chain", "9"]), 4,
              "(--min-chain 9)")

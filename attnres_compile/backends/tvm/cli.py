@@ -28,14 +28,17 @@ def add_commands(subparsers) -> None:
     comp.add_argument("--arch", help="CUDA architecture, e.g. sm_90 (default sm_90; --target cuda only)")
     comp.add_argument("--tune", action="store_true",
                       help="tune the operators around the kernels with meta_schedule, starting from the default "
-                           "schedules (CPU, static shapes: see --input-shape)")
+                           "schedules (CPU, static shapes: see --static-shape)")
     comp.add_argument("--trials", type=int, help="tuning trials per operator (default 8; implies --tune)")
     comp.add_argument("--tune-minutes", type=float, metavar="N",
                       help="tuning time budget in minutes for the whole model (implies --tune; with --trials, "
                            "whichever ends first)")
     comp.add_argument("--tuning-db", help="folder keeping tuning records; a later compile reuses them")
     comp.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                      help="fix an input's symbolic dims (repeatable); needed to tune")
+                      help="an input's shape for the verification run (repeatable); the artifact keeps its "
+                           "symbolic dims")
+    comp.add_argument("--static-shape", action="append", metavar="NAME:1x128",
+                      help="fix an input's symbolic dims in the artifact (repeatable); needed to tune")
     comp.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     comp.add_argument("--no-verify", action="store_true",
                       help="skip running the compiled model against its source (onnxruntime, or torch on a .pt2's "
@@ -57,6 +60,7 @@ def add_commands(subparsers) -> None:
 
 
 def compile_command(args) -> int:
+    from ...passes.onnx_dims import describe as describe_shapes
     from ..onnxruntime import parse_input_shapes
     from .artifact import compile_model
 
@@ -66,7 +70,8 @@ def compile_command(args) -> int:
         tune = args.tune or args.trials is not None or args.tune_minutes is not None
         manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
                                tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
-                               input_shapes=parse_input_shapes(args.input_shape), force=args.force,
+                               input_shapes=parse_input_shapes(args.input_shape),
+                               static_shapes=parse_input_shapes(args.static_shape, "--static-shape"), force=args.force,
                                progress=sys.__stderr__, verify_outputs=not args.no_verify,
                                verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
                                consequence="nothing written")
@@ -81,12 +86,14 @@ def compile_command(args) -> int:
     if check and "skipped" in check:
         print(f"  not verified: {check['skipped']}")
     elif check:
-        shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
-        print(f"  verified against {check['reference']} on {shapes}:")
+        shapes = "; ".join(describe_shapes(s) for s in check.get("verified_shapes") or [check["inputs"]])
+        print(f"  verified against {check['reference']} at {shapes}:")
         from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
 
         for row in check["rows"]:
-            print(f"    {describe_row(row)}")
+            print(f"    {describe_row(row)}" + (f"  at {row['at']}" if row.get("at") else ""))
+        for note in check.get("notes", []):
+            print(f"  note: {note}")
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""

@@ -1,6 +1,6 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
-`simplify` fixes the input dims the user gave (`--input-shape`), makes weights listed as inputs
+`simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
 (IR < 4) plain initializers, then folds constants and
 infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
 whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
@@ -97,13 +97,13 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
     inputs = {i.name: i for i in model.graph.input}
     for name, dims in (input_shapes or {}).items():
         if name not in inputs:
-            raise ConfigError(f"--input-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
+            raise ConfigError(f"--static-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
         shape = inputs[name].type.tensor_type.shape
         if len(shape.dim) != len(dims):
-            raise ConfigError(f"--input-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
+            raise ConfigError(f"--static-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
         for dim, size in zip(shape.dim, dims):
             if dim.HasField("dim_value") and dim.dim_value != size:
-                raise ConfigError(f"--input-shape {name}: dim {dim.dim_value} is static, got {size}")
+                raise ConfigError(f"--static-shape {name}: dim {dim.dim_value} is static, got {size}")
             dim.Clear()
             dim.dim_value = size
     return model
@@ -143,7 +143,7 @@ class ConverterFixes:
         except Exception as exc:  # noqa: BLE001 - converters raise ValueError, TVMError, AssertionError, ...
             node = attrs.get("tvm_custom", {}).get("name") or "?"
             hint = ("; its inputs have dims known only at run time: fixing the model's input dims with "
-                    "--input-shape may help" if any(map(_not_static, inputs)) else "")
+                    "--static-shape may help" if any(map(_not_static, inputs)) else "")
             raise CompileError(f"TVM's ONNX frontend cannot convert {op_name} (node {node}): {first_line(exc)}{hint}") from None
 
     def _construct_nodes(self, graph):

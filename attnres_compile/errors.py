@@ -159,6 +159,7 @@ _CLI_WORDS = [
     (r"\binput_shapes=\{'(.*?)': \(([\d, ]*)\)\}", lambda m: f"--input-shape {m[1]}:{'x'.join(m[2].replace(',', ' ').split())}"),
     (r"\binput_shapes\b", "--input-shape"),
     (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+    (r"\beps=(\S+) is\b", r"--eps \1 is"),
 ]
 
 

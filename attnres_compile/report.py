@@ -100,6 +100,17 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
     return Report(data)
 
 
+def verification_lines(rows: list[dict]) -> list[str]:
+    """The verification's header (naming the inputs also tried with zero rows) and one line per
+    row; a run that compared no value says so instead of showing nothing."""
+    zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
+    also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
+    lines = [f"verification (original vs rewritten, same inputs{also}):"] + [f"  {describe(row)}" for row in rows]
+    if all(r.get("verdict") == "empty" for r in rows):
+        lines.append("  nothing was compared: " + ("every output is empty" if rows else "the model has no tensor outputs"))
+    return lines
+
+
 def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
@@ -128,9 +139,8 @@ def format_table(data: dict) -> str:
         for reason, nodes in reasons.items():
             shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
-    if data["verification"]:
-        lines += ["", "verification (original vs rewritten, same inputs):"]
-        lines += [f"  {describe(row)}" for row in data["verification"]]
+    if data["verification"] is not None:
+        lines += ["", *verification_lines(data["verification"])]
     if data.get("dynamic_dims"):
         dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
         lines.append(f"dynamic input dims: {dims}")

@@ -129,7 +129,7 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, n
 
 
 def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance) -> list[dict]:
-    """verify.compare per floating output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
+    """verify.compare per output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
     rows = []
     for name, ref in expected.items():
         if name not in actual:
@@ -148,27 +148,38 @@ def run_generated(path: str | os.PathLike, overrides: dict | None = None, seed: 
 
 
 def run_pair(original: str | os.PathLike, rewritten: str | os.PathLike, overrides: dict | None = None,
-             seed: int = 0) -> tuple[dict, dict, dict[str, tuple]]:
-    """Both models on the same generated inputs, in this process: (expected, actual, input shapes)."""
-    feeds, expected = run_generated(original, overrides, seed)
-    actual = run(session(rewritten), feeds)
-    return expected, actual, {k: tuple(v.shape) for k, v in feeds.items()}
+             seed: int = 0) -> tuple[dict, dict, dict[str, tuple], tuple | None]:
+    """Both models on the same generated inputs, in this process: (expected, actual, input shapes,
+    zero-row run); the last is (zeroed inputs, expected, actual) on verify.zero_rows' copy of the
+    inputs, None when no input is floating."""
+    old = session(original)
+    feeds = make_inputs(old, onnx.load(str(original), load_external_data=False), overrides, seed)
+    new = session(rewritten)
+    expected, actual = run(old, feeds), run(new, feeds)
+    zeroed, names = verify.zero_rows(feeds)
+    edge = (names, run(old, zeroed), run(new, zeroed)) if names else None
+    return expected, actual, {k: tuple(v.shape) for k, v in feeds.items()}, edge
 
 
 def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tolerance: tuple,
                   overrides: dict | None = None, seed: int = 0, timeout: float | None = None,
                   consequence: str = "nothing written") -> tuple[list[dict], dict[str, tuple]]:
     """Run both models (`run_pair`) in an isolated child with `timeout` seconds (default sized to the
-    models, `default_timeout`); per-output rows and the input shapes used. onnxruntime refusing
-    to run them is a ModelRunError whose hint names --input-shape with the model's own input."""
+    models, `default_timeout`); per-output rows (with their zero-row verdicts) and the input shapes
+    used. onnxruntime refusing to run them is a ModelRunError whose hint names --input-shape with
+    the model's own input."""
     timeout = timeout or default_timeout(original)
     hint = "Re-run with verify_outputs=False to skip verification"
     try:
-        expected, actual, shapes = isolate.run(run_pair, original, rewritten, overrides, seed, what="onnxruntime",
-                                               action="verifying", timeout=timeout, consequence=consequence, hint=hint)
+        expected, actual, shapes, edge = isolate.run(run_pair, original, rewritten, overrides, seed, what="onnxruntime",
+                                                     action="verifying", timeout=timeout, consequence=consequence,
+                                                     hint=hint)
     except isolate.ChildError as exc:
         raise ModelRunError(f"{exc}{shape_hint(original)}") from None
-    return compare_outputs(expected, actual, tolerance), shapes
+    rows = compare_outputs(expected, actual, tolerance)
+    if edge and tolerance is not None:
+        verify.fold_zero_rows(rows, compare_outputs(edge[1], edge[2], tolerance), edge[0])
+    return rows, shapes
 
 
 def _run_inputs(path: str | os.PathLike, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:

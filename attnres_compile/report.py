@@ -11,7 +11,7 @@ from . import __version__
 from .config import AttnResConfig
 from .passes.graph_view import format_shape
 from .passes.plan import Plan
-from .passes.verify import describe
+from .passes.verify import describe, nothing_compared
 
 
 class Report:
@@ -106,9 +106,8 @@ def verification_lines(rows: list[dict]) -> list[str]:
     zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
     also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
     lines = [f"verification (original vs rewritten, same inputs{also}):"] + [f"  {describe(row)}" for row in rows]
-    if all(r.get("verdict") == "empty" for r in rows):
-        lines.append("  nothing was compared: " + ("every output is empty" if rows else "the model has no tensor outputs"))
-    return lines
+    empty = nothing_compared(rows)
+    return lines + ([f"  {empty}"] if empty else [])
 
 
 def format_table(data: dict) -> str:

@@ -210,6 +210,13 @@ def describe(row: dict) -> str:
     return text + edge
 
 
+def nothing_compared(rows: list[dict]) -> str | None:
+    """Why no value was compared when none was (every output empty, or none a tensor), else None."""
+    if all(r.get("verdict") == "empty" for r in rows):
+        return "nothing was compared: " + ("every output is empty" if rows else "the model has no tensor outputs")
+    return None
+
+
 def _zero_rows_text(row: dict) -> str:
     """"  with zero rows in x: ..." when the zero-row run failed this output, else ""."""
     edge = row.get("zero_rows")

@@ -81,10 +81,12 @@ def compile_command(args) -> int:
     if check and "skipped" in check:
         print(f"  not verified: {check['skipped']}")
     elif check:
-        shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
-        print(f"  verified against {check['reference']} on {shapes}:")
-        from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
+        from ...passes.verify import describe as describe_row, nothing_compared  # torch: after the compile, not for the parser
 
+        shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
+        empty = nothing_compared(check["rows"])
+        print(f"  not verified against {check['reference']} on {shapes}: {empty}" if empty else
+              f"  verified against {check['reference']} on {shapes}:")
         for row in check["rows"]:
             print(f"    {describe_row(row)}")
     if manifest["tuning"]:

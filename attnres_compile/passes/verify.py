@@ -112,10 +112,10 @@ def _compare_exact(ref: torch.Tensor, got: torch.Tensor, tol: Tolerance | None) 
         differ = f"{row['mismatch']} of {ref.numel()} values differ (compared exactly)"
     if tol is None:
         row["verdict"] = "none"
+    elif row["mismatch"]:
+        row["verdict"], row["ok"], row["error"] = "fail", False, f"{_dtype(ref)}{list(ref.shape)}: {differ}"
     else:
-        row["verdict"], row["ok"] = ("fail", False) if row["mismatch"] else ("pass", True)
-    if row["mismatch"] and tol is not None:
-        row["error"] = f"{_dtype(ref)}{list(ref.shape)}: {differ}"
+        row["verdict"], row["ok"] = "pass", True
     return row
 
 
@@ -314,9 +314,10 @@ def fold_zero_rows(rows: list[dict], edge_rows: list[dict], inputs: list[str]) -
     (named `inputs`); a failure there fails the row. Returns `rows`."""
     edges = {r["output"]: r for r in edge_rows}
     for row in rows:
-        edge = edges.pop(row["output"], None)
-        if edge is None:
+        edge = edges.get(row["output"])
+        if edge is None or row["verdict"] == "empty":  # an empty output's failing edge gets a row of its own
             continue
+        del edges[row["output"]]
         row["zero_rows"] = {"inputs": inputs, **{k: edge[k] for k in ("verdict", "error", "max_abs", "max_rel", "min_rtol",
                                                                          "nonfinite_mismatch") if k in edge}}
         if edge.get("ok") is False and row["verdict"] != "none":

@@ -112,7 +112,8 @@ def _ensure_shapes(gm: fx.GraphModule, args: tuple | None, kwargs: dict) -> None
     if args is None or kwargs:
         raise InputError("the GraphModule carries no shape metadata: pass example_inputs as a tuple of positional args")
     try:
-        ShapeProp(gm).propagate(*args)
+        with verify.kept():  # a dropout draws from the caller's RNG; the inputs are copies (a run may change them)
+            ShapeProp(gm).propagate(*verify.fresh(args))
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"shape propagation failed on the example inputs ({first_line(exc)})") from None
 

@@ -237,3 +237,12 @@ def test_kv_cache_input_is_not_grown_by_the_original_before_the_rewrite_runs(dyn
     rows = ac.rewrite(model, inputs).report["verification"]
     assert cache.get_seq_length() == 8
     assert rows[0]["output"] == "logits" and {r["verdict"] for r in rows} == {"pass"}, rows
+
+
+def test_shape_propagation_runs_on_copies():
+    """A GraphModule without shapes is run once to get them: not on the caller's inputs, not with its RNG."""
+    gm = torch.fx.symbolic_trace(Chain(mutates=True).eval())
+    x = torch.randn(4, 8)
+    before, rng = x.clone(), torch.get_rng_state()
+    assert ac.rewrite(gm, (x,)).report["verification"][0]["verdict"] == "pass"
+    assert torch.equal(x, before) and torch.equal(rng, torch.get_rng_state())

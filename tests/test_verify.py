@@ -196,6 +196,8 @@ def test_empty_verification_is_not_a_pass(tmp_path, capsys):
     assert "✓" not in out and "∅ y" in out and "nothing was compared: every output is empty" in out
     (row,) = verify.compare(torch.zeros(0, 16), torch.zeros(0, 16), PRESERVE)
     assert row["verdict"] == "empty" and "ok" not in row
+    report = ac.rewrite(Chain(extra=lambda h: h[:0]).eval(), (torch.randn(4, 8),)).report
+    assert "nothing was compared: every output is empty" in str(report) and "✓" not in str(report)
 
 
 def test_a_model_that_changes_its_input_is_verified_on_fresh_inputs():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 VARIANTS = ("full", "block")
-EPS_MIN = 2.0 ** -126  # float32's smallest normal: keys are normalised in float32 (float64 models aside), ONNX stores eps as float32
+EPS_MIN = 2.0 ** -126  # float32's smallest normal: keys normalise in float32 (but for float64), ONNX's eps is float32
 EPS_MAX = 1.0          # RMSNorm eps is 1e-12..1e-5 in practice; above 1 it outweighs a unit-scale row's mean square
 SCALES = ("preserve", "paper")
 

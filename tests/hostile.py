@@ -1,6 +1,7 @@
 """Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
-of issue 14 (and edge-case verdicts, issue 39), and the checks every run must pass. Used by test_fuzz_hostile.py (a fixed-seed
-sample within a time budget) and by its long run (`python tests/test_fuzz_hostile.py --cases 10000`).
+of issue 14 (and edge-case verdicts, issue 39), and the checks every run must pass. Used by
+test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its long run
+(`python tests/test_fuzz_hostile.py --cases 10000`).
 
 A case is a folder of files plus a command line. Every run must end with a documented exit code
 (the case's own set when it has one), exactly one `attnres-compile: error:` line on failure, no

@@ -318,8 +318,8 @@ def fold_zero_rows(rows: list[dict], edge_rows: list[dict], inputs: list[str]) -
         if edge is None or row["verdict"] == "empty":  # an empty output's failing edge gets a row of its own
             continue
         del edges[row["output"]]
-        row["zero_rows"] = {"inputs": inputs, **{k: edge[k] for k in ("verdict", "error", "max_abs", "max_rel", "min_rtol",
-                                                                         "nonfinite_mismatch") if k in edge}}
+        kept_fields = ("verdict", "error", "max_abs", "max_rel", "min_rtol", "nonfinite_mismatch")
+        row["zero_rows"] = {"inputs": inputs, **{k: edge[k] for k in kept_fields if k in edge}}
         if edge.get("ok") is False and row["verdict"] != "none":
             row["verdict"], row["ok"] = "fail", False
     rows += [{**edge, "output": f"{name} (zero rows in {', '.join(inputs)})"} for name, edge in edges.items()

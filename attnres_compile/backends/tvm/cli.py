@@ -81,7 +81,8 @@ def compile_command(args) -> int:
     if check and "skipped" in check:
         print(f"  not verified: {check['skipped']}")
     elif check:
-        from ...passes.verify import describe as describe_row, nothing_compared  # torch: after the compile, not for the parser
+        from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
+        from ...passes.verify import nothing_compared
 
         shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
         empty = nothing_compared(check["rows"])

@@ -159,6 +159,7 @@ _CLI_WORDS = [
     (r"\ballow_nonlinear\b", "--allow-nonlinear"),
     (r"\binput_shapes\b", "--input-shape"),
     (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+    (r"\beps=(\S+) is\b", r"--eps \1 is"),
 ]
 
 

@@ -173,17 +173,24 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
 
 def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,
                    timeout: float | None) -> list[dict]:
-    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by output."""
+    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by
+    output, on the example inputs and on their zero-row copy (verify.zero_rows) when there is a verdict."""
     from .backends import onnxruntime as ort_backend
 
     original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
-    with torch.no_grad():
-        expected = [t for t in pytree.tree_leaves(original(*args, **kwargs)) if isinstance(t, torch.Tensor)]
-    tensors = [t.numpy() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
-    names = [f"onnxruntime:{n}" for n in actual]
-    expected = dict(zip(names, (e.numpy() for e in expected)))
-    rows = ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance)
+
+    def compared(inputs: tuple[tuple, dict]) -> tuple[list[dict], list, dict]:
+        expected = [t for t in pytree.tree_leaves(verify.run(original, inputs)) if isinstance(t, torch.Tensor)]
+        tensors = [t.numpy() for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
+        names = [f"onnxruntime:{n}" for n in actual]
+        expected = dict(zip(names, (e.numpy() for e in expected)))
+        return ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance), tensors, expected
+
+    rows, tensors, expected = compared((args, kwargs))
+    zeroed, inputs = verify.zero_rows((args, kwargs)) if tolerance is not None else (None, [])
+    if inputs:
+        verify.fold_zero_rows(rows, compared(zeroed)[0], inputs)
     if any(r.get("ok") is False for r in rows):
         _blame_export(original, args, kwargs, tensors, expected, rows, tolerance, timeout)
     return rows
@@ -202,7 +209,8 @@ def _blame_export(original: Any, args: tuple, kwargs: dict, tensors: list, expec
     with tempfile.TemporaryDirectory(prefix="attnres-original-") as folder:
         path = Path(folder) / "original.onnx"
         try:
-            onnx_io.write(export(original, args, kwargs, None), path)
+            with verify.kept(original):  # the exporter may run the model
+                onnx_io.write(export(original, *verify.fresh((args, kwargs)), None), path)
             actual = ort_backend.run_file(path, tensors, timeout=timeout, consequence="no verdict on the original")
         except Exception:  # noqa: BLE001 - no verdict on the original: the rows stay as they are
             return

@@ -1,11 +1,13 @@
 """Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
-of issue 14, and the checks every run must pass. Used by test_fuzz_hostile.py (a fixed-seed
-sample within a time budget) and by its long run (`python tests/test_fuzz_hostile.py --cases 10000`).
+of issue 14 (and edge-case verdicts, issue 39), and the checks every run must pass. Used by
+test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its long run
+(`python tests/test_fuzz_hostile.py --cases 10000`).
 
 A case is a folder of files plus a command line. Every run must end with a documented exit code
 (the case's own set when it has one), exactly one `attnres-compile: error:` line on failure, no
 traceback, no signal death, no run past its time limit, no staging folder or partial output left,
-no input changed, and no marker file created by a payload.
+no input changed, no marker file created by a payload, and no verdict that claims more than was
+compared (a case's `says` / `never`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Case:
     env: dict = field(default_factory=dict)
     timeout: float = 150.0
     send: tuple | None = None  # (signal, seconds)
+    says: list = field(default_factory=list)   # what a run that exits 0 must print
+    never: list = field(default_factory=list)  # and must not print
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,9 +517,36 @@ def gen_signals(b: Bases, rng: random.Random) -> Case:
                 send=(which, delay))
 
 
+def argmax_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (the tiny chain) returning ids = ArgMax(y) only: an integer-only output."""
+    model = copy.deepcopy(model)
+    model.graph.node.append(helper.make_node("ArgMax", ["y"], ["ids"], axis=-1, keepdims=0))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("ids", TensorProto.INT64, ["b"]))
+    return model
+
+
+def gen_verdicts(b: Bases, rng: random.Random) -> Case:
+    """Edge-case verdicts: an eps float32 cannot hold, outputs with no elements, an integer-only output,
+    zero rows: the run refuses in one line or says what it compared, never a ✓ for nothing."""
+    what = rng.choice(["eps", "empty", "integer", "zero-rows"])
+    if what == "eps":
+        eps = rng.choice(["1e-300", "1e-39", "0", "-1e-6", "1e308", "inf", "nan", "2"])
+        return onnx_case("verdicts", f"eps-{eps}", b.tiny_bytes, rng, command="rewrite", options=["--eps", eps],
+                         expect={2})
+    if what == "empty":
+        return onnx_case("verdicts", "empty", b.tiny_bytes, rng, command="rewrite", options=["--input-shape", f"x:0x{D}"],
+                         expect={0}, says=["nothing was compared: every output is empty"], never=["✓"])
+    if what == "integer":
+        return onnx_case("verdicts", "integer-only", save(argmax_only(b.tiny)), rng, command="rewrite", expect={0},
+                         says=["all equal  (compared exactly)"])
+    return onnx_case("verdicts", "zero-rows", b.tiny_bytes, rng, command="rewrite", expect={0},
+                     says=["also with zero rows in x"])
+
+
 GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
               "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
-              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals}
+              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,7 +581,7 @@ def snapshot(root: Path) -> dict[str, object]:
 
 
 FAILURE_CLASSES = ("undocumented-code", "unexpected-code", "not-one-line", "traceback", "signal-death", "over-time",
-                   "left-behind", "input-changed", "payload-ran", "partial-output")
+                   "left-behind", "input-changed", "payload-ran", "partial-output", "false-verdict")
 
 
 def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
@@ -572,6 +603,8 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
             failures.append("not-one-line")
     if "Traceback" in run.stderr:
         failures.append("traceback")
+    if code == 0 and (any(s not in run.stdout for s in case.says) or any(s in run.stdout for s in case.never)):
+        failures.append("false-verdict")
     after = snapshot(root)
     if any(".tmp" in k.rsplit("/", 1)[-1] or k.rsplit("/", 1)[-1].endswith(".old") for k in after):
         failures.append("left-behind")

@@ -3,9 +3,10 @@
 Cases come from tests/hostile.py: byte-level and protobuf-level damage, nested and endless
 subgraphs, spoofed attnres functions, external data, names, onnxruntime crashes and memory bombs,
 hostile output paths, crafted .pt2 archives (every code-execution vector, marker payloads),
-bad factories, and Ctrl-C / SIGTERM at random moments. Each run must end with a documented exit
+bad factories, Ctrl-C / SIGTERM at random moments, and edge-case verdicts (eps out of range,
+empty and integer-only outputs, zero rows). Each run must end with a documented exit
 code from the case's set, one error line, no traceback, no signal death, no run past its time
-limit, nothing left behind, no input changed, no payload run (hostile.judge).
+limit, nothing left behind, no input changed, no payload run, no false verdict (hostile.judge).
 
 CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 30) after one case of each class;
 `python tests/test_fuzz_hostile.py --cases 10000 [--seed N]` is the long run, which prints the

@@ -504,6 +504,45 @@ def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypat
     assert "verification" not in manifest
 
 
+def _chain_with_int_and_empty_outputs(folder: Path, only_empty: bool = False) -> Path:
+    """The `_chain_onnx` chain returning y, ids = ArgMax(y) (int64) and none = y[0:0] (no elements), rewritten;
+    or, `only_empty`, none alone."""
+    nodes, gains = _gained_relus("x", ("h1", "h2"))
+    gains.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16]),
+               helper.make_tensor_value_info("ids", TensorProto.INT64, ["b"]),
+               helper.make_tensor_value_info("none", TensorProto.FLOAT, [0, 16])]
+    nodes += [helper.make_node("Slice", ["h2", "zero", "zero", "zero"], ["none"])]
+    if only_empty:
+        outputs = outputs[2:]
+    else:
+        nodes += [helper.make_node("Identity", ["h2"], ["y"]), helper.make_node("ArgMax", ["h2"], ["ids"], axis=-1, keepdims=0)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])], outputs,
+                              initializer=gains)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "chain.onnx"))
+    rewrite_onnx(folder / "chain.onnx", folder / "chain_attnres.onnx", force=True)
+    return folder / "chain_attnres.onnx"
+
+
+def test_compile_compares_integer_outputs_exactly_and_no_empty_output_passes(tmp_path, capsys, monkeypatch):
+    """Issue 39 (13, 14): an int64 output beside the float one has its row and must be equal (a build whose
+    argmax is off by one fails); an output with no elements is no ✓, and an all-empty check says so."""
+    path = _chain_with_int_and_empty_outputs(tmp_path)
+    assert _cli("compile", str(path), "-o", str(tmp_path / "art")) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"✓ ids +int64\[2\]: all equal", printed) and "∅ none" in printed and "✓ none" not in printed
+    honest = tvm_check.run
+    monkeypatch.setattr(tvm_check, "run", lambda *a: [y + (y.dtype == np.int64) for y in honest(*a)])
+    with pytest.raises(VerificationError, match=r"on output 'ids' \(int64\[2\]: 2 of 2 values differ"):
+        compile_model(path, tmp_path / "bad")
+    monkeypatch.undo()
+    empty = _chain_with_int_and_empty_outputs(tmp_path, only_empty=True)
+    assert _cli("compile", str(empty), "-o", str(tmp_path / "empty")) == 0
+    printed = capsys.readouterr().out
+    assert "not verified against onnxruntime on x [2, 16]: nothing was compared: every output is empty" in printed
+    assert "✓" not in printed
+
+
 def test_bad_inputs_are_classified(tmp_path):
     with pytest.raises(ArtifactError, match="not an artifact folder"):
         load(tmp_path)

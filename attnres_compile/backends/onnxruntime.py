@@ -112,7 +112,7 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, n
 
 
 def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance) -> list[dict]:
-    """verify.compare per floating output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
+    """verify.compare per output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
     rows = []
     for name, ref in expected.items():
         if name not in actual:
@@ -151,6 +151,9 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
                 other = other or session(rewritten)
                 try:
                     result["actual"] = run(other, feeds)
+                    zeroed, names = verify.zero_rows(feeds)
+                    if names and not results:  # the default set, also with zero rows (verify.zero_rows)
+                        result["edge"] = (names, run(sess, zeroed), run(other, zeroed))
                 except Exception as exc:  # noqa: BLE001 - reported as a failed verification
                     if isolate.out_of_memory(f"{type(exc).__name__}: {exc}"):
                         raise
@@ -213,6 +216,9 @@ def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tol
                      "error": f"the rewritten model fails where the original runs ({r['actual']})"}]
         else:
             rows = compare_outputs(r["expected"], r["actual"], tolerance)
+            if r.get("edge") and tolerance is not None:
+                names, expected, actual = r["edge"]
+                verify.fold_zero_rows(rows, compare_outputs(expected, actual, tolerance), names)
         per_set.append((r["shapes"], rows))
     return merge_rows(per_set), [r["shapes"] for r in runs], notes
 

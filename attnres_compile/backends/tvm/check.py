@@ -5,9 +5,9 @@ An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the 
 shape sets and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
 torch on the example inputs stored with the program. The built executable runs on the same
 inputs here, and every output must match within RTOL of its largest magnitude (scaled for
-fp16/bf16, as verify.py does). TVM's frontends have converted models into silently different
-ones (a one-way Expand, an off-by-one SequenceInsert: onnx_prepare.py); this is where such a
-model stops instead of being deployed.
+fp16/bf16, as verify.py does; integer and bool outputs exactly; an empty one is no pass). TVM's
+frontends have converted models into silently different ones (a one-way Expand, an off-by-one
+SequenceInsert: onnx_prepare.py); this is where such a model stops instead of being deployed.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ def check(model: Any, imported: ImportedModel, executable, device, input_shapes:
         if program.example_inputs is None:
             return {"skipped": "the program stores no example inputs"}
         args, kwargs = program.example_inputs
-        with torch.no_grad():
-            out = program.module()(*args, **kwargs)
+        out = verify.run(program.module(), (args, kwargs))  # on a copy: a program that changes its inputs
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         feeds = {name: t.detach().cpu().numpy() for name, t in zip(imported.inputs, tensors)}
         expected = {name: t.detach().cpu().numpy() for name, t in

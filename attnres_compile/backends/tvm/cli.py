@@ -86,10 +86,13 @@ def compile_command(args) -> int:
     if check and "skipped" in check:
         print(f"  not verified: {check['skipped']}")
     elif check:
-        shapes = "; ".join(describe_shapes(s) for s in check.get("verified_shapes") or [check["inputs"]])
-        print(f"  verified against {check['reference']} at {shapes}:")
         from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
+        from ...passes.verify import nothing_compared
 
+        shapes = "; ".join(describe_shapes(s) for s in check.get("verified_shapes") or [check["inputs"]])
+        empty = nothing_compared(check["rows"])
+        print(f"  not verified against {check['reference']} at {shapes}: {empty}" if empty else
+              f"  verified against {check['reference']} at {shapes}:")
         for row in check["rows"]:
             print(f"    {describe_row(row)}" + (f"  at {row['at']}" if row.get("at") else ""))
         for note in check.get("notes", []):

@@ -66,6 +66,8 @@ def describe(source: str | os.PathLike | io.BytesIO) -> str:
             if head.startswith(magic):
                 return kind
         try:
+            if b"\0" in head:  # valid UTF-8, but no text file holds NUL bytes
+                raise UnicodeDecodeError("utf-8", head, 0, 1, "NUL byte")
             head.decode("utf-8")
             return "a JSON file" if head.lstrip()[:1] in (b"{", b"[") else "a text file"
         except UnicodeDecodeError:

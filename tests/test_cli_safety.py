@@ -563,3 +563,68 @@ def test_concurrent_rewrites_leave_one_model_and_its_weights(tmp_path):
         data = {p.name for p in folder.iterdir() if p.name.endswith(".data")}
         assert len(named) == 1 and data == named, (named, data)
         assert onnx_io.load(out, with_data=True) and not leftovers(folder)
+
+
+def npz_claiming(path: Path, shape: tuple, zeros: int = 64) -> Path:
+    """An .npz whose one array `x` declares float32 `shape` and holds `zeros` bytes of zeros, deflated."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("x.npy", "w", force_zip64=True) as f:
+        npy.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        for start in range(0, zeros, 1 << 20):
+            f.write(bytes(min(1 << 20, zeros - start)))
+    return path
+
+
+def reads_mark(marker: Path):
+    """In a forked run: reading an array of an .npz or parsing an ONNX file leaves `marker` and fails
+    instead (a regression costs no memory)."""
+    def setup():
+        import numpy.lib.npyio as npyio
+
+        def refuse(*args, **kwargs):
+            marker.touch()
+            raise MemoryError("the test refuses to read this file")
+        npyio.NpzFile.__getitem__ = onnx.load = refuse
+    return setup
+
+
+def test_run_inputs_are_bounded_by_their_headers(tmp_path):
+    """`run --inputs`: an .npz claiming 64 TiB was rc 1, and a few MB of deflated zeros in a shape the
+    model does not take were read whole (GBs) before being refused (issue 39 §11). Now the .npy
+    headers are checked against the model and the memory limit before any array is read."""
+    model = rewritten_model(tmp_path / "in")
+    assert run_cli(["compile", model, "-o", tmp_path / "art", "--no-verify"]).code == 0
+    marker = tmp_path / "read"
+    cases = [(npz_claiming(tmp_path / "huge.npz", (1 << 40, 16)), {}, 18, "declare 65536.0 GiB, more than the memory limit"),
+             (npz_claiming(tmp_path / "shape.npz", (1 << 18, 4), 1 << 22), {}, 6, "shape [262144, 4], expected ['b', 16]"),
+             (npz_claiming(tmp_path / "big.npz", (1 << 18, 16), 1 << 24), {"ATTNRES_COMPILE_MEMORY_LIMIT": "8M"}, 18,
+              "declare 0.0 GiB, more than the memory limit 0.0 GiB (ATTNRES_COMPILE_MEMORY_LIMIT)")]
+    for npz, env, code, text in cases:
+        one_line(run_cli(["run", tmp_path / "art", "--inputs", npz, "-o", tmp_path / "o.npz"], env=env,
+                         setup=reads_mark(marker)), code, text)
+        assert not marker.exists() and not (tmp_path / "o.npz").exists(), npz
+    np.savez(tmp_path / "ok.npz", x=np.ones((2, 16), np.float32))
+    run = run_cli(["run", tmp_path / "art", "--inputs", tmp_path / "ok.npz", "-o", tmp_path / "o.npz"])
+    assert run.code == 0 and np.load(tmp_path / "o.npz")["y"].shape == (2, 16), run.stderr
+
+
+def test_onnx_type_is_checked_from_the_header(tmp_path):
+    """A 3 GB sparse file named x.onnx was read whole before being called "not ONNX" (3.4 GB, 37 s;
+    issue 39 §12). Now its first byte decides (8), and a file over protobuf's 2 GiB is refused (9),
+    both without parsing it."""
+    marker = tmp_path / "read"
+    with open(tmp_path / "zeros.onnx", "wb") as f:
+        f.truncate(3 << 30)
+    with open(tmp_path / "big.onnx", "wb") as f:
+        f.write(b"\x08\x08")
+        f.truncate(3 << 30)
+    for name, code, text in (("zeros.onnx", 8, "not an ONNX model (it is a binary file of unknown type"),
+                             ("big.onnx", 9, "3.0 GiB; a serialized model is at most 2 GiB")):
+        for argv in (["inspect", tmp_path / name], ["rewrite", tmp_path / name, "-o", tmp_path / "o.onnx"],
+                     ["compile", tmp_path / name, "-o", tmp_path / "art"]):
+            one_line(run_cli(argv, setup=reads_mark(marker), timeout=60), code, text)
+            assert not marker.exists(), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "zeros.onnx"]

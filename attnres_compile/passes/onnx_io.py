@@ -94,8 +94,9 @@ def _head(path: Path) -> bytes:
 
 
 def looks_like_onnx(path: Path) -> bool:
-    """A regular file starting as every serialized ONNX model does (the ir_version field, byte 0x08)."""
-    return path.is_file() and _head(path) == ONNX_MAGIC
+    """A regular file starting as every serialized ONNX model does (the ir_version field, byte 0x08),
+    no larger than protobuf reads: one worth parsing."""
+    return path.is_file() and _head(path) == ONNX_MAGIC and path.stat().st_size <= PROTOBUF_LIMIT
 
 
 def _convert_opset(model: onnx.ModelProto, path: Path, opset: int) -> onnx.ModelProto:

@@ -257,7 +257,7 @@ def _inspect_weights(args) -> int:
     from .monitor import format_stats, inspect_weights
 
     checkpoint = Path(args.weights)
-    if not checkpoint.is_file():
+    if not os.path.lexists(checkpoint):  # a FIFO or a folder: pt2.load says what it is
         raise InputError(f"checkpoint {checkpoint} does not exist: pass a .pt2 written by `attnres-compile rewrite -o X.pt2`")
     heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
     with outputs.staged(heatmap) as stage:

@@ -82,8 +82,8 @@ def onnx_outputs(output: Path, option: str = "output") -> list[Output]:
     """The files an ONNX output may write or remove: the model, its `.data`, and its older weights
     files (all may replace the input's in the in-place rewrite)."""
     default = output.parent / data_file_name(output)
-    return [Output(output, option, primary=True), Output(default, f"{option}'s data", primary=True),
-            *(Output(p, f"{option}'s older data", primary=True, removed=True) for p in data_files(output) if p != default)]
+    older = [Output(p, f"{option}'s older data", primary=True, removed=True) for p in data_files(output) if p != default]
+    return [Output(output, option, primary=True), Output(default, f"{option}'s data", primary=True), *older]
 
 
 def check(outputs: list[Output], inputs: list[Path], force: bool) -> None:
@@ -243,7 +243,9 @@ def data_name(stage: Stage) -> str:
     out = stage.out
     default = data_file_name(out)
     others = any(alive and path != str(stage.folder) for path, alive in _stagings(out))
-    return default if not (others or os.path.lexists(out.parent / default)) else f"{out.name}.{secrets.token_hex(4)}.data"
+    if others or os.path.lexists(out.parent / default):
+        return f"{out.name}.{secrets.token_hex(4)}.data"
+    return default
 
 
 @contextlib.contextmanager

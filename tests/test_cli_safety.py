@@ -401,8 +401,8 @@ def test_compile_into_the_working_folder_is_one_line(tmp_path):
     for cwd in (tmp_path / "cwd", tmp_path / "cwd" / "deeper"):
         cwd.mkdir()
         one_line(run_cli(["compile", model, "-o", ".", "--force", "--no-verify"], cwd=cwd), 2, "is the working folder")
-    one_line(run_cli(["compile", model, "-o", tmp_path / "cwd", "--force", "--no-verify"], cwd=tmp_path / "cwd" / "deeper"),
-             2, "is the working folder or holds it")
+    one_line(run_cli(["compile", model, "-o", tmp_path / "cwd", "--force", "--no-verify"],
+                     cwd=tmp_path / "cwd" / "deeper"), 2, "is the working folder or holds it")
     assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["deeper"]
 
 
@@ -446,7 +446,8 @@ def test_force_replaces_only_regular_files(tmp_path):
     os.mkfifo(tmp_path / "pipe.onnx")
     os.mkfifo(tmp_path / "pipe.json")
     nodes = [(tmp_path / "pipe.onnx", "a FIFO (named pipe)", ["-o", tmp_path / "pipe.onnx"]),
-             (tmp_path / "pipe.json", "a FIFO (named pipe)", ["-o", tmp_path / "o.onnx", "--report", tmp_path / "pipe.json"])]
+             (tmp_path / "pipe.json", "a FIFO (named pipe)",
+              ["-o", tmp_path / "o.onnx", "--report", tmp_path / "pipe.json"])]
     if char_device(tmp_path / "null.onnx"):
         nodes.append((tmp_path / "null.onnx", "a character device", ["-o", tmp_path / "null.onnx"]))
     for node, kind, args in nodes:
@@ -468,7 +469,8 @@ def test_special_files_as_inputs_say_what_they_are(tmp_path):
     (tmp_path / "dir.onnx").mkdir()
     os.mkfifo(tmp_path / "pipe.npz")
     for argv, text in ((["inspect", tmp_path / "pipe.onnx"], "pipe.onnx is a FIFO (named pipe), not an ONNX model"),
-                       (["rewrite", tmp_path / "dir.onnx", "-o", tmp_path / "o.onnx"], "dir.onnx is a folder, not an ONNX model"),
+                       (["rewrite", tmp_path / "dir.onnx", "-o", tmp_path / "o.onnx"],
+                        "dir.onnx is a folder, not an ONNX model"),
                        (["inspect", "/dev/null"], "/dev/null is a character device, not an ONNX model"),
                        (["compile", tmp_path / "pipe.onnx", "-o", tmp_path / "art"], "is a FIFO (named pipe)"),
                        (["run", tmp_path / "art", "--inputs", tmp_path / "pipe.npz", "-o", tmp_path / "o.npz"],
@@ -598,8 +600,10 @@ def test_run_inputs_are_bounded_by_their_headers(tmp_path):
     model = rewritten_model(tmp_path / "in")
     assert run_cli(["compile", model, "-o", tmp_path / "art", "--no-verify"]).code == 0
     marker = tmp_path / "read"
-    cases = [(npz_claiming(tmp_path / "huge.npz", (1 << 40, 16)), {}, 18, "declare 65536.0 GiB, more than the memory limit"),
-             (npz_claiming(tmp_path / "shape.npz", (1 << 18, 4), 1 << 22), {}, 6, "shape [262144, 4], expected ['b', 16]"),
+    cases = [(npz_claiming(tmp_path / "huge.npz", (1 << 40, 16)), {}, 18,
+              "declare 65536.0 GiB, more than the memory limit"),
+             (npz_claiming(tmp_path / "shape.npz", (1 << 18, 4), 1 << 22), {}, 6,
+              "shape [262144, 4], expected ['b', 16]"),
              (npz_claiming(tmp_path / "big.npz", (1 << 18, 16), 1 << 24), {"ATTNRES_COMPILE_MEMORY_LIMIT": "8M"}, 18,
               "declare 0.0 GiB, more than the memory limit 0.0 GiB (ATTNRES_COMPILE_MEMORY_LIMIT)")]
     for npz, env, code, text in cases:

@@ -411,7 +411,7 @@ def files_of(path: Path) -> list[Path]:
             location = ExternalDataInfo(tensor).location
         except Exception:  # noqa: BLE001 - a bad reference: load() refuses it before reading anything
             continue
-        if location and "\0" not in location:
+        if isinstance(location, str) and location and "\0" not in location:  # not UTF-8 (bytes): load() refuses it
             files.append(path.parent / location)
     return files
 

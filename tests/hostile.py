@@ -1,13 +1,13 @@
 """Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
-of issue 14 (and edge-case verdicts, issue 39), and the checks every run must pass. Used by
-test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its long run
-(`python tests/test_fuzz_hostile.py --cases 10000`).
+of issues 14 and 39 (edge-case verdicts, --force over inputs, special files), and the checks every
+run must pass. Used by test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its
+long run (`python tests/test_fuzz_hostile.py --cases 10000`).
 
 A case is a folder of files plus a command line. Every run must end with a documented exit code
 (the case's own set when it has one), exactly one `attnres-compile: error:` line on failure, no
 traceback, no signal death, no run past its time limit, no staging folder or partial output left,
-no input changed, no marker file created by a payload, and no verdict that claims more than was
-compared (a case's `says` / `never`).
+no input changed or removed, /dev/null still a device, no marker file created by a payload, and no
+verdict that claims more than was compared (a case's `says` / `never`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import io
 import math
 import os
 import random
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -475,6 +476,69 @@ def gen_pt2(b: Bases, rng: random.Random) -> Case:
     return Case("pt2", f"{what}/{command}", argv, {"m.pt2": data}, expect, {"h.png", "art"})
 
 
+def gen_force_inputs(b: Bases, rng: random.Random) -> Case:
+    """--force over inputs (issue 39): an artifact folder holding the model, its parent, a folder
+    that is not an artifact, the working folder; -o whose weights (or older weights, removed by
+    the run) are another model's; --report onto the input's weights; the in-place rewrite."""
+    what = rng.choice(["compile-into-model-folder", "compile-into-parent", "compile-into-foreign", "compile-dot",
+                       "o-data-is-input-data", "o-older-data-is-input-data", "report-onto-data", "in-place"])
+    files = {"m.onnx": b.ext_model, "m.onnx.data": b.ext_data}
+    outputs, expect = set(), {11}
+    if what.startswith("compile"):
+        files = {"m.onnx": save(b.sited), "notes.txt": b"mine"}
+        out = {"compile-into-model-folder": "{d}", "compile-into-parent": "{d}/..", "compile-dot": ".",
+               "compile-into-foreign": "{d}/other"}[what]
+        if what == "compile-into-foreign":
+            files["other/thesis.tex"] = b"years of work"
+            expect = {2}
+        argv = ["compile", "{d}/m.onnx", "-o", out, "--no-verify"]
+    elif what.startswith("o-"):
+        location = "w.onnx.data" if what == "o-data-is-input-data" else "w.onnx.0123abcd.data"
+        model, data = external(tiny(dim=64), location)
+        files = {"a.onnx": model, location: data, "w.onnx": b"an older output"}
+        argv = ["rewrite", "{d}/a.onnx", "-o", "{d}/w.onnx", "--no-verify"]
+    elif what == "report-onto-data":
+        argv = ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify", "--report", "{d}/m.onnx.data"]
+    else:
+        argv = ["rewrite", "{d}/m.onnx", "-o", "{d}/m.onnx", "--no-verify"]
+        outputs, expect = {"m.onnx"}, {0}
+    return Case("force-inputs", what, argv + ["--force"], files, expect, outputs, timeout=60)
+
+
+def gen_special_files(b: Bases, rng: random.Random) -> Case:
+    """FIFOs, device nodes and folders where a command reads or writes a file (issue 39): never
+    replaced (even with --force), never opened, one line saying what they are."""
+    what = rng.choice(["fifo-o", "device-o", "fifo-report", "devnull-report", "fifo-run-o", "fifo-model",
+                       "folder-model", "fifo-data", "fifo-npz", "fifo-pt2", "device-model"])
+    files = {"m.onnx": b.ext_model, "m.onnx.data": b.ext_data}
+    rewrite = ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify"]
+    force = ["--force"] if rng.random() < 0.5 else []
+    expect = {2}
+    if what in ("fifo-o", "device-o"):
+        files["out.onnx"] = ("fifo",) if what == "fifo-o" else ("device",)
+        argv = rewrite + force
+    elif what in ("fifo-report", "devnull-report"):
+        files["r.json"] = ("fifo",)
+        argv = rewrite + ["--report", "{d}/r.json" if what == "fifo-report" else "/dev/null"]
+        argv += force if what == "fifo-report" else []  # --force onto the real /dev/null: never, even refused
+    elif what == "fifo-run-o":
+        files["o.npz"] = ("fifo",)
+        argv = ["run", "{d}/art", "--inputs", "{d}/i.npz", "-o", "{d}/o.npz"] + force
+    elif what == "fifo-npz":
+        files = {"i.npz": ("fifo",)}
+        argv, expect = ["run", "{d}/art", "--inputs", "{d}/i.npz", "-o", "{d}/o.npz"], {6}
+    elif what == "fifo-pt2":
+        files = {"m.pt2": ("fifo",)}
+        argv, expect = ["inspect", "--weights", "{d}/m.pt2", "--heatmap", "{d}/h.png"], {6}
+    elif what == "fifo-data":
+        files["m.onnx.data"] = ("fifo",)
+        argv, expect = rewrite, {10}
+    else:
+        files = {"m.onnx": {"fifo-model": ("fifo",), "folder-model": ("dir",), "device-model": ("device",)}[what]}
+        argv, expect = rng.choice([["inspect", "{d}/m.onnx"], rewrite, ["compile", "{d}/m.onnx", "-o", "{d}/art"]]), {6}
+    return Case("special-files", what + ("+force" if force else ""), argv, files, expect, set(), timeout=30)
+
+
 FACTORIES = {
     "syntax": "def f(:\n",
     "exit0": "import sys\ndef f():\n    sys.exit(0)\n",
@@ -546,7 +610,8 @@ def gen_verdicts(b: Bases, rng: random.Random) -> Case:
 
 GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
               "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
-              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts}
+              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts,
+              "force-inputs": gen_force_inputs, "special-files": gen_special_files}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,12 +623,27 @@ def materialize(case: Case, folder: Path) -> list[str]:
     for rel, content in case.files.items():
         p = folder / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, tuple):
+        if content == ("fifo",):
+            os.mkfifo(p)
+        elif content == ("dir",):
+            p.mkdir()
+            (p / "keep").write_bytes(b"keep")
+        elif content == ("device",):
+            _device(p)
+        elif isinstance(content, tuple):
             os.symlink(content[1], p)
         else:
             p.write_bytes(content)
     (folder.parent / "secret.bin").write_bytes(b"\0" * 4096)
     return [a.replace("{d}", str(folder)) for a in case.argv]
+
+
+def _device(path: Path) -> None:
+    """A character device node like /dev/null's at `path` (root), else a FIFO (mknod not allowed)."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except OSError:
+        os.mkfifo(path)
 
 
 def snapshot(root: Path) -> dict[str, object]:
@@ -577,11 +657,14 @@ def snapshot(root: Path) -> dict[str, object]:
             seen[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
         elif p.is_dir():
             seen[str(p.relative_to(root))] = "dir"
+        else:  # a FIFO or a device node: its type (never opened)
+            seen[str(p.relative_to(root))] = ("node", stat.S_IFMT(os.lstat(p).st_mode))
     return seen
 
 
 FAILURE_CLASSES = ("undocumented-code", "unexpected-code", "not-one-line", "traceback", "signal-death", "over-time",
-                   "left-behind", "input-changed", "payload-ran", "partial-output", "false-verdict")
+                   "left-behind", "input-changed", "input-removed", "payload-ran", "partial-output", "false-verdict",
+                   "dev-null-broken")
 
 
 def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
@@ -615,17 +698,25 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
     changed = {k for k in before if k in after and after[k] != before[k]}
     allowed = {f"{rel}/{n}" for n in case.outputs}
     data = {k for k in new if k.endswith(".data") and any(k.startswith(f"{rel}/{n}.") for n in case.outputs)}
+    gone = {k for k in before if k not in after}
     if code in (0, 7, 130, 143):  # a signal after the commit leaves the complete new output
         extra = {k for k in new - data if k not in allowed and not any(k.startswith(a + "/") for a in allowed)}
         if extra or any(k not in allowed for k in changed):
             failures.append("partial-output" if extra else "input-changed")
         if f"{rel}/out.onnx" in new | changed and not _loads(folder / "out.onnx"):
             failures.append("partial-output")
+        replaced = {k for k in gone if any(k.startswith(f"{a}.") and k.endswith(".data") for a in allowed)}
+        if gone - allowed - replaced:  # only an output's own older weights may go
+            failures.append("input-removed")
     else:
         if new - {k for k in new if k.endswith("__pycache__") or "/__pycache__/" in k}:
             failures.append("partial-output")
         if changed:
             failures.append("input-changed")
+        if gone:
+            failures.append("input-removed")
+    if not stat.S_ISCHR(os.lstat("/dev/null").st_mode):
+        failures.append("dev-null-broken")
     return failures
 
 

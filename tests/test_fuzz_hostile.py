@@ -2,7 +2,8 @@
 
 Cases come from tests/hostile.py: byte-level and protobuf-level damage, nested and endless
 subgraphs, spoofed attnres functions, external data, names, onnxruntime crashes and memory bombs,
-hostile output paths, crafted .pt2 archives (every code-execution vector, marker payloads),
+hostile output paths, --force over inputs (their weights, their folder), FIFOs, device nodes and
+folders where files belong, crafted .pt2 archives (every code-execution vector, marker payloads),
 bad factories, Ctrl-C / SIGTERM at random moments, and edge-case verdicts (eps out of range,
 empty and integer-only outputs, zero rows). Each run must end with a documented exit
 code from the case's set, one error line, no traceback, no signal death, no run past its time

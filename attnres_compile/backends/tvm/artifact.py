@@ -16,6 +16,7 @@ The folder is written in a staging folder beside OUT_DIR and swapped into place 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -25,14 +26,17 @@ import tvm
 from tvm import relax
 
 from ... import __version__, outputs
-from ...errors import CompileError, ConfigError, InputError, VerificationError, first_line
+from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
+from ...passes import onnx_io
 from . import vm_files
+from .cli import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
 from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 
 LIBRARY = "model.so"
+_DISK_ERRORS = [os.strerror(e) for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)]
 
 
 def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, target: str = "llvm",
@@ -53,7 +57,7 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     `out_dir` is replaced only with `force`. Returns the manifest.
     """
     out = Path(out_dir)
-    _check_output(out, force)
+    _check_output(out, model, force)
     tvm_target = make_target(target, arch)
     verify_shapes = _verification_shapes(static_shapes, input_shapes)
     imported = import_model(model, static_shapes)
@@ -71,6 +75,12 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
         try:
             vm_files.save(built.executable, stage / LIBRARY)
         except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, OSError) and exc.errno in outputs.WRITE_ERRNOS:
+                raise  # staged_folder's one line, exit 19
+            disk = next((reason for reason in _DISK_ERRORS if reason in str(exc)), None)
+            if disk:  # the compiler or linker writing the library: a full disk, not a compile error
+                raise OutputWriteError(f"cannot write {out}: {disk} (exporting the library); "
+                                       f"{outputs.NOTHING_DONE}") from None
             raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
@@ -171,8 +181,8 @@ def _text(expr) -> tuple[str, int]:
     return str(expr), 3
 
 
-def _check_output(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output {out} exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise InputError(f"output {out} exists: pass --force to replace it")
+def _check_output(out: Path, model: Any, force: bool) -> None:
+    """outputs.check for the artifact folder: never one holding the model (or its weights) or the working
+    folder; an existing one only with `force`, and only when it is an artifact (manifest.json)."""
+    inputs = onnx_io.files_of(Path(model)) if isinstance(model, (str, os.PathLike)) else []
+    outputs.check([artifact_output(out, "output")], inputs, force)

@@ -8,12 +8,14 @@ AttnResError and turned into one line and their exit code by the main CLI).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import zipfile
 from pathlib import Path
 
 from ... import isolate, outputs
-from ...errors import InputError, first_line
-from ...file_kind import describe
+from ...errors import InputError, MemoryLimitError, first_line
+from ...file_kind import check_file, describe
 
 
 def add_commands(subparsers) -> None:
@@ -57,6 +59,12 @@ def add_commands(subparsers) -> None:
     run.set_defaults(handler=run_command)
     for sp in (comp, run):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
+def artifact_output(out: Path, option: str = "-o") -> outputs.Output:
+    """An artifact folder as an output: only a folder holding `manifest.json` (runtime.MANIFEST) is ours
+    to replace (outputs.check)."""
+    return outputs.Output(out, option, folder=True, marker="manifest.json")
 
 
 def compile_command(args) -> int:
@@ -112,17 +120,17 @@ def run_command(args) -> int:
     from .runtime import load
 
     path = Path(args.inputs)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    check_file(path, "an .npz of input arrays")
     kind = describe(path)
     if kind != "an .npz archive of arrays":
         raise InputError(f"{path} is {kind}, not an .npz of input arrays (numpy.savez(path, name=array, ...))")
+    artifact = load(args.artifact)
+    check_declared(path, declared_arrays(path), artifact.manifest["inputs"])
     try:
         with np.load(path, allow_pickle=False) as data:
             inputs = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise InputError(f"{path}: not an .npz file ({first_line(exc)})") from None
-    artifact = load(args.artifact)
     results = artifact(inputs)
     out = Path(args.output)
     with outputs.staged(out) as stage, open(stage.path, "wb") as f:
@@ -133,6 +141,49 @@ def run_command(args) -> int:
 
         print(format_table(profile(args.artifact, artifact.checked(inputs), device=artifact.manifest["device"])))
     return 0
+
+
+def declared_arrays(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{name: (shape, dtype)} of the arrays of the .npz at `path`, from their .npy headers only (a few
+    bytes each, whatever the arrays' size or compression)."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    declared = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                with z.open(info) as f:
+                    version = npy.read_magic(f)
+                    if version not in ((1, 0), (2, 0)):
+                        raise ValueError(f"unsupported .npy format version {version}")
+                    read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                    shape, _, dtype = read(f)
+                declared[info.filename.removesuffix(".npy")] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except (OSError, ValueError, TypeError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as exc:
+        raise InputError(f"{path}: not an .npz file ({first_line(exc)})") from None
+    return declared
+
+
+def check_declared(path: Path, declared: dict, specs: list[dict]) -> None:
+    """Refuse, before any array is read, inputs whose headers do not fit the model (names, ranks, static
+    dims) or that together declare more bytes than the memory budget (a bomb: a small file claiming
+    terabytes, or gigabytes of zeros compressed to megabytes)."""
+    names = [s["name"] for s in specs]
+    if sorted(declared) != sorted(names):
+        raise InputError(f"{path}: inputs must be exactly {names}: missing {sorted(set(names) - set(declared))}, "
+                         f"unknown {sorted(set(declared) - set(names))}")
+    for spec in specs:
+        shape, want = declared[spec["name"]][0], spec["shape"]
+        fits = want is None or (len(want) == len(shape) and all(not isinstance(w, int) or w == g
+                                                                 for w, g in zip(want, shape)))
+        if not fits:
+            raise InputError(f"{path}: input {spec['name']}: shape {list(shape)}, expected {want}")
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in declared.values())
+    budget = isolate.memory_budget()
+    if total > budget:
+        raise MemoryLimitError(f"{path}: its arrays declare {total / 2**30:.1f} GiB, more than the memory limit "
+                               f"{budget / 2**30:.1f} GiB ({isolate.MEMORY_ENV}); nothing was read or run")
 
 
 def dims(shape) -> str:

@@ -189,7 +189,7 @@ def test_dispatch_uses_the_fused_kernel_where_it_applies(monkeypatch):
         op([x, x], torch.randn(16), 1e-6, 2.0, -1)
     finally:
         op_module.set_kernel(previous)
-    with pytest.raises(ValueError, match="unknown depth-attention kernel"):
+    with pytest.raises(ValueError, match="'fast' is not a depth-attention kernel"):
         op_module.set_kernel("fast")
 
 

@@ -110,6 +110,22 @@ def pt2_bytes() -> bytes:
     return pt2.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
 
 
+def payload_library(marker: str) -> bytes | None:
+    """A shared library whose constructor creates the file `marker` (relative: in the working
+    directory of the process that loads it); None without a C compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("cc") is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "payload.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) {\n'
+                                        f'    FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n')
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", f"{d}/payload.so", f"{d}/payload.c"], check=True)
+        return Path(d, "payload.so").read_bytes()
+
+
 class Bases:
     """The base files every generator mutates, built once."""
 

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from attnres_compile import kernel_cache
-from attnres_compile import op as op_module
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hostile import payload_library  # noqa: E402
+
+from attnres_compile import kernel_cache  # noqa: E402
+from attnres_compile import op as op_module  # noqa: E402
 
 SPEC = kernel_cache.Spec("forward", 2, 2, 8, "float32", 1e-6, 2.0, "cpu", 1)
 NOBODY = 65534
@@ -38,15 +43,11 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
     """(library bytes, marker path): a shared library whose constructor creates the marker."""
-    if shutil.which("cc") is None:
+    marker = tmp_path_factory.mktemp("payload") / "PAYLOAD-RAN"
+    library = payload_library(str(marker))
+    if library is None:
         pytest.skip("no C compiler")
-    folder = tmp_path_factory.mktemp("payload")
-    marker = folder / "PAYLOAD-RAN"
-    source = folder / "payload.c"
-    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) {\n'
-                      f'    FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n')
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "payload.so"), str(source)], check=True)
-    return (folder / "payload.so").read_bytes(), marker
+    return library, marker
 
 
 def entry(library: bytes, digest: bytes | None = None) -> bytes:

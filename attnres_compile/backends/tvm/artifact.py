@@ -26,7 +26,7 @@ from tvm import relax
 
 from ... import __version__, outputs
 from ...errors import CompileError, InputError, VerificationError, first_line
-from . import vm_files
+from . import artifact_checks, vm_files
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
@@ -66,6 +66,7 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
             vm_files.save(built.executable, stage / LIBRARY)
         except Exception as exc:  # noqa: BLE001
             raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+        manifest.update(artifact_checks.record(stage / LIBRARY))
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

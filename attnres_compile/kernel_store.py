@@ -58,8 +58,8 @@ def location() -> tuple[Path, tuple[str, ...]]:
 class Folder:
     """A verified cache folder, held by its descriptor (later renames of its path do not matter)."""
 
-    def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
+    def __init__(self, path: Path, fd: int, keep: bool = True):
+        self.path, self.fd, self.keep = path, fd, keep
 
     @classmethod
     def open(cls, base: Path, parts: tuple[str, ...]) -> Folder:
@@ -92,11 +92,12 @@ class Folder:
 
     @classmethod
     def private(cls) -> Folder:
-        """A fresh temporary folder of this process (mkdtemp: 0700), removed when it exits."""
+        """A fresh temporary folder of this process (mkdtemp: 0700), removed when it exits. It keeps
+        no entries (the process holds its kernels in memory), only files while they are loaded."""
         path = Path(tempfile.mkdtemp(prefix="attnres-kernels-"))
         owner = os.getpid()
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
-        return cls(path, os.open(path, _DIR_FLAGS))
+        return cls(path, os.open(path, _DIR_FLAGS), keep=False)
 
     def read(self, name: str) -> bytes | None:
         """The library of entry `name`, checked; None if there is none; Untrusted if it is not ours or damaged."""
@@ -123,7 +124,9 @@ class Folder:
         return library
 
     def write(self, name: str, library: bytes) -> None:
-        """Entry `name` := header + library, atomically (temporary file renamed over it)."""
+        """Entry `name` := header + library, atomically (temporary file renamed over it); none in a private folder."""
+        if not self.keep:
+            return
         header = f"attnres-kernel 1 size={len(library)} sha256={hashlib.sha256(library).hexdigest()}\n".encode()
         self._write_new(self.temp_name(".kernel"), header + library, lambda tmp: os.replace(
             tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd))

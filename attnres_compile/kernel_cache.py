@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import sys
 from functools import cache

@@ -164,6 +164,7 @@ class Bases:
                               env={"ATTNRES_KERNEL_CACHE": str(d / "kc")})
                 assert run.code == 0, run
                 self._kernels = {str(p.relative_to(d)): p.read_bytes() for p in (d / "kc").rglob("*.kernel")}
+                assert self._kernels, "the rewrite cached no kernel: is TVM installed?"
             finally:
                 shutil.rmtree(d, ignore_errors=True)
         return self._kernels

@@ -26,7 +26,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from . import outputs
+from . import env_checks, outputs
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
 from .file_kind import check_file
@@ -422,6 +422,7 @@ def _main(argv: list[str] | None, received: list[int], debug: bool) -> int:
         args = _parser().parse_args(argv)
         command = getattr(args, "handler", None) or {"inspect": _inspect, "rewrite": _rewrite}[args.command]
         with contextlib.nullcontext() if args.debug else _quiet():
+            env_checks.check()
             planned, inputs, force = _plan_outputs(args)
             outputs.check(planned, inputs, force)
             code = command(args)

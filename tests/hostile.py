@@ -35,7 +35,8 @@ MARKER = "PAYLOAD-RAN"
 
 @dataclass
 class Case:
-    """`files`: relative path -> bytes, or ("symlink", target); `argv` may hold "{d}" for the case folder."""
+    """`files`: relative path -> bytes, ("symlink", target), ("dir", mode) or ("file", bytes, mode, owner);
+    `argv` and `env` values may hold "{d}" for the case folder."""
 
     kind: str
     name: str
@@ -115,6 +116,22 @@ def pt2_bytes() -> bytes:
     return pt2.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
 
 
+def payload_library(marker: str) -> bytes | None:
+    """A shared library whose constructor creates the file `marker` (relative: in the working
+    directory of the process that loads it); None without a C compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("cc") is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "payload.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) {\n'
+                                        f'    FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n')
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", f"{d}/payload.so", f"{d}/payload.c"], check=True)
+        return Path(d, "payload.so").read_bytes()
+
+
 class Bases:
     """The base files every generator mutates, built once."""
 
@@ -127,6 +144,35 @@ class Bases:
         from pt2_vectors import vectors
 
         self.vectors = vectors(self.pt2, MARKER)
+        self._kernels: dict | None = None
+        self._payload: bytes | None = None
+
+    def payload(self) -> bytes:
+        """A shared library that creates MARKER in the working directory when it is loaded."""
+        if self._payload is None:
+            self._payload = payload_library(MARKER) or b"\x7fELF no C compiler here"
+        return self._payload
+
+    def kernels(self) -> dict[str, bytes]:
+        """The kernel cache (relative path -> bytes) that CACHE_ARGV's rewrite fills, built once by a
+        forked run into an empty cache (never in this process, whose kernels forked runs inherit)."""
+        if self._kernels is None:
+            import shutil
+            import tempfile
+
+            from forked_cli import run_cli
+
+            d = Path(tempfile.mkdtemp(prefix="attnres-cache-template-"))
+            try:
+                (d / "cache_fac.py").write_text(CACHE_FACTORY)
+                run = run_cli([a.replace("{d}", str(d)) for a in CACHE_ARGV], cwd=d,
+                              env={"ATTNRES_KERNEL_CACHE": str(d / "kc")})
+                assert run.code == 0, run
+                self._kernels = {str(p.relative_to(d)): p.read_bytes() for p in (d / "kc").rglob("*.kernel")}
+                assert self._kernels, "the rewrite cached no kernel: is TVM installed?"
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+        return self._kernels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,10 +654,72 @@ def gen_verdicts(b: Bases, rng: random.Random) -> Case:
                      says=["also with zero rows in x"])
 
 
+CACHE_FACTORY = """import torch
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(torch.relu(x))
+        return x
+
+
+def f():
+    torch.manual_seed(0)
+    return Chain(), (torch.randn(2, 24),)
+"""
+# a feature size and eps no other test uses: the forked run cannot inherit these kernels from memory
+CACHE_ARGV = ["rewrite", "cache_fac:f", "-o", "{d}/out.pt2", "--eps", "2.5e-6", "--verify-timeout", "60"]
+DEAD_PID = 4194305  # above the largest pid_max (2**22): never a running process
+
+
+def gen_cache(b: Bases, rng: random.Random) -> Case:
+    """Kernel-cache poisoning (issue 39): at a kernel's name, a library whose constructor writes the
+    marker (plain, with a forged hash, behind a symlink, world-writable, another user's), a truncated
+    or altered kernel, a cache folder writable by all, a dead writer's temporary file. The run must
+    compute and verify as usual, run no payload and leave no temporary file."""
+    import hashlib
+
+    kernels = b.kernels()
+    payload = b.payload()
+    what = rng.choice(["planted", "forged-hash", "symlink", "world-writable", "foreign-owner", "truncated",
+                       "altered", "shared-folder", "stale-temp"])
+    files: dict = {"cache_fac.py": CACHE_FACTORY.encode(), **kernels}
+    rel = rng.choice(sorted(kernels))
+
+    def entry(library: bytes, digest: str | None = None) -> bytes:
+        digest = digest or hashlib.sha256(library).hexdigest()
+        return b"attnres-kernel 1 size=%d sha256=%s\n" % (len(library), digest.encode()) + library
+
+    if what == "planted":
+        files[rel] = payload
+    elif what == "forged-hash":
+        files[rel] = entry(payload, "0" * 64)
+    elif what == "symlink":
+        files["elsewhere.kernel"] = entry(payload)
+        files[rel] = ("symlink", "../" * rel.count("/") + "elsewhere.kernel")
+    elif what in ("world-writable", "foreign-owner"):
+        owner = 65534 if what == "foreign-owner" and os.geteuid() == 0 else None
+        files[rel] = ("file", entry(payload), 0o666 if owner is None else 0o644, owner)
+    elif what == "truncated":
+        files[rel] = kernels[rel][: rng.randrange(1, len(kernels[rel]))]
+    elif what == "altered":
+        files[rel] = flip(kernels[rel], rng, rng.randint(1, 4))
+    elif what == "shared-folder":
+        files = {**files, **{k: entry(payload) for k in kernels}, "kc": ("dir", 0o1777)}
+    else:
+        files[f"{rel.rsplit('/', 1)[0]}/.tmp-{DEAD_PID}-{rng.randrange(16 ** 6):06x}.kernel"] = b"half a kern"
+    return Case("cache", what, CACHE_ARGV, files, {0}, {"out.pt2", "kc"}, env={"ATTNRES_KERNEL_CACHE": "{d}/kc"})
+
+
 GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
               "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
               "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts,
-              "force-inputs": gen_force_inputs, "special-files": gen_special_files}
+              "force-inputs": gen_force_inputs, "special-files": gen_special_files, "cache": gen_cache}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,17 +731,25 @@ def materialize(case: Case, folder: Path) -> list[str]:
     for rel, content in case.files.items():
         p = folder / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        if content == ("fifo",):
+        if isinstance(content, bytes):
+            p.write_bytes(content)
+        elif content == ("fifo",):
             os.mkfifo(p)
+        elif content == ("device",):
+            _device(p)
         elif content == ("dir",):
             p.mkdir()
             (p / "keep").write_bytes(b"keep")
-        elif content == ("device",):
-            _device(p)
-        elif isinstance(content, tuple):
+        elif content[0] == "symlink":
             os.symlink(content[1], p)
-        else:
-            p.write_bytes(content)
+        elif content[0] == "dir":
+            p.mkdir(exist_ok=True)
+            p.chmod(content[1])
+        else:  # ("file", bytes, mode, owner uid or None)
+            p.write_bytes(content[1])
+            p.chmod(content[2])
+            if content[3] is not None:
+                os.chown(p, content[3], -1)
     (folder.parent / "secret.bin").write_bytes(b"\0" * 4096)
     return [a.replace("{d}", str(folder)) for a in case.argv]
 
@@ -700,8 +816,8 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
     data = {k for k in new if k.endswith(".data") and any(k.startswith(f"{rel}/{n}.") for n in case.outputs)}
     gone = {k for k in before if k not in after}
     if code in (0, 7, 130, 143):  # a signal after the commit leaves the complete new output
-        extra = {k for k in new - data if k not in allowed and not any(k.startswith(a + "/") for a in allowed)}
-        if extra or any(k not in allowed for k in changed):
+        extra = {k for k in new - data if not _within(k, allowed)}
+        if extra or any(not _within(k, allowed) for k in changed):
             failures.append("partial-output" if extra else "input-changed")
         if f"{rel}/out.onnx" in new | changed and not _loads(folder / "out.onnx"):
             failures.append("partial-output")
@@ -718,6 +834,11 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
     if not stat.S_ISCHR(os.lstat("/dev/null").st_mode):
         failures.append("dev-null-broken")
     return failures
+
+
+def _within(path: str, allowed: set[str]) -> bool:
+    """Whether `path` is an allowed output or inside one (an artifact folder, a kernel cache)."""
+    return path in allowed or any(path.startswith(a + "/") for a in allowed)
 
 
 def _loads(path: Path) -> bool:

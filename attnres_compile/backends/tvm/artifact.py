@@ -28,7 +28,7 @@ from tvm import relax
 from ... import __version__, outputs
 from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
 from ...passes import onnx_io
-from . import vm_files
+from . import artifact_checks, vm_files
 from .cli import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
@@ -82,6 +82,7 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
                 raise OutputWriteError(f"cannot write {out}: {disk} (exporting the library); "
                                        f"{outputs.NOTHING_DONE}") from None
             raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+        manifest.update(artifact_checks.record(stage / LIBRARY))
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

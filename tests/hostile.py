@@ -822,7 +822,8 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
         if f"{rel}/out.onnx" in new | changed and not _loads(folder / "out.onnx"):
             failures.append("partial-output")
         replaced = {k for k in gone if any(k.startswith(f"{a}.") and k.endswith(".data") for a in allowed)}
-        if gone - allowed - replaced:  # only an output's own older weights may go
+        if {k for k in gone - replaced if not _within(k, allowed)}:  # only an output's own (older weights, a
+            # refused cache entry or a dead writer's temporary file inside an output folder) may go
             failures.append("input-removed")
     else:
         if new - {k for k in new if k.endswith("__pycache__") or "/__pycache__/" in k}:

@@ -29,6 +29,7 @@ import warnings
 import numpy as np
 import onnx
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
@@ -120,6 +121,8 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
+            if op_name == "Reshape" and (dims := _reshape_dims(inputs[0], inputs[1], attrs, [self._nodes, self._params])) is not None:
+                return self.bb.normalize(relax.op.reshape(inputs[0], relax.ShapeExpr(dims)))
             if op_name == "Reshape" and _scalar_to_vector(*inputs[:2]):
                 # a shape dim to [1] (BLOOM, XGLM): the stock Reshape wants a tensor, Unsqueeze takes it
                 return super()._convert_operator("Unsqueeze", [inputs[0], relax.const([0], "int64")], {}, opset)
@@ -164,6 +167,70 @@ def _scalar_to_vector(data, shape) -> bool:
     1-element vector."""
     return (tvm.ir.is_prim_expr(data) and isinstance(shape, tvm.ir.GenericConst)
             and shape.value.numpy().reshape(-1).tolist() in ([1], [-1]))
+
+
+def _reshape_dims(data, shape, attrs: dict, params) -> list | None:
+    """The target dims of a Reshape of symbolic data to a shape with one -1, the -1 solved by cancelling
+    the known dims' factors from the data's (0 copies the data's dim unless allowzero); None when
+    nothing cancels. Relax infers the -1 as `prod(data) // prod(known)`, which TVM cannot simplify
+    once a sum is a factor: SDPA's key transpose `[b, h, past + seq, e]` -> `[-1, past + seq, e]` got
+    `b * (past + seq) * h * e // (past * e + seq * e)`, and the floormods of that dim in the fused
+    loops failed LLVM code generation ("Binding of variable rmod ... conflicts")."""
+    if not _not_static(data) or not isinstance(data.ty.shape, relax.ShapeExpr):
+        return None
+    shape = onnx_frontend.get_constant(shape, params)
+    if isinstance(shape, tvm.ir.GenericConst):
+        values = shape.value.numpy()
+        if values.ndim != 1:
+            return None
+        dims = [tvm.tirx.IntImm("int64", int(v)) for v in values]
+    elif isinstance(shape, relax.ShapeExpr):
+        dims = list(shape.values)
+    else:
+        return None
+    have = list(data.ty.shape.values)
+    if not attrs.get("allowzero", 0):
+        dims = [have[i] if _is_int(d, 0) and i < len(have) else d for i, d in enumerate(dims)]
+    unknown = [i for i, d in enumerate(dims) if _is_int(d, -1)]
+    if len(unknown) != 1:
+        return None
+    solved = _quotient(have, [d for i, d in enumerate(dims) if i != unknown[0]])
+    return None if solved is None else [solved if i == unknown[0] else d for i, d in enumerate(dims)]
+
+
+def _is_int(dim, value: int) -> bool:
+    return isinstance(dim, tvm.tirx.IntImm) and dim.value == value
+
+
+def _quotient(dims: list, divisors: list):
+    """prod(dims) / prod(divisors) by cancelling factors structurally, or None where one does not cancel."""
+    size, factors = _factors(dims)
+    count, divisor_factors = _factors(divisors)
+    for factor in divisor_factors:
+        match = next((i for i, f in enumerate(factors) if tvm_ffi.structural_equal(f, factor)), None)
+        if match is None:
+            return None
+        factors.pop(match)
+    if count == 0 or size % count:
+        return None
+    result = tvm.tirx.IntImm("int64", size // count)
+    for factor in factors:
+        result = result * factor
+    return result
+
+
+def _factors(dims: list) -> tuple[int, list]:
+    """(product of the constant factors, the other factors) of a product of dims."""
+    size, factors, stack = 1, [], list(dims)
+    while stack:
+        dim = stack.pop()
+        if isinstance(dim, tvm.tirx.IntImm):
+            size *= dim.value
+        elif isinstance(dim, tvm.tirx.Mul):
+            stack += [dim.a, dim.b]
+        else:
+            factors.append(dim)
+    return size, factors
 
 
 def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:

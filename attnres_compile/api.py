@@ -11,7 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import hf_experts, pytree_warning
 from .config import AttnResConfig
-from .errors import InputError, TraceError, first_line
+from .errors import ConfigError, InputError, TraceError, first_line
 from .passes import dynamic_dims, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
@@ -135,7 +135,7 @@ def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None
 
 
 def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
-            dynamic_shapes: Any = None, dynamic: str | None = None) -> RewriteResult:
+            dynamic_shapes: Any = None, dynamic: str | None = None, with_past: bool = False) -> RewriteResult:
     """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
 
     With example inputs and `verify_outputs`, the original and rewritten models are run on
@@ -144,8 +144,14 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     dtype), 1e-3 in paper mode (PreNorm models differ through the norms' eps only); fp16/bf16
     outputs are also judged against a float64 run of the original; function-changing rewrites
     are reported without a verdict.
+
+    `with_past`: `model` is an HF causal LM; what is traced and rewritten is its decoder with a
+    KV cache (decoder.py: flat past in, `logits` and `present.*` out; batch, sequence and past
+    length dynamic), which `generation.causal_lm` serves to HF `generate()`.
     """
     config = as_config(config)
+    if with_past:
+        model, example_inputs, dynamic_shapes = _with_past(model, example_inputs, dynamic_shapes, dynamic)
     traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     gm = traced.graph_module
     view, plan = _analyze(traced, config)
@@ -166,3 +172,14 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
         verification = verify.compare(expected, actual, verify.tolerance(config.scale, changes), truth)
     report = build(plan, view, config, traced.source, sites, verification, traced.notes, traced.dynamic)
     return RewriteResult(gm, report, modified=True)
+
+
+def _with_past(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | None):
+    """The decoder-with-past wrapper of an HF causal LM, its example (a real cache) and its dims."""
+    from . import decoder
+
+    if not isinstance(model, nn.Module) or isinstance(model, fx.GraphModule):
+        raise InputError(f"with_past=True needs the Hugging Face causal LM itself (an nn.Module), got {type(model).__name__}")
+    if dynamic_shapes is not None or dynamic is not None:
+        raise ConfigError("with_past=True sets the dynamic dims itself (batch, sequence, past length): drop dynamic=")
+    return decoder.wrap(model, example_inputs)

@@ -1,0 +1,93 @@
+"""Serve a rewritten decoder-with-past to HF `generate()`, and as a step for generate_loop.
+
+`causal_lm(model, graph_module)` returns an instance of the model's own class whose forward
+runs the rewritten graph (decoder.py's flat signature): HF's `generate()`, its logits
+processors, stopping criteria and cache bookkeeping work as they do on the original. Its
+weights are the rewritten graph's own tensors (assigned, not copied), so fine-tuning the graph
+module changes what it generates.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from . import decoder
+from .errors import InputError
+
+
+def causal_lm(model: nn.Module, graph_module: fx.GraphModule) -> nn.Module:
+    """An HF causal LM of `model`'s class that generates with `graph_module` (a `rewrite(..., with_past=True)`)."""
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise InputError(f"{type(model).__name__} is not a Hugging Face generation model (no generate()/config)")
+    geometry = _geometry(model)
+    with torch.device("meta"):
+        shell = type(model)(model.config)
+    state = {k[len("model."):]: v for k, v in graph_module.state_dict(keep_vars=True).items() if k.startswith("model.")}
+    shell.load_state_dict(state, assign=True, strict=False)
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    for name, tensor in [*shell.named_parameters(remove_duplicate=False), *shell.named_buffers(remove_duplicate=False)]:
+        if tensor.is_meta:  # tied or non-persistent (rotary tables): never read, the graph has its own
+            _assign(shell, name, own[name])
+    shell.generation_config = model.generation_config
+    shell.train(graph_module.training)
+    shell.attnres_graph = graph_module  # a submodule: .to(), .train() and parameters() reach it
+    shell.forward = types.MethodType(_make_forward(geometry), shell)
+    return shell
+
+
+def _geometry(model: nn.Module) -> decoder.Geometry:
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    return decoder.probe(model, torch.zeros(1, 2, dtype=torch.long).clamp(max=vocab - 1))[0]
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    if leaf in target._parameters:
+        target._parameters[leaf] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+    else:
+        target._buffers[leaf] = tensor
+
+
+def _make_forward(geometry: decoder.Geometry):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        """The rewritten decoder on HF's arguments: the cache's keys/values in, a new cache out."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if inputs_embeds is not None or input_ids is None:
+            raise InputError("the rewritten decoder takes input_ids, not inputs_embeds")
+        cache = kwargs.pop("past_key_values", cache)
+        batch, length = input_ids.shape
+        past_length = cache.get_seq_length() if cache is not None else 0
+        if past_length:
+            past = [t for layer in decoder._layers_of(cache) for t in (layer.keys, layer.values)]
+        else:
+            past = geometry.empty_past(batch, input_ids.device)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past_length + length, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = decoder.positions(attention_mask, length)
+        out = self.attnres_graph(input_ids, attention_mask, position_ids, *past)
+        logits = out["logits"]
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]
+        present = [out[name] for name in geometry.output_names()[1:]]
+        return CausalLMOutputWithPast(logits=logits, cache=decoder.fresh_cache(present) if use_cache is not False else None)
+
+    return forward
+
+
+def torch_step(graph_module: fx.GraphModule, names: list[str]):
+    """A generate_loop step over the rewritten graph module (numpy in, numpy out, no autograd)."""
+
+    def step(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            out = graph_module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names))
+        return {k: v.numpy() for k, v in out.items()}
+
+    return step

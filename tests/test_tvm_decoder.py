@@ -121,6 +121,16 @@ def test_greedy_generation_over_the_pt2_artifact_gives_torchs_tokens(pt2_artifac
     np.testing.assert_array_equal(generate_loop.greedy(artifact, prompt, empty, 16).tokens, expected.tokens)
 
 
+def test_input_shape_fixes_a_dim_in_every_input_that_shares_its_name(onnx_file, tmp_path):
+    """`--input-shape` naming one input per symbol freezes them all, checked against onnxruntime at those
+    shapes: fixed in input_ids alone, the batch and sequence of position_ids and the pasts stayed symbolic,
+    and TVM's Add converter failed on `arange(5) + past` ("can only convert an array of size 1")."""
+    shapes = {"input_ids": (2, 5), "attention_mask": (2, 12), "past_key_values.0.key": (2, 2, 7, 16)}
+    manifest = compile_model(onnx_file, tmp_path / "static", input_shapes=shapes)
+    assert all(row["verdict"] == "pass" for row in manifest["verification"]["rows"])
+    assert manifest["inputs"][-1]["shape"] == [2, 2, 7, 16] and manifest["inputs"][2]["shape"] == [2, 5]
+
+
 def test_reshape_to_minus_one_beside_a_sum_of_dims_keeps_a_simple_dim():
     """SDPA's key transpose, as torch.onnx writes it: `[b, h, past + seq, e]` reshaped to `[-1, past + seq, e]`.
     Relax inferred the -1 as `b * (past + seq) * h * e // (past * e + seq * e)`; solved, it is `b * h`."""

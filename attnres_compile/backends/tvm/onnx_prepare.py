@@ -93,9 +93,13 @@ def _fold_small_constant_of_shape(node) -> bool | None:
 
 
 def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None) -> onnx.ModelProto:
-    """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch)."""
+    """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch),
+    and whose other inputs and outputs have them wherever they share the dim's name (`--input-shape
+    input_ids:2x5` fixes the batch of every past too, as pipeline.bind_shapes does for a program):
+    a batch fixed in one input and symbolic in the next made shapes TVM's importer could not join."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     inputs = {i.name: i for i in model.graph.input}
+    sizes: dict[str, int] = {}
     for name, dims in (input_shapes or {}).items():
         if name not in inputs:
             raise ConfigError(f"--input-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
@@ -105,8 +109,14 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
         for dim, size in zip(shape.dim, dims):
             if dim.HasField("dim_value") and dim.dim_value != size:
                 raise ConfigError(f"--input-shape {name}: dim {dim.dim_value} is static, got {size}")
+            if dim.HasField("dim_param") and sizes.setdefault(dim.dim_param, size) != size:
+                raise ConfigError(f"--input-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
             dim.Clear()
             dim.dim_value = size
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in sizes:
+                dim.dim_value = sizes[dim.dim_param]
     return model
 
 

@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("--report", help="also write the report as JSON to this file")
     rw.add_argument("--force", action="store_true",
                     help="overwrite existing outputs (-o, its .data, --report); lets -o replace the input")
+    rw.add_argument("--with-past", action="store_true",
+                    help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
+                         "(past_key_values.* in, logits and present.* out, as optimum names them)")
     rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
                     help="ONNX input shape for verification (repeatable); symbolic dims default to 2 (leading) and 16")
     _config_args(rw)
@@ -73,8 +76,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")
     from .backends.tvm.cli import add_commands
     from .bench.cli import add_commands as add_bench_commands
+    from .generate_cmd import add_command as add_generate_command
 
     add_commands(sub)
+    add_generate_command(sub)
     add_bench_commands(sub)
     return p
 
@@ -301,6 +306,11 @@ def _rewrite_output(args) -> Path:
         raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
     if args.input_shape and not onnx_input:
         raise ConfigError("--input-shape applies to ONNX input files; a factory's example inputs fix the shapes")
+    if args.with_past and (onnx_input or args.dynamic is not None):
+        raise ConfigError("--with-past applies to package.module:factory models (HF causal LMs) and sets the dynamic "
+                          "dims itself; an ONNX decoder-with-past file is rewritten as it is, without the flag"
+                          if onnx_input else "--with-past sets the dynamic dims itself (batch, sequence, past length): "
+                          "drop --dynamic")
     if onnx_input:
         _no_dynamic_for_onnx(args)
     else:
@@ -363,7 +373,7 @@ def _export_onnx(args, out: Path):
     config = _config(args)
     model, example = load_factory(args.model)
     result = export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
-                         verify_timeout=args.verify_timeout, dynamic=args.dynamic)
+                         verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past)
     return result.report, result.written
 
 
@@ -375,6 +385,8 @@ def _rewrite_pt2(args, out: Path):
 
     config = _config(args)
     model, example = load_factory(args.model)
+    if args.with_past:
+        return _rewrite_pt2_with_past(model, example, config, args, out)
     result = rewrite(model, example, config, verify_outputs=not args.no_verify, dynamic=args.dynamic)
     ex_args, ex_kwargs = split_inputs(example)
     dims = dynamic_dims.parse(args.dynamic)
@@ -384,6 +396,22 @@ def _rewrite_pt2(args, out: Path):
         spec = {k: v for k, v in spec.items() if k not in ex_kwargs or k in tensor_kwargs}
     ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
                                      result.report.data["notes"])
+    with outputs.staged(out) as stage:
+        pt2.save(ep, stage.path)
+    return result.report, stage.written
+
+
+def _rewrite_pt2_with_past(model, example, config, args, out: Path):
+    """The decoder with its KV cache as a .pt2 (decoder.py): the past as separate tensor inputs."""
+    from . import pt2
+    from .api import _with_past, rewrite
+    from .passes import dynamic_dims
+
+    wrapper, ex_args, spec = _with_past(model, example, None, None)
+    result = rewrite(wrapper, ex_args, config, verify_outputs=not args.no_verify, dynamic_shapes=spec)
+    ep = dynamic_dims.export_program(result.graph_module, ex_args, {}, (*spec[:3], *spec[3]),
+                                     "dynamic batch, sequence and past length", result.report.data["notes"])
+    pt2.drop_guards(ep)
     with outputs.staged(out) as stage:
         pt2.save(ep, stage.path)
     return result.report, stage.written

@@ -127,7 +127,8 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
 
 
 def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
-                verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None) -> OnnxRewriteResult:
+                verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None,
+                with_past: bool = False) -> OnnxRewriteResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
     `dynamic` picks the input dims that stay symbolic (passes/dynamic_dims.py; default batch
@@ -135,18 +136,36 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
     note. With `verify_outputs`, the torch comparison of api.rewrite is followed by rows
     "onnxruntime:<output>": the exported file in onnxruntime against the original PyTorch
     model on the example inputs.
+
+    `with_past`: the decoder of an HF causal LM with its KV cache (decoder.py), named as optimum
+    names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
+    out; batch, sequence and past length dynamic).
     """
     from .passes import dynamic_dims
     from .passes.onnx_export import export_or_static
 
     config = as_config(config)
-    args, kwargs = split_inputs(example_inputs)
-    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
-    dims = dynamic_dims.parse(dynamic)
-    spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
+    if with_past:
+        from .api import _with_past
+
+        model, example_inputs, spec = _with_past(model, example_inputs, None, dynamic)
+        args, kwargs = example_inputs, {}
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        spec = (*spec[:3], *spec[3])  # the rewritten module takes the past as separate arguments
+        what = "dynamic batch, sequence and past length"
+    else:
+        args, kwargs = split_inputs(example_inputs)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+        dims = dynamic_dims.parse(dynamic)
+        spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
+        what = f"dynamic {dims.text}"
     notes = result.report.data["notes"]
     with onnx_io.staged(output) as stage:
-        proto = export_or_static(result.graph_module, args or (), kwargs, spec, f"dynamic {dims.text}", notes)
+        proto = export_or_static(result.graph_module, args or (), kwargs, spec, what, notes)
+        if with_past:
+            from .passes import onnx_decoder_names
+
+            onnx_decoder_names.name(proto, model.geometry.input_names(), model.geometry.output_names())
         onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
         check_written(stage.path)
         if verify_outputs and args is not None:

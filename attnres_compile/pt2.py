@@ -122,6 +122,15 @@ def output_names(program: torch.export.ExportedProgram) -> list[str]:
     return [output_name(path) for path, _ in leaves]
 
 
+def drop_guards(program: torch.export.ExportedProgram) -> None:
+    """Forget the guards torch.export kept as code, in place. Re-exporting a module that takes the
+    past as `*past` (decoder.py) leaves guards reading inputs by pytree paths that no longer
+    match: `.module()` then fails ("'NoneType' object has no attribute 'size'") and our loader
+    refuses them as code. Our programs' input dims say what they accept; nothing runs the guards."""
+    if getattr(program, "_guards_code", None):
+        program._guards_code = []
+
+
 def _plain_spec(spec: pytree.TreeSpec) -> bool:
     return spec.is_leaf() or spec.type in (tuple, list, dict) and all(_plain_spec(c) for c in spec.children())
 

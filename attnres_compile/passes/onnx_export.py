@@ -25,7 +25,7 @@ from onnxscript import ir
 from .. import hf_experts
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from ..errors import TraceError, first_line
-from ..pt2 import output_names
+from ..pt2 import drop_guards, output_names
 from . import dynamic_dims
 from .fx_two_phase import one_pass
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
@@ -92,6 +92,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
         with hf_experts.export_friendly(module):
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        drop_guards(exported)
         one_pass(exported.graph_module)  # a two-phase module's sites: regrouped below as the ONNX form does
         _contiguous_as_clone(exported.graph_module)
         names = output_names(exported)  # the .pt2 archive's names (`logits`, `hidden_states.1`)

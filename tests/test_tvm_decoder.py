@@ -1,30 +1,33 @@
 """TVM artifacts of a decoder with past (issue 38 item 4): dynamic batch, sequence and past length,
 prefill (past 0) and one-token steps, greedy generation identical to onnxruntime's and torch's.
 
-The model is a 2-layer width-32 HF Llama rewritten to Block (N=2) (decoder_models.py); each
-format is exported and compiled once per module.
+The model is samples/hf_decoders.py's 2-layer width-32 Llama (1 KV head of 16), rewritten to
+Block (N=2) with its KV cache (`rewrite --with-past`); each format is written and compiled once.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
-import onnx
 import pytest
 import torch
 import tvm
 from onnx import TensorProto, helper
 from tvm import relax
 
-from attnres_compile import generate_loop
-from attnres_compile.backends import onnxruntime as ort_backend
+import attnres_compile as ac
+from attnres_compile import cli, generate_loop
 from attnres_compile.backends.tvm import compile_model, load, pipeline
 from attnres_compile.backends.tvm.importers import ImportedModel, from_exported_program, from_onnx
 from attnres_compile.backends.tvm.program_prepare import convertible
-from attnres_compile.pt2 import load as load_pt2
-import decoder_models
+from attnres_compile.generate_cmd import open_model
+from attnres_compile.onnx_api import export_onnx
+from samples import hf_decoders
 
 ATOL = 1e-5  # logits and presents are O(1): float32 kernels against onnxruntime / torch
 SHAPES = [(1, 1, 0), (3, 1, 0), (1, 4, 0), (3, 5, 0), (1, 1, 9), (3, 1, 6), (2, 3, 4)]  # (batch, seq, past)
+KV_HEADS, HEAD_DIM, BLOCK2 = 1, 16, ac.AttnResConfig(variant="block", num_blocks=2)
 
 
 @pytest.fixture(scope="module")
@@ -34,41 +37,46 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def onnx_file(folder):
-    return decoder_models.write_onnx(folder / "decoder.onnx")
+    model, example = hf_decoders.llama_factory()
+    export_onnx(model, example, folder / "decoder.onnx", BLOCK2, verify_outputs=False, with_past=True)
+    return folder / "decoder.onnx"
 
 
 @pytest.fixture(scope="module")
 def pt2_file(folder):
-    return decoder_models.write_pt2(folder / "decoder.pt2")
+    path = folder / "decoder.pt2"
+    assert cli.main(["rewrite", "samples.hf_decoders:llama_factory", "--with-past", "--blocks", "2", "--no-verify",
+                     "-o", str(path)]) == 0
+    return path
 
 
 @pytest.fixture(scope="module")
 def onnx_artifact(folder, onnx_file):
     # verification at generated shapes gives the mask its own length (not past + sequence): checked below instead
     compile_model(onnx_file, folder / "onnx_art", verify_outputs=False)
-    return load(folder / "onnx_art")
+    return folder / "onnx_art"
 
 
 @pytest.fixture(scope="module")
 def pt2_artifact(folder, pt2_file):
     manifest = compile_model(pt2_file, folder / "pt2_art")  # checked against torch on the program's example inputs
     assert all(row["verdict"] == "pass" for row in manifest["verification"]["rows"])
-    return load(folder / "pt2_art")
+    return folder / "pt2_art"
 
 
-def _ort_step(path):
-    session = ort_backend.session(path)
-    return lambda feeds: ort_backend.run(session, feeds)
+def _step(model, batch: int = 1):
+    """generate_cmd's step over MODEL (.onnx: onnxruntime, .pt2: torch, folder: TVM) and its empty past."""
+    step, empty, _ = open_model(SimpleNamespace(model=str(model)), batch)
+    return step, empty
 
 
-def _torch_step(path):
-    module = load_pt2(path).program.module()
-
-    def run(feeds):
-        with torch.no_grad():
-            out = module(*[torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()])
-        return {name: t.numpy() for name, t in zip(decoder_models.NAMES.output_names(), out)}  # saved flat
-    return decoder_models.by_position(run, decoder_models.NAMES.input_names(), decoder_models.NAMES.output_names())
+def feeds(batch: int, seq: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random ids and pasts, a full mask, positions past..past+seq-1, by the decoder's names."""
+    rng = np.random.default_rng(seed)
+    pasts = {f"past_key_values.{i}.{kv}": rng.standard_normal((batch, KV_HEADS, past, HEAD_DIM), dtype=np.float32)
+             for i in range(2) for kv in ("key", "value")}
+    return {"input_ids": rng.integers(0, hf_decoders.VOCAB, (batch, seq)), "attention_mask": np.ones((batch, past + seq), np.int64),
+            "position_ids": np.broadcast_to(np.arange(past, past + seq), (batch, seq)).copy(), **pasts}
 
 
 def _max_error(expected: dict, actual: dict) -> float:
@@ -76,59 +84,44 @@ def _max_error(expected: dict, actual: dict) -> float:
     return max(float(np.abs(e - a).max()) for e, a in zip(expected.values(), actual.values()))
 
 
-def test_onnx_artifact_matches_onnxruntime_at_any_batch_sequence_and_past(onnx_artifact, onnx_file):
-    """One artifact, symbolic batch, sequence and past: prefill (past 0), one-token steps, batch 1 and 3.
-    Before the Reshape fix the build stopped at "Binding of variable rmod ... conflicts" (exit 13)."""
-    names = decoder_models.NAMES
-    assert [i["name"] for i in onnx_artifact.manifest["inputs"]] == names.input_names()
-    assert all(isinstance(d, str) for d in onnx_artifact.manifest["inputs"][3]["shape"][::2])  # batch, past
-    step = _ort_step(onnx_file)
+@pytest.mark.parametrize("source", ["onnx", "pt2"])
+def test_artifact_matches_its_source_at_any_batch_sequence_and_past(source, request):
+    """One artifact, symbolic batch, sequence and past: prefill (past 0), one-token steps, batch 1 and 3,
+    against onnxruntime (.onnx) or torch (.pt2). Before the fixes the ONNX build stopped at "Binding of
+    variable rmod ... conflicts" and the .pt2 import at "Concat expects all input tensors to have same
+    ndim ... 1 and 4" and then "vr must not be None for symbol s61" (exit 13)."""
+    artifact = load(request.getfixturevalue(f"{source}_artifact"))
+    reference, _ = _step(request.getfixturevalue(f"{source}_file"))
+    assert artifact.input_names == list(feeds(1, 1, 0))  # the .pt2's pasts named as the ONNX route names them
+    assert all(isinstance(d, str) for d in artifact.manifest["inputs"][3]["shape"][::2])  # batch, past
     for batch, seq, past in SHAPES:
-        feeds = decoder_models.feeds(batch, seq, past)
-        got = onnx_artifact(feeds)
-        assert got["present.1.value"].shape == (batch, decoder_models.KV_HEADS, past + seq, decoder_models.HEAD_DIM)
-        assert _max_error(step(feeds), got) <= ATOL, (batch, seq, past)
+        inputs = feeds(batch, seq, past)
+        got = artifact(inputs)
+        assert got["present.1.value"].shape == (batch, KV_HEADS, past + seq, HEAD_DIM)
+        assert _max_error(reference(inputs), got) <= ATOL, (batch, seq, past)
 
 
-def test_pt2_artifact_matches_torch_at_any_batch_sequence_and_past(pt2_artifact, pt2_file):
-    """The .pt2 route: before the cat fix the import stopped at "Concat expects all input tensors to
-    have same ndim ... 1 and 4" (exit 13)."""
-    step = _torch_step(pt2_file)
-    artifact = decoder_models.by_position(pt2_artifact, pt2_artifact.input_names, pt2_artifact.output_names)
-    for batch, seq, past in SHAPES:
-        feeds = decoder_models.feeds(batch, seq, past)
-        assert _max_error(step(feeds), artifact(feeds)) <= ATOL, (batch, seq, past)
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_generation_over_the_artifact_gives_onnxruntimes_tokens(onnx_artifact, onnx_file, batch):
-    """generate_loop.greedy: a prefill with an empty past, then 20 one-token steps feeding the presents
-    back; the TVM artifact is the step as it is (numpy by name in and out)."""
-    prompt = np.random.default_rng(batch).integers(0, decoder_models.VOCAB, (batch, 6))
-    empty = decoder_models.empty_past(batch)
-    expected = generate_loop.greedy(_ort_step(onnx_file), prompt, empty, 20)
-    got = generate_loop.greedy(onnx_artifact, prompt, empty, 20)
+@pytest.mark.parametrize("source,batch", [("onnx", 1), ("onnx", 3), ("pt2", 2)])
+def test_greedy_generation_over_the_artifact_gives_its_sources_tokens(source, batch, request):
+    """generate_loop.greedy (what `attnres-compile generate` runs): a prefill with an empty past, then
+    one-token steps feeding the presents back, 20 new tokens, over the artifact and over its source."""
+    prompt = np.random.default_rng(batch).integers(0, hf_decoders.VOCAB, (batch, 6))
+    step, empty = _step(request.getfixturevalue(f"{source}_artifact"), batch)
+    reference, _ = _step(request.getfixturevalue(f"{source}_file"), batch)
+    got = generate_loop.greedy(step, prompt, empty, 20)
     assert got.new_tokens == 20 and got.tokens.shape == (batch, 26)
-    np.testing.assert_array_equal(got.tokens, expected.tokens)
-    assert len(np.unique(got.tokens[:, 6:])) > 1  # not one token repeated: the steps read their past
-
-
-def test_greedy_generation_over_the_pt2_artifact_gives_torchs_tokens(pt2_artifact, pt2_file):
-    prompt = np.random.default_rng(5).integers(0, decoder_models.VOCAB, (2, 3))
-    empty = decoder_models.empty_past(2)
-    artifact = decoder_models.by_position(pt2_artifact, pt2_artifact.input_names, pt2_artifact.output_names)
-    expected = generate_loop.greedy(_torch_step(pt2_file), prompt, empty, 16)
-    np.testing.assert_array_equal(generate_loop.greedy(artifact, prompt, empty, 16).tokens, expected.tokens)
+    np.testing.assert_array_equal(got.tokens, generate_loop.greedy(reference, prompt, empty, 20).tokens)
+    assert len(np.unique(got.tokens[:, 6:])) > 1  # not one token repeated
 
 
 def test_input_shape_fixes_a_dim_in_every_input_that_shares_its_name(onnx_file, tmp_path):
     """`--input-shape` naming one input per symbol freezes them all, checked against onnxruntime at those
     shapes: fixed in input_ids alone, the batch and sequence of position_ids and the pasts stayed symbolic,
     and TVM's Add converter failed on `arange(5) + past` ("can only convert an array of size 1")."""
-    shapes = {"input_ids": (2, 5), "attention_mask": (2, 12), "past_key_values.0.key": (2, 2, 7, 16)}
+    shapes = {"input_ids": (2, 5), "attention_mask": (2, 12), "past_key_values.0.key": (2, KV_HEADS, 7, HEAD_DIM)}
     manifest = compile_model(onnx_file, tmp_path / "static", input_shapes=shapes)
     assert all(row["verdict"] == "pass" for row in manifest["verification"]["rows"])
-    assert manifest["inputs"][-1]["shape"] == [2, 2, 7, 16] and manifest["inputs"][2]["shape"] == [2, 5]
+    assert manifest["inputs"][-1]["shape"] == [2, KV_HEADS, 7, HEAD_DIM] and manifest["inputs"][2]["shape"] == [2, 5]
 
 
 def test_reshape_to_minus_one_beside_a_sum_of_dims_keeps_a_simple_dim():

@@ -99,10 +99,15 @@ def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | 
             raise TraceError(
                 f"could not trace {type(model).__name__}: torch.export failed ({first_line(export_exc)}); "
                 f"torch.fx.symbolic_trace failed ({first_line(fx_exc)}); make the model exportable "
-                f"(use_cache=False, explicit attention_mask) or pass an fx.GraphModule"
+                f"(use_cache=False, explicit attention_mask) or pass an fx.GraphModule{_cache_hint(export_exc)}"
             ) from None
         notes.append(f"torch.export failed ({first_line(export_exc, 160)}); used torch.fx.symbolic_trace")
         return Traced(gm, "symbolic_trace", args, kwargs, notes)
+
+
+def _cache_hint(exc: BaseException) -> str:
+    """A model that returns or takes a KV cache object: how to rewrite it for generation."""
+    return "; to generate with a KV cache, rewrite with with_past=True" if "Cache" in str(exc) else ""
 
 
 def _ensure_shapes(gm: fx.GraphModule, args: tuple | None, kwargs: dict) -> None:

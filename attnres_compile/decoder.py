@@ -63,7 +63,7 @@ def _cache_param(model: nn.Module) -> str:
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    raise InputError(f"{type(model).__name__}.forward takes no cache (`cache` or `past_key_values`): --with-past "
+    raise InputError(f"{type(model).__name__}.forward takes no cache (`cache` or `past_key_values`): with_past=True "
                      "needs a Hugging Face causal LM with a KV cache")
 
 
@@ -80,7 +80,7 @@ def _layers_of(cache) -> list:
             isinstance(getattr(layer, "keys", None), torch.Tensor) and getattr(layer, "keys").dim() == 4
             and isinstance(getattr(layer, "values", None), torch.Tensor) for layer in layers):
         raise InputError(f"the model's cache is a {type(cache).__name__} that is not one key/value pair per layer "
-                         "(a state-space or hybrid model?): --with-past supports decoders whose cache is transformers' "
+                         "(a state-space or hybrid model?): with_past=True supports decoders whose cache is transformers' "
                          "DynamicCache of keys and values (Llama, GPT-2, Mistral, Qwen2, Mixtral, ...)")
     return layers
 
@@ -92,11 +92,11 @@ def probe(model: nn.Module, input_ids: torch.Tensor) -> tuple[Geometry, list[tor
         with torch.no_grad():
             out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True)
     except Exception as exc:  # noqa: BLE001 - the model's own failure, named in one line
-        raise InputError(f"{type(model).__name__} does not run with use_cache=True ({first_line(exc)}); --with-past needs "
+        raise InputError(f"{type(model).__name__} does not run with use_cache=True ({first_line(exc)}); with_past=True needs "
                          "a Hugging Face causal LM with a KV cache") from None
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if cache is None:
-        raise InputError(f"{type(model).__name__} returned no cache with use_cache=True: --with-past needs a Hugging "
+        raise InputError(f"{type(model).__name__} returned no cache with use_cache=True: with_past=True needs a Hugging "
                          "Face causal LM with a KV cache")
     layers = _layers_of(cache)
     keys = [layer.keys for layer in layers]
@@ -159,7 +159,7 @@ def wrap(model: nn.Module, example_inputs=None, past_length: int = 7, seq_length
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < past_length + seq_length:
         if vocab < 2:
             raise InputError(f"{type(model).__name__} has no config.vocab_size and the example inputs hold no input_ids "
-                             f"of {past_length + seq_length}+ tokens: --with-past needs a Hugging Face causal LM")
+                             f"of {past_length + seq_length}+ tokens: with_past=True needs a Hugging Face causal LM")
         ids = torch.randint(0, vocab, (2, past_length + seq_length), generator=torch.Generator().manual_seed(0))
     ids = ids[:2, :past_length + seq_length]
     if ids.shape[0] < 2:

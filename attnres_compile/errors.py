@@ -148,6 +148,7 @@ _CLI_WORDS = [
     (r"verify_outputs=False \(--no-verify\)", "--no-verify"),
     (r"\bverify_outputs=False\b", "--no-verify"),
     (r"\ballow_nonlinear=True\b", "--allow-nonlinear"),
+    (r"\bwith_past=True\b", "--with-past"),
     (r"\bset variant='block'", "pass --variant block"),
     (r"\bvariant 'block'", "--variant block"),
     (r"\bmin_chain=(\d+)", r"--min-chain \1"),

@@ -102,7 +102,7 @@ def test_trained_queries_keep_the_cache_consistent():
 
 def test_with_past_refusals():
     bert = __import__("samples.hf_models", fromlist=["bert_factory"]).bert_factory()
-    with pytest.raises(InputError, match="--with-past"):
+    with pytest.raises(InputError, match="with_past=True"):
         ac.rewrite(*bert, with_past=True)
     model, example = DECODERS["llama"]()
     with pytest.raises(ConfigError, match="dynamic"):

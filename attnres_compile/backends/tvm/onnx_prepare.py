@@ -21,8 +21,11 @@ naming the ONNX op and node.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
+import operator
+import re
 
 import warnings
 
@@ -36,6 +39,8 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ...errors import CompileError, ConfigError, first_line
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
+BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "And", "Or", "Xor", "Less", "LessOrEqual", "Greater",
+          "GreaterOrEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor")
 
 
 def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
@@ -115,9 +120,38 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
             dim.dim_value = size
     for value in [*model.graph.input, *model.graph.output]:
         for dim in value.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and dim.dim_param in sizes:
-                dim.dim_value = sizes[dim.dim_param]
+            if dim.HasField("dim_param") and sizes:
+                _substitute(dim, sizes)
     return model
+
+
+def _substitute(dim, sizes: dict[str, int]) -> None:
+    """A dim named after fixed dims, or an expression of them (optimum's `past_sequence_length +
+    sequence_length`, which TVM's importer parses), with their sizes put in; evaluated once no name
+    is left. Left symbolic beside a fixed `sequence_length`, the sum's name could not be bound."""
+    text = re.sub(r"[A-Za-z_]\w*", lambda m: str(sizes.get(m.group(0), m.group(0))), dim.dim_param)
+    value = _evaluate(text)
+    if value is not None:
+        dim.dim_value = value
+    elif text != dim.dim_param:
+        dim.dim_param = text
+
+
+def _evaluate(text: str) -> int | None:
+    """The value of an integer expression of +, - and * (None if it names a dim or is anything else)."""
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(text)
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 class ConverterFixes:
@@ -131,6 +165,8 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
+            if op_name in BINARY and len(inputs) == 2 and _array_beside_dim(*inputs):
+                inputs = [_dim_as_tensor(x, _const_dtype(inputs)) if tvm.ir.is_prim_expr(x) else x for x in inputs]
             if op_name == "Reshape" and (dims := _reshape_dims(inputs[0], inputs[1], attrs, [self._nodes, self._params])) is not None:
                 return self.bb.normalize(relax.op.reshape(inputs[0], relax.ShapeExpr(dims)))
             if op_name == "Reshape" and _scalar_to_vector(*inputs[:2]):
@@ -177,6 +213,26 @@ def _scalar_to_vector(data, shape) -> bool:
     1-element vector."""
     return (tvm.ir.is_prim_expr(data) and isinstance(shape, tvm.ir.GenericConst)
             and shape.value.numpy().reshape(-1).tolist() in ([1], [-1]))
+
+
+def _array_beside_dim(a, b) -> bool:
+    """Whether a binary op takes a constant of rank >= 1 and a symbolic dim (a prim value)."""
+    def array(x):
+        return isinstance(x, tvm.ir.GenericConst) and x.value.numpy().ndim >= 1
+    return (array(a) and tvm.ir.is_prim_expr(b)) or (array(b) and tvm.ir.is_prim_expr(a))
+
+
+def _const_dtype(inputs) -> str:
+    return next(str(x.value.numpy().dtype) for x in inputs if isinstance(x, tvm.ir.GenericConst))
+
+
+def _dim_as_tensor(dim, dtype: str) -> relax.Expr:
+    """A symbolic dim as a 0-d tensor of `dtype`, so that the op broadcasts as ONNX does. The stock
+    binary converters fold a constant and a dim with numpy into one scalar: `[0] + past` became rank 0
+    (a later Unsqueeze of it failed) and `arange(5) + past` failed ("can only convert an array of
+    size 1"), HF's cache positions once `--input-shape` fixed the sequence but not the past."""
+    tensor = relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([tvm.tirx.Cast("int64", dim)])), [])
+    return tensor if dtype == "int64" else relax.op.astype(tensor, dtype)
 
 
 def _reshape_dims(data, shape, attrs: dict, params) -> list | None:

@@ -167,7 +167,8 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
             if op_name in BINARY and len(inputs) == 2 and _array_beside_dim(*inputs):
                 inputs = [_dim_as_tensor(x, _const_dtype(inputs)) if tvm.ir.is_prim_expr(x) else x for x in inputs]
-            if op_name == "Reshape" and (dims := _reshape_dims(inputs[0], inputs[1], attrs, [self._nodes, self._params])) is not None:
+            dims = _reshape_dims(*inputs[:2], attrs, [self._nodes, self._params]) if op_name == "Reshape" else None
+            if dims is not None:
                 return self.bb.normalize(relax.op.reshape(inputs[0], relax.ShapeExpr(dims)))
             if op_name == "Reshape" and _scalar_to_vector(*inputs[:2]):
                 # a shape dim to [1] (BLOOM, XGLM): the stock Reshape wants a tensor, Unsqueeze takes it
@@ -238,10 +239,10 @@ def _dim_as_tensor(dim, dtype: str) -> relax.Expr:
 def _reshape_dims(data, shape, attrs: dict, params) -> list | None:
     """The target dims of a Reshape of symbolic data to a shape with one -1, the -1 solved by cancelling
     the known dims' factors from the data's (0 copies the data's dim unless allowzero); None when
-    nothing cancels. Relax infers the -1 as `prod(data) // prod(known)`, which TVM cannot simplify
-    once a sum is a factor: SDPA's key transpose `[b, h, past + seq, e]` -> `[-1, past + seq, e]` got
-    `b * (past + seq) * h * e // (past * e + seq * e)`, and the floormods of that dim in the fused
-    loops failed LLVM code generation ("Binding of variable rmod ... conflicts")."""
+    nothing cancels or no known dim is compound. Relax infers the -1 as `prod(data) // prod(known)`,
+    which TVM cannot simplify once a sum is a factor: SDPA's key transpose `[b, h, past + seq, e]` ->
+    `[-1, past + seq, e]` got `b * (past + seq) * h * e // (past * e + seq * e)`, and the floormods of
+    that dim in the fused loops failed LLVM code generation ("Binding of variable rmod ... conflicts")."""
     if not _not_static(data) or not isinstance(data.ty.shape, relax.ShapeExpr):
         return None
     shape = onnx_frontend.get_constant(shape, params)
@@ -269,9 +270,12 @@ def _is_int(dim, value: int) -> bool:
 
 
 def _quotient(dims: list, divisors: list):
-    """prod(dims) / prod(divisors) by cancelling factors structurally, or None where one does not cancel."""
+    """prod(dims) / prod(divisors) by cancelling factors structurally; None where a factor does not cancel,
+    or where no divisor is a compound dim (then TVM simplifies the quotient itself: left to it)."""
     size, factors = _factors(dims)
     count, divisor_factors = _factors(divisors)
+    if all(isinstance(f, tvm.tirx.Var) for f in divisor_factors):
+        return None
     for factor in divisor_factors:
         match = next((i for i, f in enumerate(factors) if tvm_ffi.structural_equal(f, factor)), None)
         if match is None:
@@ -279,9 +283,10 @@ def _quotient(dims: list, divisors: list):
         factors.pop(match)
     if count == 0 or size % count:
         return None
-    result = tvm.tirx.IntImm("int64", size // count)
-    for factor in factors:
-        result = result * factor
+    terms = ([tvm.tirx.IntImm("int64", size // count)] if size != count or not factors else []) + factors
+    result = terms[0]
+    for term in terms[1:]:
+        result = result * term
     return result
 
 

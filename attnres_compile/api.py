@@ -117,7 +117,8 @@ def _ensure_shapes(gm: fx.GraphModule, args: tuple | None, kwargs: dict) -> None
     if args is None or kwargs:
         raise InputError("the GraphModule carries no shape metadata: pass example_inputs as a tuple of positional args")
     try:
-        ShapeProp(gm).propagate(*args)
+        with verify.kept():  # a dropout draws from the caller's RNG; the inputs are copies (a run may change them)
+            ShapeProp(gm).propagate(*verify.fresh(args))
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"shape propagation failed on the example inputs ({first_line(exc)})") from None
 
@@ -148,7 +149,8 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     |diff| <= rtol * (max|ref| + |ref|), rtol 1e-5 in preserve mode at fp32 (scaled to the
     dtype), 1e-3 in paper mode (PreNorm models differ through the norms' eps only); fp16/bf16
     outputs are also judged against a float64 run of the original; function-changing rewrites
-    are reported without a verdict.
+    are reported without a verdict. Each run gets a fresh copy of the inputs, `model` is left as
+    it was (buffers, RNG state), and float inputs are also tried with zero rows (verify.py).
 
     `with_past`: `model` is an HF causal LM; what is traced and rewritten is its decoder with a
     KV cache (decoder.py: flat past in, `logits` and `present.*` out; batch, sequence and past
@@ -167,14 +169,10 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     verification = None
     if verify_outputs and traced.args is not None:
         original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
-        expected, actual = verify.run_both(original, gm, traced.args, traced.kwargs)
-        truth = None
-        if verify.needs_truth(expected):
-            truth, failed = verify.truth_run(original, traced.args, traced.kwargs)
-            if failed:
-                traced.notes.append(f"no float64 run of the original ({failed}): fp16/bf16 outputs judged by tolerance only")
         changes = any(c.changes_function for c in plan.to_rewrite)
-        verification = verify.compare(expected, actual, verify.tolerance(config.scale, changes), truth)
+        verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
+                                                   verify.tolerance(config.scale, changes))
+        traced.notes += notes
     report = build(plan, view, config, traced.source, sites, verification, traced.notes, traced.dynamic)
     return RewriteResult(gm, report, modified=True)
 

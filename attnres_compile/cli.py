@@ -26,9 +26,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-from . import outputs
+from . import env_checks, outputs
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
+from .file_kind import check_file
 from .outputs import Output
 
 
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
                          "(past_key_values.* in, logits and present.* out, as optimum names them)")
     rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                    help="ONNX input shape for verification (repeatable); symbolic dims default to 2 (leading) and 16")
+                    help="ONNX input shape for verification (repeatable); other symbolic dims are 2 (leading) and "
+                         "16, then all 1 (a second check); dims that are sums of others are computed")
     _config_args(rw)
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")
@@ -123,8 +125,8 @@ def _config(args):
 
 
 def is_onnx_path(model: str) -> bool:
-    """ONNX file or factory spec: a .onnx name or an existing file is a file."""
-    return model.lower().endswith(".onnx") or os.path.isfile(model)
+    """ONNX file or factory spec: a .onnx name or an existing path that is not a folder is a file."""
+    return model.lower().endswith(".onnx") or (os.path.exists(model) and not os.path.isdir(model))
 
 
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -190,44 +192,20 @@ def _why(exc: BaseException) -> str:
 # what each command writes and reads: checked together before any work (outputs.check)
 
 
-def _onnx_input_files(model: str) -> list[Path]:
-    """The ONNX file and the external data files it names (a light parse; load() checks them)."""
-    path = Path(model)
-    files = [path]
-    with contextlib.suppress(Exception):
-        import onnx
-
-        from .passes import onnx_io
-
-        proto = onnx.load(str(path), load_external_data=False)
-        files += [path.parent / loc for loc in _locations(proto, onnx_io)]
-    return files
-
-
-def _locations(proto, onnx_io) -> list[str]:
-    from onnx.external_data_helper import ExternalDataInfo
-
-    found = []
-    for tensor in onnx_io.external_tensors(proto):
-        with contextlib.suppress(Exception):
-            location = ExternalDataInfo(tensor).location
-            if location and "\0" not in location:  # load() refuses the others before reading anything
-                found.append(location)
-    return found
-
-
 def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
     """(outputs, inputs, force) of the command in `args`, for outputs.check. A missing ONNX input and
     a bad config option are reported here, before the command imports onnx and the passes (~1 s)."""
     model = getattr(args, "model", None)
-    if args.command in ("inspect", "rewrite", "compile") and model and is_onnx_path(model) and not Path(model).is_file():
-        raise InputError(f"{Path(model)}: no such file")
+    if args.command in ("inspect", "rewrite", "compile") and model and is_onnx_path(model):
+        check_file(Path(model), "an ONNX model" if args.command != "compile" else "a model file")
     if hasattr(args, "variant") and not getattr(args, "weights", None):
         _config(args)  # its errors (--blocks 0), also before the imports
     if args.command == "rewrite":
         out = _rewrite_output(args)
         if is_onnx_path(args.model):
-            inputs = _onnx_input_files(args.model)
+            from .passes import onnx_io
+
+            inputs = onnx_io.files_of(Path(args.model))
         else:
             inputs = [f for f in [factory_file(args.model)] if f]
         if out.suffix.lower() == ".onnx":
@@ -242,8 +220,10 @@ def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
         heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
         return [Output(heatmap, "--heatmap")], [checkpoint], args.force
     if args.command == "compile":
-        inputs = _onnx_input_files(args.model) if args.model.lower().endswith(".onnx") else [Path(args.model)]
-        return [Output(Path(args.output), "-o", folder=True)], inputs, args.force
+        from .backends.tvm.cli import artifact_output
+        from .passes import onnx_io
+
+        return [artifact_output(Path(args.output))], onnx_io.files_of(Path(args.model)), args.force
     if args.command == "run":
         artifact = Path(args.artifact)
         inputs = [Path(args.inputs), artifact]
@@ -283,7 +263,7 @@ def _inspect_weights(args) -> int:
     from .monitor import format_stats, inspect_weights
 
     checkpoint = Path(args.weights)
-    if not checkpoint.is_file():
+    if not os.path.lexists(checkpoint):  # a FIFO or a folder: pt2.load says what it is
         raise InputError(f"checkpoint {checkpoint} does not exist: pass a .pt2 written by `attnres-compile rewrite -o X.pt2`")
     heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
     with outputs.staged(heatmap) as stage:
@@ -336,7 +316,9 @@ def _rewrite(args) -> int:
     else:
         report, written = _rewrite_pt2(args, out)
     if args.report:
-        with outputs.staged(args.report) as stage:
+        done = " and ".join(str(p) for p in written)
+        outcome = f"wrote {done}, but not the report" if written else outputs.NOTHING_DONE
+        with outputs.staged(args.report, outcome) as stage:
             stage.path.write_text(report.to_json())
     print(cli_words(str(report)))
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
@@ -440,6 +422,7 @@ def _main(argv: list[str] | None, received: list[int], debug: bool) -> int:
         args = _parser().parse_args(argv)
         command = getattr(args, "handler", None) or {"inspect": _inspect, "rewrite": _rewrite}[args.command]
         with contextlib.nullcontext() if args.debug else _quiet():
+            env_checks.check()
             planned, inputs, force = _plan_outputs(args)
             outputs.check(planned, inputs, force)
             code = command(args)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 VARIANTS = ("full", "block")
+EPS_MIN = 2.0 ** -126  # float32's smallest normal: keys normalise in float32 (but for float64), ONNX's eps is float32
+EPS_MAX = 1.0          # RMSNorm eps is 1e-12..1e-5 in practice; above 1 it outweighs a unit-scale row's mean square
 SCALES = ("preserve", "paper")
 
 
@@ -19,7 +21,8 @@ class AttnResConfig:
     variant: "full" (every site attends over all earlier sources) or "block".
     num_blocks / block_size: for "block", give exactly one; B = ceil(m / N) per chain.
     scale: "preserve" (c_k = |S_k|, the rewrite is exact at init) or "paper" (c_k = 1).
-    eps: RMSNorm epsilon of the keys.
+    eps: RMSNorm epsilon of the keys, in [EPS_MIN, EPS_MAX]: a smaller one is 0 (or subnormal)
+        in float32, and a zero row of a source then gives NaN where the original gives zeros.
     min_chain: chains with fewer links are reported and left alone.
     feature_axis: override the feature axis (default: 1 for rank-4 NCHW streams, else -1).
     allow_nonlinear: also rewrite streams joined through non-linear ops (post-norm,
@@ -49,8 +52,10 @@ class AttnResConfig:
                 raise ConfigError("variant 'block' needs exactly one of num_blocks or block_size")
         elif self.num_blocks is not None or self.block_size is not None:
             raise ConfigError("num_blocks / block_size apply only to variant 'block'; set variant='block'")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ConfigError(f"eps must be a positive finite number, got {self.eps!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not EPS_MIN <= self.eps <= EPS_MAX:
+            raise ConfigError(f"eps={self.eps!r} is out of range: give a number from {EPS_MIN:.3g} (float32's "
+                              "smallest normal; the keys' RMSNorm computes in float32, where a smaller eps turns an "
+                              f"all-zero row into NaN) to {EPS_MAX:g}")
         if isinstance(self.min_chain, bool) or not isinstance(self.min_chain, int) or self.min_chain < 1:
             raise ConfigError(f"min_chain must be an integer >= 1, got {self.min_chain!r}")
         if self.feature_axis is not None and (isinstance(self.feature_axis, bool) or not isinstance(self.feature_axis, int)):

@@ -157,9 +157,9 @@ _CLI_WORDS = [
     (r"\bmin_chain\b", "--min-chain"),
     (r"\bfeature_axis\b", "--feature-axis"),
     (r"\ballow_nonlinear\b", "--allow-nonlinear"),
-    (r"\binput_shapes=\{'(.*?)': \(([\d, ]*)\)\}", lambda m: f"--input-shape {m[1]}:{'x'.join(m[2].replace(',', ' ').split())}"),
     (r"\binput_shapes\b", "--input-shape"),
     (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+    (r"\beps=(\S+) is\b", r"--eps \1 is"),
 ]
 
 

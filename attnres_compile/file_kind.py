@@ -1,12 +1,41 @@
 """What a file is, in words, for errors about a file of the wrong type ("x.onnx is an ONNX model,
-not a .pt2 archive"). Decided from the first bytes and, for zip files, the entry names."""
+not a .pt2 archive"). Decided from the file's type (a FIFO is never opened), the first bytes and,
+for zip files, the entry names."""
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 import zipfile
 from pathlib import Path
+
+from .errors import InputError
+
+_SPECIAL = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
+
+
+def special(path: str | os.PathLike, follow: bool = True) -> str | None:
+    """What `path` is when it exists and is not a regular file ("a folder", "a FIFO (named pipe)",
+    "a character device", ...; with follow=False a symlink counts as a file), else None."""
+    try:
+        mode = os.stat(path).st_mode if follow else os.lstat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return None
+    return next((kind for test, kind in _SPECIAL if test(mode)), "not a regular file")
+
+
+def check_file(path: str | os.PathLike, wanted: str) -> None:
+    """InputError unless `path` is a regular file (or a symlink to one): "no such file", or what it is
+    instead ("x.onnx is a FIFO (named pipe), not an ONNX model"), before anything opens it."""
+    kind = special(path)
+    if kind:
+        raise InputError(f"{path} is {kind}, not {wanted}: give the path of a file")
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file")
 
 
 def describe(source: str | os.PathLike | io.BytesIO) -> str:
@@ -18,8 +47,9 @@ def describe(source: str | os.PathLike | io.BytesIO) -> str:
             name = ""
         else:
             path = Path(source)
-            if path.is_dir():
-                return "a folder"
+            kind = special(path)
+            if kind:
+                return kind
             if not path.exists():
                 return "a missing file"
             with path.open("rb") as f:
@@ -36,6 +66,8 @@ def describe(source: str | os.PathLike | io.BytesIO) -> str:
             if head.startswith(magic):
                 return kind
         try:
+            if b"\0" in head:  # valid UTF-8, but no text file holds NUL bytes
+                raise UnicodeDecodeError("utf-8", head, 0, 1, "NUL byte")
             head.decode("utf-8")
             return "a JSON file" if head.lstrip()[:1] in (b"{", b"[") else "a text file"
         except UnicodeDecodeError:

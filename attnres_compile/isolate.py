@@ -31,21 +31,32 @@ from typing import Any
 from .errors import AttnResError, CrashError, MemoryLimitError, TimeLimitError, first_line
 
 MEMORY_ENV = "ATTNRES_COMPILE_MEMORY_LIMIT"
+MAX_MEMORY = 1 << 60  # 1 EiB: beyond any address space, and the child's limit (its size plus this) fits RLIMIT_AS
 _OOM_WORDS = re.compile(r"bad_alloc|Failed to allocate|out of memory|MemoryError|Cannot allocate memory",
                         re.IGNORECASE)
 
 
+def out_of_memory(message: str) -> bool:
+    """Whether an error message says that memory ran out (bad_alloc, "Failed to allocate", ...)."""
+    return bool(_OOM_WORDS.search(message))
+
+
 def memory_budget() -> int:
     """Bytes the child may add to its size at the fork: $ATTNRES_COMPILE_MEMORY_LIMIT (e.g. 4G,
-    512M, or bytes), else 80% of the memory available now (MemAvailable, or the cgroup's room)."""
+    512M, or bytes; 1 byte to 1 EiB, else ConfigError), else 80% of the memory available now
+    (MemAvailable, or the cgroup's room)."""
     given = os.environ.get(MEMORY_ENV, "").strip()
     if given:
+        from .errors import ConfigError
+
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", given, re.IGNORECASE)
         if m is None:
-            from .errors import ConfigError
-
             raise ConfigError(f"{MEMORY_ENV}={given!r} is not a size such as 4G or 512M")
-        return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+        size = int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+        if not 1 <= size <= MAX_MEMORY:
+            raise ConfigError(f"{MEMORY_ENV}={given!r} is {'less than a byte' if size < 1 else 'more than 1 EiB'}: "
+                              "give a size such as 4G (the limit cannot be turned off; 1000T lifts it in practice)")
+        return size
     available = _meminfo("MemAvailable") or 8 << 30
     room = _cgroup_room()
     return int(0.8 * min(available, room) if room else 0.8 * available)

@@ -2,12 +2,14 @@
 
 A kernel is one of kernel.py's functions (forward, backward, partial, merge) for one (arity,
 rank, feature size, dtype, eps, scale), scheduled and compiled for one target. The disk cache is
-a folder of shared libraries (ATTNRES_KERNEL_CACHE, else $XDG_CACHE_HOME/attnres-compile/kernels,
-else ~/.cache/attnres-compile/kernels), in a subfolder per TVM version and target, one file per
+a folder (ATTNRES_KERNEL_CACHE, an absolute path, else $XDG_CACHE_HOME/attnres-compile/kernels,
+else ~/.cache/attnres-compile/kernels), in a subfolder per TVM version and target, one entry per
 kernel named for its parameters and a digest of the kernel generator's source (kernel.py,
-schedule.py): a new version of either never loads an old binary. Files are written atomically
-(a temporary file renamed into place), and an entry that fails to load is rebuilt and replaced.
-A build prints one line on stderr.
+schedule.py): a new version of either never loads an old binary. A cached kernel is code, so the
+folder and its entries are checked before anything is loaded (kernel_store.py: this user's own,
+writable by no one else, no symlinks, size and SHA-256 recorded at build time); a folder that
+fails is replaced by a private temporary one for the process (one warning line), an entry that
+fails is rebuilt and replaced (one warning line). A build prints one line on stderr.
 
 Loading a cached CPU kernel needs only TVM's runtime library (tvm_ffi plus libtvm_runtime,
 a tenth of a second); the compiler (`import tvm`, seconds) is imported for a build only.
@@ -18,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
+
+from .kernel_store import Folder, Untrusted, location
 
 
 class Spec(NamedTuple):
@@ -59,13 +61,6 @@ def partial_links(bounds: list[int], length: int) -> list[int]:
         return [0, length]
     kept = [b for b in bounds if b <= length]
     return kept + list(range(kept[-1] + PARTIAL_CHUNK, length, PARTIAL_CHUNK)) + ([length] if kept[-1] < length else [])
-
-
-def cache_dir() -> Path:
-    if os.environ.get("ATTNRES_KERNEL_CACHE"):
-        return Path(os.environ["ATTNRES_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnres-compile" / "kernels"
 
 
 @cache
@@ -128,10 +123,20 @@ def target(device: str, threads: int):
     return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
 
 
-def path(spec: Spec) -> Path:
-    folder = f"{spec.device}-{_machine(spec.device)}-t{spec.threads}"
+def _parts(spec: Spec) -> tuple[str, str]:
+    """The subfolders of a kernel's entry: TVM version, device and machine, threads."""
+    return f"tvm-{importlib.metadata.version('apache-tvm')}", f"{spec.device}-{_machine(spec.device)}-t{spec.threads}"
+
+
+def _name(spec: Spec) -> str:
     name = f"{spec.kind}_n{spec.count}_r{spec.rank}_d{spec.size}_{spec.dtype}_{spec.eps!r}_{spec.scale!r}"
-    return cache_dir() / f"tvm-{importlib.metadata.version('apache-tvm')}" / folder / f"{name}_{_source_digest()}.so"
+    return f"{name}_{_source_digest()}.kernel"
+
+
+def path(spec: Spec) -> Path:
+    """Where the configured cache keeps `spec`'s entry (kernel_store.Untrusted if it has no valid location)."""
+    base, parts = location()
+    return base.joinpath(*parts, *_parts(spec), _name(spec))
 
 
 def _func(spec: Spec):
@@ -147,34 +152,83 @@ def _func(spec: Spec):
     return kernel.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
 
 
-def _load(file: Path, spec: Spec):
-    """The kernel's function from a cached library, or None (absent, damaged, foreign)."""
-    if not file.exists():
-        return None
+_MEMORY: dict[Spec, object] = {}
+_FOLDERS: dict[tuple | None, Folder] = {}  # (base, parts) -> its folder (or the private one); None -> the private one
+_WARNED: set[str] = set()
+
+
+def _folder(spec: Spec) -> Folder:
+    """The verified cache folder for `spec`, or the private fallback when the location is refused."""
     try:
-        return runtime().load_module(str(file))[FUNCTION[spec.kind]]
+        base, parts = location()
+    except Untrusted as exc:
+        return _private(str(exc))
+    key = (base, parts + _parts(spec))
+    if key not in _FOLDERS:
+        try:
+            _FOLDERS[key] = Folder.open(*key)
+        except Untrusted as exc:
+            _FOLDERS[key] = _private(str(exc))
+    return _FOLDERS[key]
+
+
+def _private(reason: str) -> Folder:
+    """This process's private temporary folder, with one warning line per refusal `reason` ("": none)."""
+    if reason and reason not in _WARNED:
+        _WARNED.add(reason)
+        print(f"attnres-compile: not using the kernel cache ({reason}); kernels are built into a private "
+              f"temporary folder for this process", file=sys.stderr, flush=True)
+    if None not in _FOLDERS:
+        _FOLDERS[None] = Folder.private()
+    return _FOLDERS[None]
+
+
+def _cached(folder: Folder, name: str) -> bytes | None:
+    """The checked library of entry `name`, or None (absent; refused, with one warning line)."""
+    try:
+        return folder.read(name)
+    except Untrusted as exc:
+        print(f"attnres-compile: not loading the cached kernel {folder.path / name} ({exc}); rebuilding it",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _load(folder: Folder, library: bytes, spec: Spec):
+    """The kernel's function from `library`, or None: dlopen reads a private copy of exactly these
+    bytes, in the cache folder (a read-only one: in a private temporary folder), removed once loaded."""
+    try:
+        copy = folder.copy(library)
+    except OSError:
+        folder = _private("")
+        copy = folder.copy(library)
+    try:
+        return runtime().load_module(copy)[FUNCTION[spec.kind]]
     except Exception:
         return None
+    finally:
+        folder.remove(copy)
 
 
-def _save(module, file: Path) -> None:
-    """Write the library next to its final name, then rename it into place (atomic)."""
+def _export(module, folder: Folder) -> bytes | None:
+    """The built module as a shared library's bytes (export_library into a private temporary file)."""
+    name = folder.temp_name(".so")
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=file.parent)
-        os.close(fd)
-        try:
-            module.export_library(tmp)
-            os.replace(tmp, file)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except Exception as err:  # no C compiler, a read-only folder: the kernel still runs, uncached
-        print(f"attnres-compile: could not cache a kernel in {file.parent} ({err}); it is rebuilt by the next "
-              f"process", file=sys.stderr)
+        module.export_library(str(folder.path / name))
+        return folder.read_temp(name)
+    except Exception as err:  # no C compiler, a full disk: the kernel still runs, from the built module
+        print(f"attnres-compile: could not export a kernel to {folder.path} ({err}); it runs uncached",
+              file=sys.stderr, flush=True)
+        return None
+    finally:
+        folder.remove(name)
 
 
-_MEMORY: dict[Spec, object] = {}
+def _store(folder: Folder, name: str, library: bytes) -> None:
+    try:
+        folder.write(name, library)
+    except OSError as err:  # a read-only folder, a full disk: the kernel still runs, uncached
+        print(f"attnres-compile: could not cache a kernel in {folder.path} ({err}); it is rebuilt by the next "
+              f"process", file=sys.stderr, flush=True)
 
 
 def get(spec: Spec):
@@ -184,17 +238,21 @@ def get(spec: Spec):
         return fn
     if spec.device == "cuda":
         import tvm  # noqa: F401  (its CUDA runtime loads the kernel's device code)
-    file = path(spec)
-    fn = _load(file, spec)
+    folder, name = _folder(spec), _name(spec)
+    library = _cached(folder, name)
+    fn = _load(folder, library, spec) if library is not None else None
     if fn is None:
         from .backends.tvm.schedule import build
 
         print(f"attnres-compile: compiling the fused depth-attention {spec.kind} kernel ({spec.count} "
               f"{'blocks' if spec.kind.startswith('partial') else 'sources'}, D={spec.size}, {spec.dtype}, {spec.device}); "
-              f"cached in {cache_dir()}", file=sys.stderr, flush=True)
+              f"cached in {folder.path}", file=sys.stderr, flush=True)
         module = build(_func(spec), target(spec.device, spec.threads))
-        _save(module, file)
-        # the saved library, not the built module: its first call would JIT-compile the code again
-        fn = _load(file, spec) or module[FUNCTION[spec.kind]]
+        library = _export(module, folder)
+        if library is not None:
+            _store(folder, name, library)
+            # the saved library, not the built module: its first call would JIT-compile the code again
+            fn = _load(folder, library, spec)
+        fn = fn or module[FUNCTION[spec.kind]]
     _MEMORY[spec] = fn
     return fn

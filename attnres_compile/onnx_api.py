@@ -62,7 +62,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     The staged output must pass the same checks as an input (onnx_io.load). With
     `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
     with `verify_timeout` seconds (default sized to the model), before the output is put in
-    place: preserve mode must match to 1e-5. An existing output, or one that would replace a
+    place, at the default and the all-1 shape sets (passes/onnx_dims.py; `input_shapes` fixes
+    an input's shape in both): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`.
     """
     config = as_config(config)
@@ -87,11 +88,14 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
             from .backends import onnxruntime as ort_backend
 
             tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
-            verification, shapes = ort_backend.compare_files(path, stage.path, tolerance, input_shapes,
-                                                             timeout=verify_timeout,
-                                                             consequence="the rewritten model was not written")
-            notes.append("onnxruntime inputs: " + ", ".join(f"{k} {list(v)}" for k, v in shapes.items()))
-    return OnnxRewriteResult(build(plan, view, config, "onnx", sites, verification, notes), stage.written)
+            verification, verified, run_notes = ort_backend.compare_files(
+                path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
+                consequence="the rewritten model was not written")
+            notes += run_notes
+    report = build(plan, view, config, "onnx", sites, verification, notes)
+    if verify_outputs:
+        report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
+    return OnnxRewriteResult(report, stage.written)
 
 
 def check_written(path: Path) -> None:
@@ -107,22 +111,14 @@ MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB w
 
 
 def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
-    """Refuse to verify when a generated input would be absurdly large (a static dim of 2**40, say),
-    before anything is allocated: symbolic dims count as their --input-shape size, else 16."""
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers and i.type.HasField("tensor_type")]
-    symbols = {}
-    for inp in inputs:
-        for d, size in zip(inp.type.tensor_type.shape.dim, overrides.get(inp.name, ())):
-            if d.HasField("dim_param"):
-                symbols.setdefault(d.dim_param, size)
-    for inp in inputs:
-        declared = inp.type.tensor_type.shape.dim
-        dims = overrides.get(inp.name) or [d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param, 16)
-                                           for d in declared]
+    """Check --input-shape against the model and refuse to verify when a generated input would be
+    absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
+    from .passes import onnx_dims
+
+    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides).shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
-            raise ModelRunError(f"input {inp.name!r} of shape {list(dims)} has {count} elements, too many to generate "
+            raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "
                                 "a verification input; nothing written; verify_outputs=False skips verification")
 
 
@@ -177,17 +173,24 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
 
 def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,
                    timeout: float | None) -> list[dict]:
-    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by output."""
+    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by
+    output, on the example inputs and on their zero-row copy (verify.zero_rows) when there is a verdict."""
     from .backends import onnxruntime as ort_backend
 
     original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
-    with torch.no_grad():
-        expected = [t for t in pytree.tree_leaves(original(*args, **kwargs)) if isinstance(t, torch.Tensor)]
-    tensors = [t.numpy() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
-    names = [f"onnxruntime:{n}" for n in actual]
-    expected = dict(zip(names, (e.numpy() for e in expected)))
-    rows = ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance)
+
+    def compared(inputs: tuple[tuple, dict]) -> tuple[list[dict], list, dict]:
+        expected = [t for t in pytree.tree_leaves(verify.run(original, inputs)) if isinstance(t, torch.Tensor)]
+        tensors = [t.numpy() for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
+        names = [f"onnxruntime:{n}" for n in actual]
+        expected = dict(zip(names, (e.numpy() for e in expected)))
+        return ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance), tensors, expected
+
+    rows, tensors, expected = compared((args, kwargs))
+    zeroed, inputs = verify.zero_rows((args, kwargs)) if tolerance is not None else (None, [])
+    if inputs:
+        verify.fold_zero_rows(rows, compared(zeroed)[0], inputs)
     if any(r.get("ok") is False for r in rows):
         _blame_export(original, args, kwargs, tensors, expected, rows, tolerance, timeout)
     return rows
@@ -206,7 +209,8 @@ def _blame_export(original: Any, args: tuple, kwargs: dict, tensors: list, expec
     with tempfile.TemporaryDirectory(prefix="attnres-original-") as folder:
         path = Path(folder) / "original.onnx"
         try:
-            onnx_io.write(export(original, args, kwargs, None), path)
+            with verify.kept(original):  # the exporter may run the model
+                onnx_io.write(export(original, *verify.fresh((args, kwargs)), None), path)
             actual = ort_backend.run_file(path, tensors, timeout=timeout, consequence="no verdict on the original")
         except Exception:  # noqa: BLE001 - no verdict on the original: the rows stay as they are
             return

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import ConfigError
+
 OP_NAME = "attnres::depth_attention"
 BACKWARD_NAME = "attnres::depth_attention_backward"
 KERNELS = ("auto", "tvm", "eager")
@@ -46,9 +48,14 @@ def set_kernel(mode: str) -> str:
     """Choose the implementation ("auto", "tvm" or "eager") for later calls; returns the previous."""
     global _mode, _fused
     if mode not in KERNELS:
-        raise ValueError(f"unknown depth-attention kernel {mode!r}: expected one of {', '.join(KERNELS)}")
+        raise ConfigError(unknown_kernel(repr(mode)))
     previous, _mode, _fused = _mode, mode, None
     return previous
+
+
+def unknown_kernel(what: str) -> str:
+    """The message for a kernel choice `what` that is not one of KERNELS."""
+    return f"{what} is not a depth-attention kernel: use one of {', '.join(KERNELS)}"
 
 
 def _resolve():
@@ -56,7 +63,7 @@ def _resolve():
     auto, without a usable TVM."""
     global _fused
     if _mode not in KERNELS:
-        raise ValueError(f"ATTNRES_KERNEL={_mode!r} is not a depth-attention kernel: use one of {', '.join(KERNELS)}")
+        raise ConfigError(unknown_kernel(f"ATTNRES_KERNEL={_mode!r}"))
     if _mode == "eager":
         _fused = False
         return _fused

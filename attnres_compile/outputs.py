@@ -3,17 +3,22 @@ written into a staging folder beside it, committed so that the destination is ei
 file untouched or the complete new one.
 
 - `check` (before any work): an existing output (a dangling symlink counts) is replaced only with
-  --force; an output never replaces an input, except `-o` (and its `.data`) with --force, the
-  documented in-place rewrite; two outputs of one run never name the same file; an output that
-  is a folder (or a folder output that is a file) is refused even with --force.
-- `staged` / `staged_folder`: files are written into `.NAME.PID.TOKEN.tmp/` beside the output,
-  fsynced and renamed into place (other staged files first, the output itself last, then the
-  folder is fsynced), and files the new output makes obsolete (an older output's weights) are
-  removed only after it is in place. Any exception (errors, Ctrl-C, SIGTERM raised as
-  `Interrupted`) removes the staging folder; staging folders of dead processes (kill -9) are
-  removed by the next run writing the same output. Folders replace folders with one atomic
-  exchange (renameat2) where the system has it. Nothing is committed once SIGNALS records a
-  signal (an interrupt a library swallowed).
+  --force, and only when it is a regular file (or a symlink, itself replaced), or for a folder
+  output an artifact folder of ours (its marker file present); an output (or a file the run
+  would remove: an older output's weights) never replaces an input, except in the documented
+  in-place rewrite (`-o` is the input, with --force: `-o` and its weights may replace the
+  input's); a folder output never holds an input or the working folder; two outputs of one run
+  never name the same file; an output that is a folder (or a folder output that is a file) is
+  refused even with --force.
+- `staged` / `staged_folder`: files are written into `.NAME.PID.TOKEN.tmp/` beside the output
+  (NAME a digest when the output's name is too long for that), fsynced and renamed into place
+  (other staged files first, the output itself last, then the folder is fsynced), and an ONNX
+  output's older weights are removed only after it is in place, in the same step under a lock
+  on the folder, so that concurrent runs never remove each other's new weights nor leave
+  orphans. Any exception (errors, Ctrl-C, SIGTERM raised as `Interrupted`) removes the staging
+  folder; staging folders of dead processes (kill -9) are removed by the next run writing the
+  same output. Folders replace folders with one atomic exchange (renameat2) where the system
+  has it. Nothing is committed once SIGNALS records a signal (an interrupt a library swallowed).
 - Write errors (disk full, EIO, read-only, permission) become OutputWriteError (exit 19).
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -31,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError, InputError, OutputPathError, OutputWriteError
+from .file_kind import special
 
+NOTHING_DONE = "nothing was replaced or left behind"
 SIGNALS: list[int] = []  # signals this process received (the CLI's handlers record them): no commit after one
 
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM,
@@ -40,13 +49,17 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS,
 
 @dataclass(frozen=True)
 class Output:
-    """One path a command will write: `option` names it in messages (`-o`, `--report`); `primary`
-    outputs may replace an input with --force (the in-place rewrite); `folder` for artifact folders."""
+    """One path a command will write (or, `removed`, remove once its output is in place): `option`
+    names it in messages (`-o`, `--report`); `primary` outputs may replace the input in the
+    in-place rewrite (`-o` is the input, with --force); `folder` for artifact folders, whose
+    `marker` file marks an existing folder as one of ours (the only kind --force replaces)."""
 
     path: Path
     option: str
     primary: bool = False
     folder: bool = False
+    marker: str | None = None
+    removed: bool = False
 
 
 def data_file_name(output: Path) -> str:
@@ -54,14 +67,28 @@ def data_file_name(output: Path) -> str:
     return output.name + ".data"
 
 
+def data_files(output: Path) -> list[Path]:
+    """The weights files of an ONNX output that exist now: `<name>.data` and `<name>.<8 hex>.data`
+    (a newer graph's, written while an older one existed); all but the new graph's are removed
+    when a new output is committed."""
+    pattern = re.compile(rf"^{re.escape(output.name)}(\.[0-9a-f]{{8}})?\.data$")
+    try:
+        return sorted(output.parent / n for n in os.listdir(output.parent) if pattern.match(n))
+    except OSError:
+        return []
+
+
 def onnx_outputs(output: Path, option: str = "output") -> list[Output]:
-    """The files an ONNX output may write: the model and its `.data` (both may replace the input with force)."""
-    return [Output(output, option, primary=True),
-            Output(output.parent / data_file_name(output), f"{option}'s data", primary=True)]
+    """The files an ONNX output may write or remove: the model, its `.data`, and its older weights
+    files (all may replace the input's in the in-place rewrite)."""
+    default = output.parent / data_file_name(output)
+    older = [Output(p, f"{option}'s older data", primary=True, removed=True) for p in data_files(output) if p != default]
+    return [Output(output, option, primary=True), Output(default, f"{option}'s data", primary=True), *older]
 
 
 def check(outputs: list[Output], inputs: list[Path], force: bool) -> None:
-    """Refuse, before any work, every output this run must not write (see the module docstring)."""
+    """Refuse, before any work, every output this run must not write (see the module docstring).
+    `inputs[0]` is the model (or main input) file; the in-place rewrite names it as a primary output."""
     seen: dict[str, Output] = {}
     for o in outputs:
         key = _identity(o.path)
@@ -70,27 +97,65 @@ def check(outputs: list[Output], inputs: list[Path], force: bool) -> None:
             raise ConfigError(f"{other.option} {other.path} and {o.option} {o.path} name the same file: "
                               "give each output its own path")
         seen[key] = o
+    in_place = force and bool(inputs) and any(o.primary and not o.removed and _same(o.path, inputs[0]) for o in outputs)
     for o in outputs:
         p = o.path
         for parent in [p.parent, *p.parent.parents]:
             if os.path.lexists(parent) and not parent.is_dir():
                 raise ConfigError(f"{o.option} {p}: {parent} is not a folder")
         clash = next((i for i in inputs if _same(p, i)), None)
-        if clash is not None and not (o.primary and force):
-            fix = "choose another path, or pass --force to replace it" if o.primary else "choose another path"
-            raise OutputPathError(f"{o.option} {p} would replace the input {clash}: {fix}")
+        if clash is not None and not (o.primary and in_place):
+            model = _same(clash, inputs[0])
+            fix = "choose another path, or pass --force to replace it" if o.primary and model else "choose another path"
+            what = f"the input {clash}" + ("" if model else f" (read by {inputs[0]})")
+            raise OutputPathError(f"{o.option} {p} would {'remove' if o.removed else 'replace'} {what}: {fix}")
+        if o.folder:
+            _check_folder(o, inputs, force)
+            continue
         if not os.path.lexists(p):
             continue
-        if o.folder:
-            if not p.is_dir():
-                raise ConfigError(f"{o.option} {p} exists and is not a folder")
-            if not force and any(p.iterdir()):
-                raise InputError(f"{o.option} {p} exists: pass --force to replace it")
-        elif p.is_dir():
+        if p.is_dir():
             raise ConfigError(f"{o.option} {p} is a folder: give a file name")
-        elif not force:
+        kind = special(p, follow=False)
+        if kind:
+            raise ConfigError(f"{o.option} {p} is {kind}: only regular files are replaced, even with --force; "
+                              "choose another path")
+        if not force:
             what = "exists (a dangling symlink)" if not p.exists() else "exists"
-            raise InputError(f"{o.option} {p} {what}: pass --force to overwrite it")
+            raise InputError(f"{o.option} {p} {what}: pass --force to {'replace' if o.removed else 'overwrite'} it")
+
+
+def _check_folder(o: Output, inputs: list[Path], force: bool) -> None:
+    """A folder output never holds an input or the working folder (replacing it would delete them);
+    an existing non-empty one is replaced only with --force and only when it is ours (its marker)."""
+    p = o.path
+    held = next((i for i in inputs if _inside(i, p)), None)
+    if held is not None:
+        raise OutputPathError(f"{o.option} {p} holds the input {held}; replacing the folder would delete it, even "
+                              "with --force: choose another folder")
+    if _inside(Path(os.getcwd()), p):
+        raise ConfigError(f"{o.option} {p} is the working folder or holds it: choose another folder")
+    if not os.path.lexists(p):
+        return
+    if not p.is_dir():
+        raise ConfigError(f"{o.option} {p} exists and is not a folder")
+    if not any(p.iterdir()):
+        return
+    if not force:
+        raise InputError(f"{o.option} {p} exists: pass --force to replace it")
+    if o.marker and not (p / o.marker).is_file():
+        raise ConfigError(f"{o.option} {p} is not an artifact folder (no {o.marker}); --force replaces only a folder "
+                          "`compile` wrote: choose a new or empty folder")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies under it, by its own name or where its symlinks lead."""
+    try:
+        base = _identity(folder)
+        names = {_identity(path), os.path.join(_identity(path.parent), path.name)}
+    except ValueError:  # a name with a NUL byte names no file
+        return False
+    return any(name == base or name.startswith(base.rstrip(os.sep) + os.sep) for name in names)
 
 
 def _identity(path: Path) -> str:
@@ -110,22 +175,36 @@ def _same(a: Path, b: Path) -> bool:
 # staging and commit
 
 _STAGE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{12}\.(tmp|old)$")
+_STAGE_EXTRA = len(".") + len(".4194304") + len(".") + 12 + len(".tmp")  # the longest pid Linux gives
+NAME_MAX = 255
+
+
+def _label(out: Path) -> str:
+    """The output's name in its staging names: the name itself, or a digest of it when a staging
+    name would exceed the system's 255 bytes (a legal 255-byte output name)."""
+    name = os.fsencode(out.name)
+    return out.name if len(name) + _STAGE_EXTRA <= NAME_MAX else "~" + hashlib.sha256(name).hexdigest()[:16]
 
 
 def _stage_name(out: Path, kind: str = "tmp") -> Path:
-    return out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}"
+    return out.parent / f".{_label(out)}.{os.getpid()}.{secrets.token_hex(6)}.{kind}"
+
+
+def _stagings(out: Path) -> list[tuple[str, bool]]:
+    """(path, its process is alive) of every staging folder for `out`."""
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return []
+    label = _label(out)
+    return [(e.path, _alive(int(m["pid"]))) for e in entries if (m := _STAGE.match(e.name)) and m["name"] == label]
 
 
 def clean_stale(out: Path) -> None:
     """Remove the staging folders a killed run (its process gone) left for `out`."""
-    try:
-        entries = list(os.scandir(out.parent))
-    except OSError:
-        return
-    for entry in entries:
-        m = _STAGE.match(entry.name)
-        if m and m["name"] == out.name and not _alive(int(m["pid"])):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    for path, alive in _stagings(out):
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -143,12 +222,12 @@ def _alive(pid: int) -> bool:
 @dataclass
 class Stage:
     """`path`: where to write the output, inside the staging `folder`; other files written into
-    `folder` are committed beside it (first). `obsolete`: files to remove once the output is in
-    place. `written`: the files committed."""
+    `folder` are committed beside it (first). `onnx_data`: the output's older weights files
+    (data_files) are removed once it is in place. `written`: the files committed."""
 
     out: Path
     folder: Path
-    obsolete: list[Path] = field(default_factory=list)
+    onnx_data: bool = False
     written: list[Path] = field(default_factory=list)
 
     @property
@@ -156,17 +235,31 @@ class Stage:
         return self.folder / self.out.name
 
 
+def data_name(stage: Stage) -> str:
+    """The weights file name for the staged ONNX output: `<name>.data`, or `<name>.<8 hex>.data` while a
+    file of that name exists (an older output's weights: the old graph keeps them until the new one
+    is in place) or another live run stages the same output (it may commit `<name>.data` first)."""
+    stage.onnx_data = True
+    out = stage.out
+    default = data_file_name(out)
+    others = any(alive and path != str(stage.folder) for path, alive in _stagings(out))
+    if others or os.path.lexists(out.parent / default):
+        return f"{out.name}.{secrets.token_hex(4)}.data"
+    return default
+
+
 @contextlib.contextmanager
-def staged(output: str | os.PathLike) -> Iterator[Stage]:
+def staged(output: str | os.PathLike, outcome: str = NOTHING_DONE) -> Iterator[Stage]:
     """Stage files for `output` and commit them on a clean exit; on any exception, remove them
-    (and the folders made for the output)."""
+    (and the folders made for the output). `outcome` ends a write error's line: what the command
+    has written before this output (default: nothing)."""
     out = Path(output)
     created = _make_parents(out)
     clean_stale(out)
     stage = Stage(out, _stage_name(out))
     committed = []
     try:
-        with _write_errors(out):
+        with _write_errors(out, outcome):
             os.mkdir(stage.folder)
             yield stage
             _check_signals()
@@ -175,15 +268,16 @@ def staged(output: str | os.PathLike) -> Iterator[Stage]:
             mode = 0o666 & ~umask()
             for name in files:
                 _fsync_file(stage.folder / name, mode)
-            for name in files:  # the output itself last: it is what makes the new files current
-                os.replace(stage.folder / name, out.parent / name)
-                committed.append(out.parent / name)
-            _fsync_dir(out.parent)
-        stage.written = [committed[-1], *committed[:-1]] if committed else []
-        for old in stage.obsolete:
-            if old not in committed:
-                with contextlib.suppress(OSError):
-                    old.unlink()
+            with _locked(out.parent):  # renames and removals of concurrent runs do not interleave
+                for name in files:  # the output itself last: it is what makes the new files current
+                    os.replace(stage.folder / name, out.parent / name)
+                    committed.append(out.parent / name)
+                _fsync_dir(out.parent)
+                stage.written = [committed[-1], *committed[:-1]] if committed else []
+                for old in data_files(out) if stage.onnx_data else []:
+                    if old not in committed:
+                        with contextlib.suppress(OSError):
+                            old.unlink()
     except BaseException:
         if out not in committed:  # new files beside an old output would be orphans: take them back
             for p in committed:
@@ -234,6 +328,22 @@ def staged_folder(output: str | os.PathLike) -> Iterator[Path]:
             _remove_created(created)
 
 
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """An exclusive flock on `folder` while the block runs; unlocked where it cannot be taken."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _check_signals() -> None:
     """A Ctrl-C or SIGTERM whose exception a library swallowed still stops the commit."""
     if SIGNALS:
@@ -260,13 +370,13 @@ def _remove_created(created: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def _write_errors(out: Path):
+def _write_errors(out: Path, outcome: str = NOTHING_DONE):
     try:
         yield
     except OSError as exc:
         if exc.errno not in WRITE_ERRNOS:
             raise
-        raise OutputWriteError(f"cannot write {out}: {exc.strerror or exc}; nothing was replaced or left behind") from None
+        raise OutputWriteError(f"cannot write {out}: {exc.strerror or exc}; {outcome}") from None
 
 
 def _fsync_file(path: Path, mode: int | None) -> None:

@@ -11,7 +11,7 @@ from . import __version__
 from .config import AttnResConfig
 from .passes.graph_view import format_shape
 from .passes.plan import Plan
-from .passes.verify import describe
+from .passes.verify import describe, nothing_compared
 
 
 class Report:
@@ -100,6 +100,17 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
     return Report(data)
 
 
+def verification_lines(rows: list[dict]) -> list[str]:
+    """The verification's header (naming the inputs also tried with zero rows) and one line per
+    row; a run that compared no value says so instead of showing nothing."""
+    zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
+    also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
+    lines = [f"verification (original vs rewritten, same inputs{also}):"]
+    lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in rows]
+    empty = nothing_compared(rows)
+    return lines + ([f"  {empty}"] if empty else [])
+
+
 def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
@@ -128,9 +139,12 @@ def format_table(data: dict) -> str:
         for reason, nodes in reasons.items():
             shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
-    if data["verification"]:
-        lines += ["", "verification (original vs rewritten, same inputs):"]
-        lines += [f"  {describe(row)}" for row in data["verification"]]
+    if data["verification"] is not None:
+        lines += ["", *verification_lines(data["verification"])]
+    if data.get("verified_shapes"):
+        lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
+                                                           for name, dims in shapes.items())
+                                                 for shapes in data["verified_shapes"]))
     if data.get("dynamic_dims"):
         dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
         lines.append(f"dynamic input dims: {dims}")

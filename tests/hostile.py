@@ -1,11 +1,13 @@
 """Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
-of issue 14, and the checks every run must pass. Used by test_fuzz_hostile.py (a fixed-seed
-sample within a time budget) and by its long run (`python tests/test_fuzz_hostile.py --cases 10000`).
+of issues 14 and 39 (edge-case verdicts, --force over inputs, special files), and the checks every
+run must pass. Used by test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its
+long run (`python tests/test_fuzz_hostile.py --cases 10000`).
 
 A case is a folder of files plus a command line. Every run must end with a documented exit code
 (the case's own set when it has one), exactly one `attnres-compile: error:` line on failure, no
 traceback, no signal death, no run past its time limit, no staging folder or partial output left,
-no input changed, and no marker file created by a payload.
+no input changed or removed, /dev/null still a device, no marker file created by a payload, and no
+verdict that claims more than was compared (a case's `says` / `never`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import io
 import math
 import os
 import random
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +35,8 @@ MARKER = "PAYLOAD-RAN"
 
 @dataclass
 class Case:
-    """`files`: relative path -> bytes, or ("symlink", target); `argv` may hold "{d}" for the case folder."""
+    """`files`: relative path -> bytes, ("symlink", target), ("dir", mode) or ("file", bytes, mode, owner);
+    `argv` and `env` values may hold "{d}" for the case folder."""
 
     kind: str
     name: str
@@ -43,6 +47,8 @@ class Case:
     env: dict = field(default_factory=dict)
     timeout: float = 150.0
     send: tuple | None = None  # (signal, seconds)
+    says: list = field(default_factory=list)   # what a run that exits 0 must print
+    never: list = field(default_factory=list)  # and must not print
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +116,22 @@ def pt2_bytes() -> bytes:
     return pt2.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
 
 
+def payload_library(marker: str) -> bytes | None:
+    """A shared library whose constructor creates the file `marker` (relative: in the working
+    directory of the process that loads it); None without a C compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("cc") is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "payload.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) {\n'
+                                        f'    FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n')
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", f"{d}/payload.so", f"{d}/payload.c"], check=True)
+        return Path(d, "payload.so").read_bytes()
+
+
 class Bases:
     """The base files every generator mutates, built once."""
 
@@ -122,6 +144,35 @@ class Bases:
         from pt2_vectors import vectors
 
         self.vectors = vectors(self.pt2, MARKER)
+        self._kernels: dict | None = None
+        self._payload: bytes | None = None
+
+    def payload(self) -> bytes:
+        """A shared library that creates MARKER in the working directory when it is loaded."""
+        if self._payload is None:
+            self._payload = payload_library(MARKER) or b"\x7fELF no C compiler here"
+        return self._payload
+
+    def kernels(self) -> dict[str, bytes]:
+        """The kernel cache (relative path -> bytes) that CACHE_ARGV's rewrite fills, built once by a
+        forked run into an empty cache (never in this process, whose kernels forked runs inherit)."""
+        if self._kernels is None:
+            import shutil
+            import tempfile
+
+            from forked_cli import run_cli
+
+            d = Path(tempfile.mkdtemp(prefix="attnres-cache-template-"))
+            try:
+                (d / "cache_fac.py").write_text(CACHE_FACTORY)
+                run = run_cli([a.replace("{d}", str(d)) for a in CACHE_ARGV], cwd=d,
+                              env={"ATTNRES_KERNEL_CACHE": str(d / "kc")})
+                assert run.code == 0, run
+                self._kernels = {str(p.relative_to(d)): p.read_bytes() for p in (d / "kc").rglob("*.kernel")}
+                assert self._kernels, "the rewrite cached no kernel: is TVM installed?"
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+        return self._kernels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +522,69 @@ def gen_pt2(b: Bases, rng: random.Random) -> Case:
     return Case("pt2", f"{what}/{command}", argv, {"m.pt2": data}, expect, {"h.png", "art"})
 
 
+def gen_force_inputs(b: Bases, rng: random.Random) -> Case:
+    """--force over inputs (issue 39): an artifact folder holding the model, its parent, a folder
+    that is not an artifact, the working folder; -o whose weights (or older weights, removed by
+    the run) are another model's; --report onto the input's weights; the in-place rewrite."""
+    what = rng.choice(["compile-into-model-folder", "compile-into-parent", "compile-into-foreign", "compile-dot",
+                       "o-data-is-input-data", "o-older-data-is-input-data", "report-onto-data", "in-place"])
+    files = {"m.onnx": b.ext_model, "m.onnx.data": b.ext_data}
+    outputs, expect = set(), {11}
+    if what.startswith("compile"):
+        files = {"m.onnx": save(b.sited), "notes.txt": b"mine"}
+        out = {"compile-into-model-folder": "{d}", "compile-into-parent": "{d}/..", "compile-dot": ".",
+               "compile-into-foreign": "{d}/other"}[what]
+        if what == "compile-into-foreign":
+            files["other/thesis.tex"] = b"years of work"
+            expect = {2}
+        argv = ["compile", "{d}/m.onnx", "-o", out, "--no-verify"]
+    elif what.startswith("o-"):
+        location = "w.onnx.data" if what == "o-data-is-input-data" else "w.onnx.0123abcd.data"
+        model, data = external(tiny(dim=64), location)
+        files = {"a.onnx": model, location: data, "w.onnx": b"an older output"}
+        argv = ["rewrite", "{d}/a.onnx", "-o", "{d}/w.onnx", "--no-verify"]
+    elif what == "report-onto-data":
+        argv = ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify", "--report", "{d}/m.onnx.data"]
+    else:
+        argv = ["rewrite", "{d}/m.onnx", "-o", "{d}/m.onnx", "--no-verify"]
+        outputs, expect = {"m.onnx"}, {0}
+    return Case("force-inputs", what, argv + ["--force"], files, expect, outputs, timeout=60)
+
+
+def gen_special_files(b: Bases, rng: random.Random) -> Case:
+    """FIFOs, device nodes and folders where a command reads or writes a file (issue 39): never
+    replaced (even with --force), never opened, one line saying what they are."""
+    what = rng.choice(["fifo-o", "device-o", "fifo-report", "devnull-report", "fifo-run-o", "fifo-model",
+                       "folder-model", "fifo-data", "fifo-npz", "fifo-pt2", "device-model"])
+    files = {"m.onnx": b.ext_model, "m.onnx.data": b.ext_data}
+    rewrite = ["rewrite", "{d}/m.onnx", "-o", "{d}/out.onnx", "--no-verify"]
+    force = ["--force"] if rng.random() < 0.5 else []
+    expect = {2}
+    if what in ("fifo-o", "device-o"):
+        files["out.onnx"] = ("fifo",) if what == "fifo-o" else ("device",)
+        argv = rewrite + force
+    elif what in ("fifo-report", "devnull-report"):
+        files["r.json"] = ("fifo",)
+        argv = rewrite + ["--report", "{d}/r.json" if what == "fifo-report" else "/dev/null"]
+        argv += force if what == "fifo-report" else []  # --force onto the real /dev/null: never, even refused
+    elif what == "fifo-run-o":
+        files["o.npz"] = ("fifo",)
+        argv = ["run", "{d}/art", "--inputs", "{d}/i.npz", "-o", "{d}/o.npz"] + force
+    elif what == "fifo-npz":
+        files = {"i.npz": ("fifo",)}
+        argv, expect = ["run", "{d}/art", "--inputs", "{d}/i.npz", "-o", "{d}/o.npz"], {6}
+    elif what == "fifo-pt2":
+        files = {"m.pt2": ("fifo",)}
+        argv, expect = ["inspect", "--weights", "{d}/m.pt2", "--heatmap", "{d}/h.png"], {6}
+    elif what == "fifo-data":
+        files["m.onnx.data"] = ("fifo",)
+        argv, expect = rewrite, {10}
+    else:
+        files = {"m.onnx": {"fifo-model": ("fifo",), "folder-model": ("dir",), "device-model": ("device",)}[what]}
+        argv, expect = rng.choice([["inspect", "{d}/m.onnx"], rewrite, ["compile", "{d}/m.onnx", "-o", "{d}/art"]]), {6}
+    return Case("special-files", what + ("+force" if force else ""), argv, files, expect, set(), timeout=30)
+
+
 FACTORIES = {
     "syntax": "def f(:\n",
     "exit0": "import sys\ndef f():\n    sys.exit(0)\n",
@@ -513,9 +627,99 @@ def gen_signals(b: Bases, rng: random.Random) -> Case:
                 send=(which, delay))
 
 
+def argmax_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (the tiny chain) returning ids = ArgMax(y) only: an integer-only output."""
+    model = copy.deepcopy(model)
+    model.graph.node.append(helper.make_node("ArgMax", ["y"], ["ids"], axis=-1, keepdims=0))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("ids", TensorProto.INT64, ["b"]))
+    return model
+
+
+def gen_verdicts(b: Bases, rng: random.Random) -> Case:
+    """Edge-case verdicts: an eps float32 cannot hold, outputs with no elements, an integer-only output,
+    zero rows: the run refuses in one line or says what it compared, never a ✓ for nothing."""
+    what = rng.choice(["eps", "empty", "integer", "zero-rows"])
+    if what == "eps":
+        eps = rng.choice(["1e-300", "1e-39", "0", "-1e-6", "1e308", "inf", "nan", "2"])
+        return onnx_case("verdicts", f"eps-{eps}", b.tiny_bytes, rng, command="rewrite", options=["--eps", eps],
+                         expect={2})
+    if what == "empty":
+        return onnx_case("verdicts", "empty", b.tiny_bytes, rng, command="rewrite", options=["--input-shape", f"x:0x{D}"],
+                         expect={0}, says=["nothing was compared: every output is empty"], never=["✓"])
+    if what == "integer":
+        return onnx_case("verdicts", "integer-only", save(argmax_only(b.tiny)), rng, command="rewrite", expect={0},
+                         says=["all equal  (compared exactly)"])
+    return onnx_case("verdicts", "zero-rows", b.tiny_bytes, rng, command="rewrite", expect={0},
+                     says=["also with zero rows in x"])
+
+
+CACHE_FACTORY = """import torch
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(torch.relu(x))
+        return x
+
+
+def f():
+    torch.manual_seed(0)
+    return Chain(), (torch.randn(2, 24),)
+"""
+# a feature size and eps no other test uses: the forked run cannot inherit these kernels from memory
+CACHE_ARGV = ["rewrite", "cache_fac:f", "-o", "{d}/out.pt2", "--eps", "2.5e-6", "--verify-timeout", "60"]
+DEAD_PID = 4194305  # above the largest pid_max (2**22): never a running process
+
+
+def gen_cache(b: Bases, rng: random.Random) -> Case:
+    """Kernel-cache poisoning (issue 39): at a kernel's name, a library whose constructor writes the
+    marker (plain, with a forged hash, behind a symlink, world-writable, another user's), a truncated
+    or altered kernel, a cache folder writable by all, a dead writer's temporary file. The run must
+    compute and verify as usual, run no payload and leave no temporary file."""
+    import hashlib
+
+    kernels = b.kernels()
+    payload = b.payload()
+    what = rng.choice(["planted", "forged-hash", "symlink", "world-writable", "foreign-owner", "truncated",
+                       "altered", "shared-folder", "stale-temp"])
+    files: dict = {"cache_fac.py": CACHE_FACTORY.encode(), **kernels}
+    rel = rng.choice(sorted(kernels))
+
+    def entry(library: bytes, digest: str | None = None) -> bytes:
+        digest = digest or hashlib.sha256(library).hexdigest()
+        return b"attnres-kernel 1 size=%d sha256=%s\n" % (len(library), digest.encode()) + library
+
+    if what == "planted":
+        files[rel] = payload
+    elif what == "forged-hash":
+        files[rel] = entry(payload, "0" * 64)
+    elif what == "symlink":
+        files["elsewhere.kernel"] = entry(payload)
+        files[rel] = ("symlink", "../" * rel.count("/") + "elsewhere.kernel")
+    elif what in ("world-writable", "foreign-owner"):
+        owner = 65534 if what == "foreign-owner" and os.geteuid() == 0 else None
+        files[rel] = ("file", entry(payload), 0o666 if owner is None else 0o644, owner)
+    elif what == "truncated":
+        files[rel] = kernels[rel][: rng.randrange(1, len(kernels[rel]))]
+    elif what == "altered":
+        files[rel] = flip(kernels[rel], rng, rng.randint(1, 4))
+    elif what == "shared-folder":
+        files = {**files, **{k: entry(payload) for k in kernels}, "kc": ("dir", 0o1777)}
+    else:
+        files[f"{rel.rsplit('/', 1)[0]}/.tmp-{DEAD_PID}-{rng.randrange(16 ** 6):06x}.kernel"] = b"half a kern"
+    return Case("cache", what, CACHE_ARGV, files, {0}, {"out.pt2", "kc"}, env={"ATTNRES_KERNEL_CACHE": "{d}/kc"})
+
+
 GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
               "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
-              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals}
+              "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts,
+              "force-inputs": gen_force_inputs, "special-files": gen_special_files, "cache": gen_cache}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,12 +731,35 @@ def materialize(case: Case, folder: Path) -> list[str]:
     for rel, content in case.files.items():
         p = folder / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, tuple):
-            os.symlink(content[1], p)
-        else:
+        if isinstance(content, bytes):
             p.write_bytes(content)
+        elif content == ("fifo",):
+            os.mkfifo(p)
+        elif content == ("device",):
+            _device(p)
+        elif content == ("dir",):
+            p.mkdir()
+            (p / "keep").write_bytes(b"keep")
+        elif content[0] == "symlink":
+            os.symlink(content[1], p)
+        elif content[0] == "dir":
+            p.mkdir(exist_ok=True)
+            p.chmod(content[1])
+        else:  # ("file", bytes, mode, owner uid or None)
+            p.write_bytes(content[1])
+            p.chmod(content[2])
+            if content[3] is not None:
+                os.chown(p, content[3], -1)
     (folder.parent / "secret.bin").write_bytes(b"\0" * 4096)
     return [a.replace("{d}", str(folder)) for a in case.argv]
+
+
+def _device(path: Path) -> None:
+    """A character device node like /dev/null's at `path` (root), else a FIFO (mknod not allowed)."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except OSError:
+        os.mkfifo(path)
 
 
 def snapshot(root: Path) -> dict[str, object]:
@@ -546,11 +773,14 @@ def snapshot(root: Path) -> dict[str, object]:
             seen[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
         elif p.is_dir():
             seen[str(p.relative_to(root))] = "dir"
+        else:  # a FIFO or a device node: its type (never opened)
+            seen[str(p.relative_to(root))] = ("node", stat.S_IFMT(os.lstat(p).st_mode))
     return seen
 
 
 FAILURE_CLASSES = ("undocumented-code", "unexpected-code", "not-one-line", "traceback", "signal-death", "over-time",
-                   "left-behind", "input-changed", "payload-ran", "partial-output")
+                   "left-behind", "input-changed", "input-removed", "payload-ran", "partial-output", "false-verdict",
+                   "dev-null-broken")
 
 
 def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
@@ -572,6 +802,8 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
             failures.append("not-one-line")
     if "Traceback" in run.stderr:
         failures.append("traceback")
+    if code == 0 and (any(s not in run.stdout for s in case.says) or any(s in run.stdout for s in case.never)):
+        failures.append("false-verdict")
     after = snapshot(root)
     if any(".tmp" in k.rsplit("/", 1)[-1] or k.rsplit("/", 1)[-1].endswith(".old") for k in after):
         failures.append("left-behind")
@@ -582,18 +814,31 @@ def judge(case: Case, run, root: Path, folder: Path, before: dict) -> list[str]:
     changed = {k for k in before if k in after and after[k] != before[k]}
     allowed = {f"{rel}/{n}" for n in case.outputs}
     data = {k for k in new if k.endswith(".data") and any(k.startswith(f"{rel}/{n}.") for n in case.outputs)}
+    gone = {k for k in before if k not in after}
     if code in (0, 7, 130, 143):  # a signal after the commit leaves the complete new output
-        extra = {k for k in new - data if k not in allowed and not any(k.startswith(a + "/") for a in allowed)}
-        if extra or any(k not in allowed for k in changed):
+        extra = {k for k in new - data if not _within(k, allowed)}
+        if extra or any(not _within(k, allowed) for k in changed):
             failures.append("partial-output" if extra else "input-changed")
         if f"{rel}/out.onnx" in new | changed and not _loads(folder / "out.onnx"):
             failures.append("partial-output")
+        replaced = {k for k in gone if any(k.startswith(f"{a}.") and k.endswith(".data") for a in allowed)}
+        if gone - allowed - replaced:  # only an output's own older weights may go
+            failures.append("input-removed")
     else:
         if new - {k for k in new if k.endswith("__pycache__") or "/__pycache__/" in k}:
             failures.append("partial-output")
         if changed:
             failures.append("input-changed")
+        if gone:
+            failures.append("input-removed")
+    if not stat.S_ISCHR(os.lstat("/dev/null").st_mode):
+        failures.append("dev-null-broken")
     return failures
+
+
+def _within(path: str, allowed: set[str]) -> bool:
+    """Whether `path` is an allowed output or inside one (an artifact folder, a kernel cache)."""
+    return path in allowed or any(path.startswith(a + "/") for a in allowed)
 
 
 def _loads(path: Path) -> bool:

@@ -283,14 +283,14 @@ def test_onnx_inputs_we_cannot_feed_and_opsets_we_cannot_write(tmp_path):
 
 
 def test_cli_wording_and_input_shape_hint(tmp_path):
-    """Messages use the CLI's spelling; onnxruntime refusing the default dims suggests --input-shape
-    with the model's own input name."""
+    """Messages use the CLI's spelling; onnxruntime refusing the default dims names the shapes tried
+    and --input-shape (never an untried shape: x:1x16 fails here too)."""
     m = tiny()
     m.graph.initializer.append(numpy_helper.from_array(np.array([-1, 3], np.int64), "three"))
     m.graph.node.insert(0, helper.make_node("Reshape", ["x", "three"], ["x3"]))  # needs b*16 divisible by 3
     onnx.save(m, str(tmp_path / "m.onnx"))
     run = run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx"])
-    one_line(run, 15, "--no-verify", "--input-shape x:1x16")
+    one_line(run, 15, "--no-verify", "at the shapes tried: x 2x16;", "give the inputs' shapes with --input-shape")
     assert "verify_outputs" not in run.stderr and "input_shapes" not in run.stderr
     one_line(run_cli(["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--min-chain", "9"]), 4,
              "(--min-chain 9)")
@@ -336,3 +336,299 @@ def test_native_log_lines_are_hidden_but_progress_is_not(capfd):
     assert "native noise" not in err and "python warning noise" not in err and "progress line" in err
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 39: --force never over inputs or special files; names, reports, races, bombs
+
+
+def rewritten_model(folder: Path) -> Path:
+    """m.onnx, the tiny chain rewritten (something `compile` builds in a second), alone in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(tiny(), str(folder / "t.onnx"))
+    assert run_cli(["rewrite", folder / "t.onnx", "-o", folder / "m.onnx", "--no-verify"]).code == 0
+    (folder / "t.onnx").unlink()
+    return folder / "m.onnx"
+
+
+def char_device(path: Path) -> bool:
+    """A copy of /dev/null's node at `path` (root only; False where mknod is not allowed)."""
+    import stat
+
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, OSError):
+        return False
+    return True
+
+
+def no_writes_under_dev():
+    """In a forked run: any rename onto /dev fails (EPERM) instead of replacing a system node."""
+    real = os.replace
+
+    def replace(src, dst, **kw):
+        if str(dst).startswith("/dev/"):
+            raise PermissionError(1, "refused by the test", str(dst))
+        return real(src, dst, **kw)
+    os.replace = os.rename = replace
+
+
+def test_compile_force_never_deletes_a_folder_holding_an_input(tmp_path):
+    """`compile IN -o DIR --force` deleted DIR with the input and every other file in it (issue 39 §1).
+    Now a folder holding the input (its own folder, a parent) is refused (11), a folder that is not an
+    artifact (no manifest.json) is refused even with --force (2); an artifact folder is still replaced."""
+    model = rewritten_model(tmp_path / "in")
+    (tmp_path / "in" / "notes.txt").write_text("mine")
+    before = digests(tmp_path)
+    for out, code, text in ((tmp_path / "in", 11, "holds the input"), (tmp_path, 11, "holds the input")):
+        one_line(run_cli(["compile", model, "-o", out, "--force", "--no-verify"]), code, text, "choose another folder")
+        assert digests(tmp_path) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("years of work")
+    one_line(run_cli(["compile", model, "-o", other, "--force", "--no-verify"]), 2, "not an artifact folder")
+    assert (other / "thesis.tex").read_text() == "years of work"
+    assert run_cli(["compile", model, "-o", tmp_path / "art", "--no-verify"]).code == 0
+    again = run_cli(["compile", model, "-o", tmp_path / "art", "--force", "--no-verify"])
+    assert again.code == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "art").iterdir()) == ["manifest.json", "model.so"]
+    assert not leftovers(tmp_path)
+
+
+def test_compile_into_the_working_folder_is_one_line(tmp_path):
+    """`compile -o . --force` failed with rc 1 blaming TVM (EBUSY renaming the working folder)."""
+    model = rewritten_model(tmp_path / "in")
+    for cwd in (tmp_path / "cwd", tmp_path / "cwd" / "deeper"):
+        cwd.mkdir()
+        one_line(run_cli(["compile", model, "-o", ".", "--force", "--no-verify"], cwd=cwd), 2, "is the working folder")
+    one_line(run_cli(["compile", model, "-o", tmp_path / "cwd", "--force", "--no-verify"],
+                     cwd=tmp_path / "cwd" / "deeper"), 2, "is the working folder or holds it")
+    assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["deeper"]
+
+
+def test_force_never_replaces_or_removes_another_inputs_weights(tmp_path):
+    """`rewrite a.onnx -o w.onnx --force`, a.onnx's weights in w.onnx.data (or w.onnx.<hex>.data, which the
+    run would remove as an older output's), deleted them (issue 39 §2). Refused (11), files untouched;
+    the in-place rewrite (-o is the input) still replaces its own weights."""
+    for location, text in (("w.onnx.data", "would replace"), ("w.onnx.0123abcd.data", "would remove")):
+        folder = tmp_path / location
+        folder.mkdir()
+        model, data = external(tiny(dim=64), location)
+        (folder / "a.onnx").write_bytes(model)
+        (folder / location).write_bytes(data)
+        (folder / "w.onnx").write_bytes(b"an older output")
+        before = digests(folder)
+        run = run_cli(["rewrite", folder / "a.onnx", "-o", folder / "w.onnx", "--force", "--no-verify"])
+        one_line(run, 11, f"{text} the input {folder / location} (read by {folder / 'a.onnx'})")
+        assert digests(folder) == before
+        assert onnx_io.load(folder / "a.onnx", with_data=True)
+    model = model_folder(tmp_path / "inplace")
+    run = run_cli(["rewrite", model, "-o", model, "--force", "--no-verify"])
+    assert run.code == 0, run.stderr
+    assert onnx_io.load(model, with_data=True) and not leftovers(tmp_path / "inplace")
+
+
+def test_older_weights_of_an_output_need_force(tmp_path):
+    """An existing `out.onnx.<hex>.data` (an older output's weights) is removed by the run: only with --force."""
+    model = model_folder(tmp_path)
+    (tmp_path / "out.onnx.0123abcd.data").write_bytes(b"precious")
+    one_line(run_cli(["rewrite", model, "-o", tmp_path / "out.onnx", "--no-verify"]), 6, "older data", "--force")
+    assert (tmp_path / "out.onnx.0123abcd.data").read_bytes() == b"precious"
+
+
+def test_force_replaces_only_regular_files(tmp_path):
+    """FIFOs and device nodes as outputs were replaced by regular files with --force (issue 39 §7; as
+    root, `-o /dev/null --force` broke the system's /dev/null). Now one line (2), with or without
+    --force, and the node is left as it was."""
+    import stat
+
+    model = model_folder(tmp_path / "in")
+    os.mkfifo(tmp_path / "pipe.onnx")
+    os.mkfifo(tmp_path / "pipe.json")
+    nodes = [(tmp_path / "pipe.onnx", "a FIFO (named pipe)", ["-o", tmp_path / "pipe.onnx"]),
+             (tmp_path / "pipe.json", "a FIFO (named pipe)",
+              ["-o", tmp_path / "o.onnx", "--report", tmp_path / "pipe.json"])]
+    if char_device(tmp_path / "null.onnx"):
+        nodes.append((tmp_path / "null.onnx", "a character device", ["-o", tmp_path / "null.onnx"]))
+    for node, kind, args in nodes:
+        for force in ([], ["--force"]):
+            one_line(run_cli(["rewrite", model, *args, "--no-verify", *force]), 2, kind, "only regular files")
+        mode = os.lstat(node).st_mode
+        assert stat.S_ISFIFO(mode) or stat.S_ISCHR(mode), node
+    assert not (tmp_path / "o.onnx").exists()
+    for force in ([], ["--force"]):
+        for argv in (["rewrite", model, "-o", tmp_path / "o.onnx", "--report", "/dev/null", "--no-verify"],
+                     ["run", tmp_path / "art", "--inputs", tmp_path / "i.npz", "-o", "/dev/null"]):
+            one_line(run_cli([*argv, *force], setup=no_writes_under_dev), 2, "/dev/null is a character device")
+            assert os.path.exists("/dev/null") and stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+
+def test_special_files_as_inputs_say_what_they_are(tmp_path):
+    """A FIFO or a folder named x.onnx was "no such file" (issue 39 §21); a FIFO is never opened."""
+    os.mkfifo(tmp_path / "pipe.onnx")
+    (tmp_path / "dir.onnx").mkdir()
+    os.mkfifo(tmp_path / "pipe.npz")
+    for argv, text in ((["inspect", tmp_path / "pipe.onnx"], "pipe.onnx is a FIFO (named pipe), not an ONNX model"),
+                       (["rewrite", tmp_path / "dir.onnx", "-o", tmp_path / "o.onnx"],
+                        "dir.onnx is a folder, not an ONNX model"),
+                       (["inspect", "/dev/null"], "/dev/null is a character device, not an ONNX model"),
+                       (["compile", tmp_path / "pipe.onnx", "-o", tmp_path / "art"], "is a FIFO (named pipe)"),
+                       (["run", tmp_path / "art", "--inputs", tmp_path / "pipe.npz", "-o", tmp_path / "o.npz"],
+                        "pipe.npz is a FIFO (named pipe), not an .npz")):
+        one_line(run_cli(argv, timeout=60), 6, text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx", "pipe.npz", "pipe.onnx"]
+
+
+def test_a_255_byte_output_name_is_written(tmp_path):
+    """The staging folder's name is longer than the output's: a legal 255-byte name was refused (issue 39
+    §19). Now its staging name uses a digest; weights that would need `<255 bytes>.data` are one line (19)."""
+    onnx.save(tiny(), str(tmp_path / "m.onnx"))
+    out = tmp_path / ("n" * 250 + ".onnx")
+    run = run_cli(["rewrite", tmp_path / "m.onnx", "-o", out, "--no-verify"])
+    assert run.code == 0, run.stderr
+    assert onnx_io.load(out) and not leftovers(tmp_path)
+    assert run_cli(["rewrite", tmp_path / "m.onnx", "-o", out, "--no-verify", "--force"]).code == 0
+    model = model_folder(tmp_path / "ext")
+    one_line(run_cli(["rewrite", model, "-o", tmp_path / "ext" / out.name, "--no-verify"]), 19,
+             "longer than 255 bytes", "shorter output name")
+    assert sorted(p.name for p in (tmp_path / "ext").iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+def test_a_report_that_cannot_be_written_says_what_was(tmp_path):
+    """`--report` failing on a full disk after -o was written said "nothing was replaced" (issue 39 §16)."""
+    import errno
+
+    def full_disk_for_reports():
+        real = Path.write_text
+
+        def write_text(self, *a, **kw):
+            if self.name == "r.json":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+            return real(self, *a, **kw)
+        Path.write_text = write_text
+
+    model = model_folder(tmp_path)
+    run = run_cli(["rewrite", model, "-o", tmp_path / "out.onnx", "--no-verify", "--report", tmp_path / "r.json"],
+                  setup=full_disk_for_reports)
+    one_line(run, 19, "No space left on device", f"wrote {tmp_path / 'out.onnx'} and", "but not the report")
+    assert "nothing was replaced" not in run.stderr
+    assert onnx_io.load(tmp_path / "out.onnx", with_data=True) and not (tmp_path / "r.json").exists()
+
+
+def test_compile_on_a_full_disk_is_a_write_error(tmp_path):
+    """The linker failing with ENOSPC while exporting the library was exit 13 (a TVM error); now 19."""
+    model = rewritten_model(tmp_path / "in")
+
+    def full_disk():
+        from attnres_compile.backends.tvm import vm_files
+
+        def save(executable, path):
+            raise RuntimeError("Compilation error:\n/usr/bin/ld: final link failed: No space left on device\n")
+        vm_files.save = save
+
+    run = run_cli(["compile", model, "-o", tmp_path / "art", "--no-verify"], setup=full_disk)
+    one_line(run, 19, "cannot write", "No space left on device", "nothing was replaced")
+    assert not (tmp_path / "art").exists() and not leftovers(tmp_path)
+
+
+def test_concurrent_rewrites_leave_one_model_and_its_weights(tmp_path):
+    """Two rewrites of one output, the second committing while the first verifies: the first one's
+    commit left the second's weights as an orphan (issue 39 §20). The older weights are now found
+    when committing, under a lock on the folder; the result is one graph and the weights it names."""
+    model = model_folder(tmp_path / "in")
+    for existing in (False, True):  # no output yet; an output with its weights in out.onnx.data
+        folder = tmp_path / f"existing-{existing}"
+        folder.mkdir()
+        out = folder / "out.onnx"
+        argv = ["rewrite", model, "-o", out, "--no-verify", "--force"]
+        if existing:
+            assert run_cli(argv).code == 0
+
+        def second_run_meanwhile():
+            from attnres_compile import cli, onnx_api
+
+            real = onnx_api.check_written
+
+            def check_written(path):
+                real(path)
+                onnx_api.check_written = real  # the second run is a plain one
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(cli.main([str(a) for a in argv]))
+                assert os.waitpid(pid, 0)[1] == 0
+            onnx_api.check_written = check_written
+
+        run = run_cli(argv, setup=second_run_meanwhile)
+        assert run.code == 0, run.stderr
+        graph = onnx.load(str(out), load_external_data=False)
+        named = {e.value for t in graph.graph.initializer for e in t.external_data if e.key == "location"}
+        data = {p.name for p in folder.iterdir() if p.name.endswith(".data")}
+        assert len(named) == 1 and data == named, (named, data)
+        assert onnx_io.load(out, with_data=True) and not leftovers(folder)
+
+
+def npz_claiming(path: Path, shape: tuple, zeros: int = 64) -> Path:
+    """An .npz whose one array `x` declares float32 `shape` and holds `zeros` bytes of zeros, deflated."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("x.npy", "w", force_zip64=True) as f:
+        npy.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        for start in range(0, zeros, 1 << 20):
+            f.write(bytes(min(1 << 20, zeros - start)))
+    return path
+
+
+def reads_mark(marker: Path):
+    """In a forked run: reading an array of an .npz or parsing an ONNX file leaves `marker` and fails
+    instead (a regression costs no memory)."""
+    def setup():
+        import numpy.lib.npyio as npyio
+
+        def refuse(*args, **kwargs):
+            marker.touch()
+            raise MemoryError("the test refuses to read this file")
+        npyio.NpzFile.__getitem__ = onnx.load = refuse
+    return setup
+
+
+def test_run_inputs_are_bounded_by_their_headers(tmp_path):
+    """`run --inputs`: an .npz claiming 64 TiB was rc 1, and a few MB of deflated zeros in a shape the
+    model does not take were read whole (GBs) before being refused (issue 39 §11). Now the .npy
+    headers are checked against the model and the memory limit before any array is read."""
+    model = rewritten_model(tmp_path / "in")
+    assert run_cli(["compile", model, "-o", tmp_path / "art", "--no-verify"]).code == 0
+    marker = tmp_path / "read"
+    cases = [(npz_claiming(tmp_path / "huge.npz", (1 << 40, 16)), {}, 18,
+              "declare 65536.0 GiB, more than the memory limit"),
+             (npz_claiming(tmp_path / "shape.npz", (1 << 18, 4), 1 << 22), {}, 6,
+              "shape [262144, 4], expected ['b', 16]"),
+             (npz_claiming(tmp_path / "big.npz", (1 << 18, 16), 1 << 24), {"ATTNRES_COMPILE_MEMORY_LIMIT": "8M"}, 18,
+              "declare 0.0 GiB, more than the memory limit 0.0 GiB (ATTNRES_COMPILE_MEMORY_LIMIT)")]
+    for npz, env, code, text in cases:
+        one_line(run_cli(["run", tmp_path / "art", "--inputs", npz, "-o", tmp_path / "o.npz"], env=env,
+                         setup=reads_mark(marker)), code, text)
+        assert not marker.exists() and not (tmp_path / "o.npz").exists(), npz
+    np.savez(tmp_path / "ok.npz", x=np.ones((2, 16), np.float32))
+    run = run_cli(["run", tmp_path / "art", "--inputs", tmp_path / "ok.npz", "-o", tmp_path / "o.npz"])
+    assert run.code == 0 and np.load(tmp_path / "o.npz")["y"].shape == (2, 16), run.stderr
+
+
+def test_onnx_type_is_checked_from_the_header(tmp_path):
+    """A 3 GB sparse file named x.onnx was read whole before being called "not ONNX" (3.4 GB, 37 s;
+    issue 39 §12). Now its first byte decides (8), and a file over protobuf's 2 GiB is refused (9),
+    both without parsing it."""
+    marker = tmp_path / "read"
+    with open(tmp_path / "zeros.onnx", "wb") as f:
+        f.truncate(3 << 30)
+    with open(tmp_path / "big.onnx", "wb") as f:
+        f.write(b"\x08\x08")
+        f.truncate(3 << 30)
+    for name, code, text in (("zeros.onnx", 8, "not an ONNX model (it is a binary file of unknown type"),
+                             ("big.onnx", 9, "3.0 GiB; a serialized model is at most 2 GiB")):
+        for argv in (["inspect", tmp_path / name], ["rewrite", tmp_path / name, "-o", tmp_path / "o.onnx"],
+                     ["compile", tmp_path / name, "-o", tmp_path / "art"]):
+            one_line(run_cli(argv, setup=reads_mark(marker), timeout=60), code, text)
+            assert not marker.exists(), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "zeros.onnx"]

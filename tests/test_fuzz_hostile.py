@@ -2,10 +2,12 @@
 
 Cases come from tests/hostile.py: byte-level and protobuf-level damage, nested and endless
 subgraphs, spoofed attnres functions, external data, names, onnxruntime crashes and memory bombs,
-hostile output paths, crafted .pt2 archives (every code-execution vector, marker payloads),
-bad factories, and Ctrl-C / SIGTERM at random moments. Each run must end with a documented exit
+hostile output paths, --force over inputs (their weights, their folder), FIFOs, device nodes and
+folders where files belong, crafted .pt2 archives (every code-execution vector, marker payloads),
+bad factories, Ctrl-C / SIGTERM at random moments, edge-case verdicts (eps out of range, empty and
+integer-only outputs, zero rows) and poisoned kernel caches. Each run must end with a documented exit
 code from the case's set, one error line, no traceback, no signal death, no run past its time
-limit, nothing left behind, no input changed, no payload run (hostile.judge).
+limit, nothing left behind, no input changed, no payload run, no false verdict (hostile.judge).
 
 CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 30) after one case of each class;
 `python tests/test_fuzz_hostile.py --cases 10000 [--seed N]` is the long run, which prints the
@@ -42,7 +44,8 @@ def run_case(case: hostile.Case, scratch: Path) -> tuple[object, list[str]]:
         folder = root / "d"
         argv = hostile.materialize(case, folder)
         before = hostile.snapshot(root)
-        run = run_cli(argv, cwd=folder, timeout=case.timeout, env=case.env, send=case.send)
+        env = {k: v.replace("{d}", str(folder)) for k, v in case.env.items()}
+        run = run_cli(argv, cwd=folder, timeout=case.timeout, env=env, send=case.send)
         return run, hostile.judge(case, run, root, folder, before)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -39,4 +39,4 @@ def test_yolov8n_rewrite_block_verified_in_onnxruntime(tmp_path):
     assert all(c["feature_axis"] == 1 for c in data["chains"])
     (row,) = data["verification"]
     assert row["verdict"] == "pass" and row["ref_max"] > 1, row  # box coordinates in pixels
-    assert "✓ output0" in proc.stdout and "images [1, 3, 320, 320]" in proc.stdout
+    assert "✓ output0" in proc.stdout and "verified at: images 1x3x320x320\n" in proc.stdout

@@ -115,12 +115,12 @@ def test_greedy_generation_over_the_artifact_gives_its_sources_tokens(source, ba
 
 
 def test_a_decode_step_artifact_fixes_batch_and_sequence_and_keeps_the_past_dynamic(onnx_file, tmp_path):
-    """`--input-shape input_ids:2x1` fixes the batch and sequence in every input that names them (the
+    """`--static-shape input_ids:2x1` fixes the batch and sequence in every input that names them (the
     positions, the pasts, the mask's `past_sequence_length + sequence_length`) and the past stays
     symbolic. Before: the pasts kept a symbolic batch, TVM's Add folded `[0] + past` into a scalar and
     the Unsqueeze of it failed ("Unsqueeze axis 1 is out of range for rank 1"); the mask's sum could
     not be bound with its sequence fixed ("past_sequence_length + sequence_length is not computed")."""
-    manifest = compile_model(onnx_file, tmp_path / "step", input_shapes={"input_ids": (2, 1)}, verify_outputs=False)
+    manifest = compile_model(onnx_file, tmp_path / "step", static_shapes={"input_ids": (2, 1)}, verify_outputs=False)
     shapes = {i["name"]: i["shape"] for i in manifest["inputs"]}
     assert shapes["position_ids"] == [2, 1] and shapes["past_key_values.1.value"] == [2, KV_HEADS, "past_sequence_length", HEAD_DIM]
     assert shapes["attention_mask"] == [2, "past_sequence_length + 1"]

@@ -329,16 +329,16 @@ def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
     path = _chain_onnx(tmp_path)
     database = tmp_path / "db"
     first = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tune_minutes=1e-4, tuning_db=database,
-                          input_shapes={"x": (4, 16)})
+                          static_shapes={"x": (4, 16)})
     assert first["tuning"]["tuned"] == 1 and first["tuning"]["measured"] >= 1
-    assert first["input_shapes"] == {"x": [4, 16]} and first["inputs"][0]["shape"] == [4, 16]
+    assert first["static_shapes"] == {"x": [4, 16]} and first["inputs"][0]["shape"] == [4, 16]
     records = _records(database)
     assert records >= 1
     progress = capfd.readouterr().err
     assert "tune [1/1] fused_relu_multiply" in progress  # the kernels themselves are never tuned
     assert re.search(r"tune: time budget reached after \d+ trials: stopping", progress)
     second = compile_model(path, tmp_path / "tuned", tune=True, trials=2, tuning_db=database,
-                           input_shapes={"x": (4, 16)}, force=True)
+                           static_shapes={"x": (4, 16)}, force=True)
     assert second["tuning"] == {**first["tuning"], "reused": 1, "tuned": 0, "measured": 0}
     assert _records(database) == records
     feeds = {"x": np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)}
@@ -457,7 +457,10 @@ def test_cli_compile_and_run(tmp_path, capsys):
     path = _chain_onnx(tmp_path)
     out = tmp_path / "art"
     assert _cli("compile", str(path), "-o", str(out), "--input-shape", "x:3x16") == 0
-    assert "compiled 2 depth-attention sites" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "compiled 2 depth-attention sites" in printed and "verified against onnxruntime at x 3x16:" in printed
+    manifest = json.loads((out / "manifest.json").read_text())  # --input-shape sizes the verification only
+    assert manifest["inputs"][0]["shape"] == ["b", 16] and manifest["static_shapes"] == {}
     x = np.random.default_rng(7).standard_normal((3, 16)).astype(np.float32)
     np.savez(tmp_path / "in.npz", x=x)
     assert _cli("run", str(out), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz")) == 0
@@ -466,13 +469,19 @@ def test_cli_compile_and_run(tmp_path, capsys):
         assert np.abs(got["y"] - expected).max() <= ATOL
     with pytest.raises(InputError, match="pass --force"):
         _cli("compile", str(path), "-o", str(out))
+    assert _cli("compile", str(path), "-o", str(tmp_path / "static"), "--static-shape", "x:3x16") == 0
+    manifest = json.loads((tmp_path / "static" / "manifest.json").read_text())
+    assert manifest["inputs"][0]["shape"] == [3, 16] and manifest["verification"]["verified_shapes"] == [{"x": [3, 16]}]
+    with pytest.raises(ConfigError, match="--input-shape x:2x16 differs from its --static-shape x:3x16"):
+        _cli("compile", str(path), "-o", str(tmp_path / "other"), "--static-shape", "x:3x16", "--input-shape", "x:2x16")
     with pytest.raises(ConfigError, match="--arch applies to --target cuda"):
         _cli("compile", str(path), "-o", str(tmp_path / "other"), "--arch", "sm_90")
     np.savez(tmp_path / "bad.npz", y=x)
     with pytest.raises(InputError, match="inputs must be exactly"):
         _cli("run", str(out), "--inputs", str(tmp_path / "bad.npz"), "-o", str(tmp_path / "o.npz"))
+    assert load(out)({"x": x[:2]})["y"].shape == (2, 16)  # --input-shape left the batch dim symbolic
     with pytest.raises(InputError, match="expected"):
-        load(out)({"x": x[:2]})  # the compile fixed x to 3x16
+        load(tmp_path / "static")({"x": x[:2]})  # --static-shape fixed x to 3x16
 
 
 def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypatch):
@@ -482,7 +491,7 @@ def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypat
     path = _chain_onnx(tmp_path)
     assert _cli("compile", str(path), "-o", str(tmp_path / "art")) == 0
     printed = capsys.readouterr().out
-    assert "verified against onnxruntime on x [2, 16]:" in printed and "✓ y" in printed
+    assert "verified against onnxruntime at x 2x16; x 1x16:" in printed and "✓ y" in printed
     check = json.loads((tmp_path / "art" / "manifest.json").read_text())["verification"]
     (row,) = check["rows"]
     assert check["reference"] == "onnxruntime" and row["verdict"] == "pass" and row["max_rel"] < 1e-5, row
@@ -493,6 +502,45 @@ def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypat
     assert not (tmp_path / "bad").exists()
     manifest = compile_model(path, tmp_path / "unchecked", verify_outputs=False)
     assert "verification" not in manifest
+
+
+def _chain_with_int_and_empty_outputs(folder: Path, only_empty: bool = False) -> Path:
+    """The `_chain_onnx` chain returning y, ids = ArgMax(y) (int64) and none = y[0:0] (no elements), rewritten;
+    or, `only_empty`, none alone."""
+    nodes, gains = _gained_relus("x", ("h1", "h2"))
+    gains.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16]),
+               helper.make_tensor_value_info("ids", TensorProto.INT64, ["b"]),
+               helper.make_tensor_value_info("none", TensorProto.FLOAT, [0, 16])]
+    nodes += [helper.make_node("Slice", ["h2", "zero", "zero", "zero"], ["none"])]
+    if only_empty:
+        outputs = outputs[2:]
+    else:
+        nodes += [helper.make_node("Identity", ["h2"], ["y"]), helper.make_node("ArgMax", ["h2"], ["ids"], axis=-1, keepdims=0)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])], outputs,
+                              initializer=gains)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "chain.onnx"))
+    rewrite_onnx(folder / "chain.onnx", folder / "chain_attnres.onnx", force=True)
+    return folder / "chain_attnres.onnx"
+
+
+def test_compile_compares_integer_outputs_exactly_and_no_empty_output_passes(tmp_path, capsys, monkeypatch):
+    """Issue 39 (13, 14): an int64 output beside the float one has its row and must be equal (a build whose
+    argmax is off by one fails); an output with no elements is no ✓, and an all-empty check says so."""
+    path = _chain_with_int_and_empty_outputs(tmp_path)
+    assert _cli("compile", str(path), "-o", str(tmp_path / "art")) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"✓ ids +int64\[2\]: all equal", printed) and "∅ none" in printed and "✓ none" not in printed
+    honest = tvm_check.run
+    monkeypatch.setattr(tvm_check, "run", lambda *a: [y + (y.dtype == np.int64) for y in honest(*a)])
+    with pytest.raises(VerificationError, match=r"on output 'ids' \(int64\[2\]: 2 of 2 values differ"):
+        compile_model(path, tmp_path / "bad")
+    monkeypatch.undo()
+    empty = _chain_with_int_and_empty_outputs(tmp_path, only_empty=True)
+    assert _cli("compile", str(empty), "-o", str(tmp_path / "empty")) == 0
+    printed = capsys.readouterr().out
+    assert "not verified against onnxruntime on x [2, 16]: nothing was compared: every output is empty" in printed
+    assert "✓" not in printed
 
 
 def test_bad_inputs_are_classified(tmp_path):

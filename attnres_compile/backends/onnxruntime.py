@@ -1,7 +1,8 @@
 """onnxruntime backend: sessions, inputs built from a model's input signature, original vs rewritten.
 
-Inputs: symbolic dims get sizes (`--input-shape name:1x128` first, binding its symbols for
-every input that shares them; then 2 for a leading dim, 16 for the others); float inputs are
+Inputs: symbolic dims get sizes (passes/onnx_dims.py: `--input-shape name:1x128` first, binding
+its symbols for every input that shares them; dims that are expressions of others computed; then
+2 for a leading dim, 16 for the others, and a second shape set with 1); float inputs are
 standard normal, integer inputs named like a mask are ones, integer inputs that index an
 embedding table (Gather on an initializer) are uniform below the table size, others zero.
 
@@ -21,21 +22,19 @@ import onnxruntime as ort
 import torch
 
 from .. import isolate
-from ..errors import ConfigError, ModelRunError
-from ..passes import verify
+from ..errors import ConfigError, ModelRunError, first_line
+from ..passes import onnx_dims, verify
 
-DEFAULT_BATCH = 2
-DEFAULT_DIM = 16
 SHAPE_SPEC = re.compile(r"^(?P<name>.+):(?P<dims>\d+(?:x\d+)*|)$")
 
 
-def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
-    """{"name": (1, 128)} from ["name:1x128", ...] (a scalar input is "name:")."""
+def parse_input_shapes(specs: list[str] | None, option: str = "--input-shape") -> dict[str, tuple[int, ...]]:
+    """{"name": (1, 128)} from ["name:1x128", ...] (a scalar input is "name:"); errors name `option`."""
     shapes: dict[str, tuple[int, ...]] = {}
     for spec in specs or []:
         m = SHAPE_SPEC.match(spec)
         if m is None:
-            raise ConfigError(f"--input-shape {spec!r} is not of the form name:1x128")
+            raise ConfigError(f"{option} {spec!r} is not of the form name:1x128")
         shapes[m["name"]] = tuple(int(d) for d in m["dims"].split("x")) if m["dims"] else ()
     return shapes
 
@@ -61,41 +60,25 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
-    """Concrete shapes for every input of `sess`: overrides first, then sizes for the remaining symbols."""
-    overrides = dict(overrides or {})
-    inputs = {i.name: i.shape for i in sess.get_inputs()}
-    unknown = sorted(set(overrides) - set(inputs))
-    if unknown:
-        raise ConfigError(f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are {sorted(inputs)}")
-    symbols: dict[str, int] = {}
-    for name, given in overrides.items():
-        declared = inputs[name]
-        if len(given) != len(declared):
-            raise ConfigError(f"--input-shape {name}: {len(given)} dims given, the input has rank {len(declared)} {declared}")
-        for d, size in zip(declared, given):
-            if isinstance(d, int) and d != size:
-                raise ConfigError(f"--input-shape {name}: dim {d} is static, got {size}")
-            if isinstance(d, str):
-                if symbols.setdefault(d, size) != size:
-                    raise ConfigError(f"--input-shape gives {d} two sizes: {symbols[d]} and {size}")
-    shapes = {}
-    for name, declared in inputs.items():
-        if name in overrides:
-            shapes[name] = overrides[name]
-            continue
-        shape = []
-        for axis, d in enumerate(declared):
-            default = DEFAULT_BATCH if axis == 0 else DEFAULT_DIM
-            shape.append(d if isinstance(d, int) else symbols.setdefault(d, default) if isinstance(d, str) else default)
-        shapes[name] = tuple(shape)
-    return shapes
+    """Concrete shapes for every input of `sess`: the default shape set (onnx_dims), overrides first."""
+    return onnx_dims.Dims(declared(sess), overrides).shape_sets()[0][0]
+
+
+def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
+    """{input: dims} as the session declares them (ints, dim_param names, None)."""
+    return {i.name: list(i.shape) for i in sess.get_inputs()}
 
 
 def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: dict | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Feeds for every input of `sess` (see the module docstring)."""
+    """Feeds for every input of `sess` at the default shapes (see the module docstring)."""
+    return feeds_at(sess, model, input_shapes(sess, overrides), seed)
+
+
+def feeds_at(sess: ort.InferenceSession, model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
+             seed: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for every input of `sess` with the given `shapes` (see the module docstring)."""
     rng = np.random.default_rng(seed)
     bounds = index_bounds(model)
-    shapes = input_shapes(sess, overrides)
     feeds = {}
     for inp in sess.get_inputs():
         dtype = _np_type(inp.type, repr(inp.name))
@@ -129,7 +112,7 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, n
 
 
 def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance) -> list[dict]:
-    """verify.compare per floating output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
+    """verify.compare per output with `tolerance` = verify.tolerance(...) (None: no verdict); rows named by output."""
     rows = []
     for name, ref in expected.items():
         if name not in actual:
@@ -140,35 +123,118 @@ def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarra
     return rows
 
 
-def run_generated(path: str | os.PathLike, overrides: dict | None = None, seed: int = 0) -> tuple[dict, dict]:
-    """(generated inputs, outputs) of the model at `path`, in this process (make_inputs' feeds)."""
-    sess = session(path)
-    feeds = make_inputs(sess, onnx.load(str(path), load_external_data=False), overrides, seed)
-    return feeds, run(sess, feeds)
+def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = None, overrides: dict | None = None,
+             seed: int = 0) -> list[dict]:
+    """The original (and the rewritten) model at each shape set (onnx_dims), in this process: per set
+    {"shapes", "feeds", "expected", "actual"} at the first variant the original runs at ("actual":
+    the rewritten's outputs or the first line of its error), else {"refused": [(shapes, error)],
+    "past": past-like dims, "mask": a mask input, "symbolic": whether any dim is}; after a
+    refused default set the small one is not tried."""
+    sess = session(original)
+    model = onnx.load(str(original), load_external_data=False)
+    dims = onnx_dims.Dims(declared(sess), overrides)
+    other = None
+    results: list[dict] = []
+    for variants in dims.shape_sets():
+        refused = []
+        for shapes in variants:
+            feeds = feeds_at(sess, model, shapes, seed)
+            try:
+                expected = run(sess, feeds)
+            except Exception as exc:  # noqa: BLE001 - onnxruntime refusing these shapes (ORT's own error classes)
+                if isolate.out_of_memory(f"{type(exc).__name__}: {exc}"):
+                    raise
+                refused.append((shapes, first_line(exc)))
+                continue
+            result = {"shapes": shapes, "feeds": feeds, "expected": expected}
+            if rewritten is not None:
+                other = other or session(rewritten)
+                try:
+                    result["actual"] = run(other, feeds)
+                    zeroed, names = verify.zero_rows(feeds)
+                    if names and not results:  # the default set, also with zero rows (verify.zero_rows)
+                        result["edge"] = (names, run(sess, zeroed), run(other, zeroed))
+                except Exception as exc:  # noqa: BLE001 - reported as a failed verification
+                    if isolate.out_of_memory(f"{type(exc).__name__}: {exc}"):
+                        raise
+                    result["actual"] = first_line(exc)
+            results.append(result)
+            break
+        else:
+            results.append({"refused": refused, "past": [n for n in dims.past if n not in dims.bound],
+                            "mask": next((n for n in dims.inputs if "mask" in n.lower()), None),
+                            "symbolic": any(not isinstance(d, int) for ds in dims.inputs.values() for d in ds)})
+            if len(results) == 1:
+                break
+    return results
 
 
-def run_pair(original: str | os.PathLike, rewritten: str | os.PathLike, overrides: dict | None = None,
-             seed: int = 0) -> tuple[dict, dict, dict[str, tuple]]:
-    """Both models on the same generated inputs, in this process: (expected, actual, input shapes)."""
-    feeds, expected = run_generated(original, overrides, seed)
-    actual = run(session(rewritten), feeds)
-    return expected, actual, {k: tuple(v.shape) for k, v in feeds.items()}
+def verification_runs(original: str | os.PathLike, rewritten: str | os.PathLike | None, overrides: dict | None,
+                      seed: int = 0, timeout: float | None = None,
+                      consequence: str = "nothing written") -> tuple[list[dict], list[str]]:
+    """`run_sets` in an isolated child with `timeout` seconds (default sized to the models,
+    `default_timeout`): the sets that ran, and notes on a small set the original refused. The
+    original refusing the default set is a ModelRunError naming the shapes tried, never a guess."""
+    hint = "Re-run with verify_outputs=False to skip verification"
+    try:
+        results = isolate.run(run_sets, original, rewritten, overrides, seed, what="onnxruntime", action="verifying",
+                              timeout=timeout or default_timeout(original), consequence=consequence, hint=hint)
+    except isolate.ChildError as exc:
+        raise ModelRunError(str(exc)) from None
+    if "refused" in results[0]:
+        raise ModelRunError(_refusal(results[0], consequence, hint))
+    notes = [f"not verified at the small shapes ({onnx_dims.describe(r['refused'][0][0])}): the original model "
+             f"fails there in onnxruntime ({r['refused'][0][1]})" for r in results[1:] if "refused" in r]
+    return [r for r in results if "refused" not in r], notes
+
+
+def _refusal(result: dict, consequence: str, hint: str) -> str:
+    """The original model refused every variant of the default shape set: what was tried, and how to give shapes."""
+    (shapes, error), *others = result["refused"]
+    tried = onnx_dims.describe(shapes) or "its declared shapes"
+    if others:
+        tried += f", and again with {', '.join(result['past'])} 0"
+    rule = ""
+    if result["past"] and result["mask"]:
+        rule = f" ({result['mask']}'s length is the past length plus the sequence length)"
+    give = f"; or give the inputs' shapes with input_shapes{rule}" if result["symbolic"] else ""
+    return (f"onnxruntime failed on the original model ({error}) at the shapes tried: {tried}; {consequence}. "
+            f"{hint}{give}")
 
 
 def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tolerance: tuple,
                   overrides: dict | None = None, seed: int = 0, timeout: float | None = None,
-                  consequence: str = "nothing written") -> tuple[list[dict], dict[str, tuple]]:
-    """Run both models (`run_pair`) in an isolated child with `timeout` seconds (default sized to the
-    models, `default_timeout`); per-output rows and the input shapes used. onnxruntime refusing
-    to run them is a ModelRunError whose hint names --input-shape with the model's own input."""
-    timeout = timeout or default_timeout(original)
-    hint = "Re-run with verify_outputs=False to skip verification"
-    try:
-        expected, actual, shapes = isolate.run(run_pair, original, rewritten, overrides, seed, what="onnxruntime",
-                                               action="verifying", timeout=timeout, consequence=consequence, hint=hint)
-    except isolate.ChildError as exc:
-        raise ModelRunError(f"{exc}{shape_hint(original)}") from None
-    return compare_outputs(expected, actual, tolerance), shapes
+                  consequence: str = "nothing written") -> tuple[list[dict], list[dict], list[str]]:
+    """Both models at the default and the small shape set (`verification_runs`): per-output rows
+    (`merge_rows`), the shape sets compared, and notes. The rewritten model failing where the
+    original runs is a failed row."""
+    runs, notes = verification_runs(original, rewritten, overrides, seed, timeout, consequence)
+    per_set = []
+    for r in runs:
+        if isinstance(r["actual"], str):
+            rows = [{"output": "onnxruntime", "ok": False, "verdict": "fail",
+                     "error": f"the rewritten model fails where the original runs ({r['actual']})"}]
+        else:
+            rows = compare_outputs(r["expected"], r["actual"], tolerance)
+            if r.get("edge") and tolerance is not None:
+                names, expected, actual = r["edge"]
+                verify.fold_zero_rows(rows, compare_outputs(expected, actual, tolerance), names)
+        per_set.append((r["shapes"], rows))
+    return merge_rows(per_set), [r["shapes"] for r in runs], notes
+
+
+def merge_rows(per_set: list[tuple[dict, list[dict]]]) -> list[dict]:
+    """One row per output over the shape sets: the first failing one, else the first; a row of a
+    later set carries its shapes ("at")."""
+    merged: dict[str, dict] = {}
+    for index, (shapes, rows) in enumerate(per_set):
+        for row in rows:
+            if index:
+                row = {**row, "at": onnx_dims.describe(shapes)}
+            old = merged.get(row["output"])
+            if old is None or (row.get("ok") is False and old.get("ok") is not False):
+                merged[row["output"]] = row
+    return list(merged.values())
 
 
 def _run_inputs(path: str | os.PathLike, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -185,26 +251,6 @@ def run_file(path: str | os.PathLike, arrays: list[np.ndarray], timeout: float |
                            hint="Re-run with verify_outputs=False to skip verification")
     except isolate.ChildError as exc:
         raise ModelRunError(str(exc)) from None
-
-
-def shape_hint(path: str | os.PathLike) -> str:
-    """"; or give its input shape, e.g. --input-shape pixel_values:1x3x320x320" for a model with
-    symbolic input dims (the first such input, by its own name), else ""."""
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001
-        return ""
-    initializers = {i.name for i in model.graph.initializer}
-    for inp in model.graph.input:
-        if inp.name in initializers or not inp.type.HasField("tensor_type"):
-            continue
-        dims = list(inp.type.tensor_type.shape.dim)
-        if not any(d.HasField("dim_param") or not d.HasField("dim_value") for d in dims):
-            continue
-        sizes = [str(d.dim_value) if d.HasField("dim_value") else "1" if i == 0 else "320" if len(dims) == 4 else "128"
-                 for i, d in enumerate(dims)]
-        return f"; or fix its symbolic dims, e.g. input_shapes={{{inp.name!r}: ({', '.join(sizes)})}}"
-    return ""
 
 
 def default_timeout(path: str | os.PathLike) -> float:

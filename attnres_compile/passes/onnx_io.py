@@ -14,11 +14,8 @@ there succeeded, so a failed run leaves no partial file and no mismatched model/
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import re
-import secrets
 from pathlib import Path
 
 import onnx
@@ -27,7 +24,9 @@ from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, set_external_data, uses_external_data
 
 from .. import outputs
-from ..errors import CorruptModelError, ExternalDataError, InputError, NotOnnxError, UnsupportedOpsetError, first_line
+from ..errors import (CorruptModelError, ExternalDataError, NotOnnxError, OutputWriteError, UnsupportedOpsetError,
+                      first_line)
+from ..file_kind import check_file, describe
 from .onnx_function import MIN_OPSET, default_opset
 
 ONNX_MAGIC = b"\x08"          # field 1 (ir_version, varint) comes first in every serialized ModelProto
@@ -37,27 +36,30 @@ EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}  # what
 MAX_SUBGRAPH_DEPTH = 16       # If/Loop/Scan bodies nested deeper are refused (protobuf's parser stops at 32)
 CONVERTED_OPSET = 17          # what older models are converted to on reading (MIN_OPSET, CastLike's, is 15)
 CONVERTED_KEY = "attnres-compile.converted_from_opset"  # metadata of a converted model: its original opset
+PROTOBUF_LIMIT = (2 << 30) - 1  # protobuf's largest message: larger files are not ONNX models, never read
 
 
 def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     """The model at `path`, checked; with its external data loaded when `with_data`."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: no such file")
-    with p.open("rb") as f:
-        head = f.read(1)
+    check_file(p, "an ONNX model")
+    head = _head(p)
+    if head != ONNX_MAGIC:  # decided before the rest is read: a 3 GB file of zeros is not read into memory
+        raise NotOnnxError(f"{p}: not an ONNX model (it is {describe(p)}; an ONNX model starts with its IR version, "
+                           "byte 0x08)")
+    size = p.stat().st_size
+    if size > PROTOBUF_LIMIT:
+        raise CorruptModelError(f"{p}: truncated or corrupt ONNX model ({size / 2**30:.1f} GiB; a serialized model is "
+                                "at most 2 GiB, larger weights go to external data)")
     try:
         model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
         if "MaxDepth" in str(exc):
             raise CorruptModelError(f"{p}: its messages nest deeper than protobuf reads (If/Loop/Scan subgraphs more "
                                     f"than 32 deep; at most {MAX_SUBGRAPH_DEPTH} are supported)") from None
-        if head == ONNX_MAGIC:
-            raise CorruptModelError(f"{p}: truncated or corrupt ONNX model ({first_line(exc)})") from None
-        raise NotOnnxError(f"{p}: not an ONNX model (it does not parse as an ONNX ModelProto)") from None
+        raise CorruptModelError(f"{p}: truncated or corrupt ONNX model ({first_line(exc)})") from None
     if not model.HasField("graph") or model.ir_version <= 0:
-        error = CorruptModelError if head == ONNX_MAGIC else NotOnnxError
-        raise error(f"{p}: {'truncated or corrupt ONNX model' if head == ONNX_MAGIC else 'not an ONNX model'} (no graph or IR version)")
+        raise CorruptModelError(f"{p}: truncated or corrupt ONNX model (no graph or IR version)")
     bad = _non_utf8_field(model)
     if bad:  # protobuf hands such strings over as bytes, which every later name lookup trips on
         raise CorruptModelError(f"{p}: truncated or corrupt ONNX model (a string field, {bad}, is not valid UTF-8)")
@@ -80,6 +82,21 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
     if with_data:
         load_data(model, p)
     return model
+
+
+def _head(path: Path) -> bytes:
+    """The first byte of the file at `path` (b"" when empty or unreadable)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(1)
+    except OSError:
+        return b""
+
+
+def looks_like_onnx(path: Path) -> bool:
+    """A regular file starting as every serialized ONNX model does (the ir_version field, byte 0x08),
+    no larger than protobuf reads: one worth parsing."""
+    return path.is_file() and _head(path) == ONNX_MAGIC and path.stat().st_size <= PROTOBUF_LIMIT
 
 
 def _convert_opset(model: onnx.ModelProto, path: Path, opset: int) -> onnx.ModelProto:
@@ -351,15 +368,10 @@ def staged(output: str | os.PathLike):
 
 
 def data_name(stage: outputs.Stage) -> str:
-    """The external data file for the staged output: `<name>.onnx.data`, or `<name>.onnx.<token>.data`
-    while a file of that name exists (an older output's weights), so that the old graph keeps its
-    own data until the new graph is in place; older data files of this output become obsolete."""
-    out = stage.out
-    pattern = re.compile(rf"^{re.escape(out.name)}(\.[0-9a-f]{{8}})?\.data$")
-    with contextlib.suppress(OSError):
-        stage.obsolete += [out.parent / n for n in os.listdir(out.parent) if pattern.match(n)]
-    default = outputs.data_file_name(out)
-    return default if not os.path.lexists(out.parent / default) else f"{out.name}.{secrets.token_hex(4)}.data"
+    """The external data file for the staged output (outputs.data_name: `<name>.onnx.data`, or
+    `<name>.onnx.<token>.data` while the old graph still needs that name); the output's older
+    weights files are removed once the new graph is in place."""
+    return outputs.data_name(stage)
 
 
 def write(model: onnx.ModelProto, path: Path, external: bool = False, data: str | None = None) -> None:
@@ -367,6 +379,10 @@ def write(model: onnx.ModelProto, path: Path, external: bool = False, data: str 
     when `external` or large. `model`'s tensors are moved to external data in place when written
     that way. I/O errors (a full disk) raise OSError, which `staged` reports in one line."""
     if external or weight_bytes(model) > EXTERNAL_LIMIT:  # marked by hand: onnx's own conversion checks the cwd
+        name = data or outputs.data_file_name(path)
+        if len(os.fsencode(name)) > outputs.NAME_MAX:
+            raise OutputWriteError(f"cannot write the weights of {path.name}: their file name {name} would be longer "
+                                   f"than {outputs.NAME_MAX} bytes; choose a shorter output name; nothing was replaced")
         for tensor in model.graph.initializer:
             if len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
                 set_external_data(tensor, data or outputs.data_file_name(path))
@@ -378,6 +394,26 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False
     with staged(path) as stage:
         write(model, stage.path, external, data_name(stage))
     return stage.written
+
+
+def files_of(path: Path) -> list[Path]:
+    """The files a model at `path` reads, by a light parse before any check (`load` checks them): the
+    file and, when its header is an ONNX model's, the external data files it names."""
+    files = [path]
+    if not looks_like_onnx(path):
+        return files
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - a damaged model: load() reports it
+        return files
+    for tensor in external_tensors(proto):
+        try:
+            location = ExternalDataInfo(tensor).location
+        except Exception:  # noqa: BLE001 - a bad reference: load() refuses it before reading anything
+            continue
+        if isinstance(location, str) and location and "\0" not in location:  # not UTF-8 (bytes): load() refuses it
+            files.append(path.parent / location)
+    return files
 
 
 def input_files(model: onnx.ModelProto, path: Path) -> list[Path]:

@@ -16,6 +16,7 @@ The folder is written in a staging folder beside OUT_DIR and swapped into place 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -25,25 +26,30 @@ import tvm
 from tvm import relax
 
 from ... import __version__, outputs
-from ...errors import CompileError, InputError, VerificationError, first_line
-from . import vm_files
+from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
+from ...passes import onnx_io
+from . import artifact_checks, vm_files
+from .cli import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target
 from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 
 LIBRARY = "model.so"
+_DISK_ERRORS = [os.strerror(e) for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)]
 
 
 def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, target: str = "llvm",
                   arch: str | None = None, tune: bool = False, trials: int | None = None,
                   tuning_db: str | os.PathLike | None = None, input_shapes: dict[str, tuple[int, ...]] | None = None,
                   force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None,
-                  verify_outputs: bool = True, verify_timeout: float | None = None) -> dict:
+                  verify_outputs: bool = True, verify_timeout: float | None = None,
+                  static_shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
 
-    Every operator gets a default schedule (no tuning). `input_shapes` ({input: dims}) fixes
-    symbolic dims (needed to tune); `tune` runs meta_schedule from the default schedules for
+    Every operator gets a default schedule (no tuning). `static_shapes` ({input: dims}) fixes
+    symbolic dims in the artifact (needed to tune); the others stay symbolic. `input_shapes`
+    ({input: dims}) only sizes the verification inputs. `tune` runs meta_schedule from the default schedules for
     `trials` trials per task (default 8) and/or `tune_minutes` minutes in all, keeping records
     in `tuning_db` and reusing them on the next compile. With `verify_outputs` the built model
     runs against its source first (check.py: onnxruntime, or torch on the program's example
@@ -51,25 +57,45 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     `out_dir` is replaced only with `force`. Returns the manifest.
     """
     out = Path(out_dir)
-    _check_output(out, force)
+    _check_output(out, model, force)
     tvm_target = make_target(target, arch)
-    imported = import_model(model, input_shapes)
+    verify_shapes = _verification_shapes(static_shapes, input_shapes)
+    imported = import_model(model, static_shapes)
     if not imported.sites:
         raise InputError("the model has no depth-attention sites: rewrite it first (attnres-compile rewrite)")
-    built = build(imported, tvm_target, input_shapes=input_shapes, tune=tune, trials=trials,
+    if input_shapes and imported.kind != "onnx":
+        raise ConfigError("--input-shape sizes the onnxruntime verification of an ONNX source; a .pt2 is verified on "
+                          "its stored example inputs (--static-shape fixes its dims in the artifact)")
+    built = build(imported, tvm_target, input_shapes=static_shapes, tune=tune, trials=trials,
                   tune_minutes=tune_minutes, tuning_db=tuning_db, progress=progress)
-    manifest = _manifest(imported, built, model, input_shapes)
+    manifest = _manifest(imported, built, model, static_shapes)
     if verify_outputs:
-        manifest["verification"] = _verify(model, imported, built, tvm_target, input_shapes, verify_timeout)
+        manifest["verification"] = _verify(model, imported, built, tvm_target, verify_shapes, verify_timeout)
     with outputs.staged_folder(out) as stage:
         try:
             vm_files.save(built.executable, stage / LIBRARY)
         except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, OSError) and exc.errno in outputs.WRITE_ERRNOS:
+                raise  # staged_folder's one line, exit 19
+            disk = next((reason for reason in _DISK_ERRORS if reason in str(exc)), None)
+            if disk:  # the compiler or linker writing the library: a full disk, not a compile error
+                raise OutputWriteError(f"cannot write {out}: {disk} (exporting the library); "
+                                       f"{outputs.NOTHING_DONE}") from None
             raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+        manifest.update(artifact_checks.record(stage / LIBRARY))
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _verification_shapes(static: dict | None, given: dict | None) -> dict:
+    """The verification inputs' sizes: the frozen shapes, then --input-shape (which must agree with them)."""
+    for name, dims in (given or {}).items():
+        if name in (static or {}) and tuple(static[name]) != tuple(dims):
+            raise ConfigError(f"--input-shape {name}:{'x'.join(map(str, dims))} differs from its --static-shape "
+                              f"{name}:{'x'.join(map(str, static[name]))}: the artifact only takes the static shape")
+    return {**(given or {}), **(static or {})}
 
 
 def _verify(model: Any, imported: ImportedModel, built: Built, target, input_shapes: dict | None,
@@ -86,13 +112,14 @@ def _verify(model: Any, imported: ImportedModel, built: Built, target, input_sha
         worst = failed[0]
         detail = worst.get("error") or (f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest "
                                          f"magnitude against {worst['rtol']:.0e} allowed")
-        raise VerificationError(f"the compiled model differs from {result['reference']} on output {worst['output']!r} "
+        at = f" at {worst['at']}" if worst.get("at") else ""
+        raise VerificationError(f"the compiled model differs from {result['reference']} on output {worst['output']!r}{at} "
                                 f"({detail}{f', and {len(failed) - 1} more output(s)' if len(failed) > 1 else ''}); "
                                 "nothing written; verify_outputs=False skips this check")
     return result
 
 
-def _manifest(imported: ImportedModel, built: Built, model: Any, input_shapes: dict | None) -> dict:
+def _manifest(imported: ImportedModel, built: Built, model: Any, static_shapes: dict | None) -> dict:
     main = built.mod["main"]
     sites = [{**site, **lowered} for site, lowered in zip(imported.sites, built.sites)]
     outputs = main.ret_ty.fields if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
@@ -106,7 +133,7 @@ def _manifest(imported: ImportedModel, built: Built, model: Any, input_shapes: d
                    "path": str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else None},
         "inputs": [{"name": n, **_describe(p.ty)} for n, p in zip(imported.inputs, main.params)],
         "outputs": [{"name": n, **_describe(ty)} for n, ty in zip(imported.outputs, outputs)],
-        "input_shapes": {k: list(v) for k, v in (input_shapes or {}).items()},
+        "static_shapes": {k: list(v) for k, v in (static_shapes or {}).items()},
         "sites": sites,
         "kernels": sorted({s["kernel"] for s in sites}),
         "tuning": built.tuning,
@@ -155,8 +182,8 @@ def _text(expr) -> tuple[str, int]:
     return str(expr), 3
 
 
-def _check_output(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output {out} exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise InputError(f"output {out} exists: pass --force to replace it")
+def _check_output(out: Path, model: Any, force: bool) -> None:
+    """outputs.check for the artifact folder: never one holding the model (or its weights) or the working
+    folder; an existing one only with `force`, and only when it is an artifact (manifest.json)."""
+    inputs = onnx_io.files_of(Path(model)) if isinstance(model, (str, os.PathLike)) else []
+    outputs.check([artifact_output(out, "output")], inputs, force)

@@ -1,13 +1,13 @@
 """The compiled model against its source, before the artifact is written (`compile_model`'s
 `verify_outputs`, on by default; `compile --no-verify` skips it).
 
-An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the same generator
-and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
+An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the same generator,
+shape sets and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
 torch on the example inputs stored with the program. The built executable runs on the same
 inputs here, and every output must match within RTOL of its largest magnitude (scaled for
-fp16/bf16, as verify.py does). TVM's frontends have converted models into silently different
-ones (a one-way Expand, an off-by-one SequenceInsert: onnx_prepare.py); this is where such a
-model stops instead of being deployed.
+fp16/bf16, as verify.py does; integer and bool outputs exactly; an empty one is no pass). TVM's
+frontends have converted models into silently different ones (a one-way Expand, an off-by-one
+SequenceInsert: onnx_prepare.py); this is where such a model stops instead of being deployed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from ...errors import first_line
 from ...passes import verify
 from .importers import ImportedModel
 
@@ -29,28 +30,41 @@ TOLERANCE = verify.Tolerance(RTOL, rounding=True)
 
 def check(model: Any, imported: ImportedModel, executable, device, input_shapes: dict | None,
           timeout: float | None) -> dict:
-    """{"reference", "inputs" (name -> shape), "rows" (verify.compare rows per output)}, or
-    {"skipped": reason} when there is nothing to compare against."""
+    """{"reference", "inputs" (name -> shape, the first set), "verified_shapes" (every set compared),
+    "rows" (verify.compare rows per output, over the sets), "notes"}, or {"skipped": reason} when
+    there is nothing to compare against."""
+    from ..onnxruntime import compare_outputs, merge_rows
+
+    notes: list[str] = []
     if imported.kind == "onnx":
-        feeds, expected = _onnxruntime(Path(model), input_shapes, timeout)
+        from ..onnxruntime import verification_runs
+
+        runs, notes = verification_runs(Path(model), None, input_shapes, timeout=timeout)
         reference = "onnxruntime"
     else:
         program = model if isinstance(model, torch.export.ExportedProgram) else _load_program(Path(model))
         if program.example_inputs is None:
             return {"skipped": "the program stores no example inputs"}
         args, kwargs = program.example_inputs
-        with torch.no_grad():
-            out = program.module()(*args, **kwargs)
+        out = verify.run(program.module(), (args, kwargs))  # on a copy: a program that changes its inputs
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         feeds = {name: t.detach().cpu().numpy() for name, t in zip(imported.inputs, tensors)}
         expected = {name: t.detach().cpu().numpy() for name, t in
                     zip(imported.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])}
+        runs = [{"shapes": {k: v.shape for k, v in feeds.items()}, "feeds": feeds, "expected": expected}]
         reference = "torch"
-    actual = dict(zip(imported.outputs, run(executable, device, [feeds[n] for n in imported.inputs])))
-    from ..onnxruntime import compare_outputs
-
-    return {"reference": reference, "inputs": {k: list(v.shape) for k, v in feeds.items()},
-            "rows": compare_outputs(expected, actual, TOLERANCE)}
+    per_set = []
+    for r in runs:
+        try:
+            actual = dict(zip(imported.outputs, run(executable, device, [r["feeds"][n] for n in imported.inputs])))
+            rows = compare_outputs(r["expected"], actual, TOLERANCE)
+        except Exception as exc:  # noqa: BLE001 - the VM's shape checks and kernels raise TVMError and others
+            rows = [{"output": "TVM", "ok": False, "verdict": "fail",
+                     "error": f"the compiled model fails where {reference} runs ({first_line(exc)})"}]
+        per_set.append((r["shapes"], rows))
+    return {"reference": reference, "inputs": {k: list(v) for k, v in runs[0]["shapes"].items()},
+            "verified_shapes": [{k: list(v) for k, v in r["shapes"].items()} for r in runs],
+            "rows": merge_rows(per_set), "notes": notes}
 
 
 def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -65,19 +79,6 @@ def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [item.numpy()] if isinstance(item, tvm.runtime.Tensor) else [a for x in item for a in flat(x)]
 
     return flat(result)
-
-
-def _onnxruntime(path: Path, overrides: dict | None, timeout: float | None) -> tuple[dict, dict]:
-    from .. import onnxruntime as ort_backend
-    from ... import isolate
-    from ...errors import ModelRunError
-
-    try:
-        return isolate.run(ort_backend.run_generated, path, overrides, what="onnxruntime", action="verifying",
-                           timeout=timeout or ort_backend.default_timeout(path),
-                           consequence="nothing written", hint="Re-run with verify_outputs=False to skip verification")
-    except isolate.ChildError as exc:
-        raise ModelRunError(f"{exc}{ort_backend.shape_hint(path)}") from None
 
 
 def _load_program(path: Path) -> torch.export.ExportedProgram:

@@ -8,12 +8,14 @@ AttnResError and turned into one line and their exit code by the main CLI).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import zipfile
 from pathlib import Path
 
 from ... import isolate, outputs
-from ...errors import InputError, first_line
-from ...file_kind import describe
+from ...errors import InputError, MemoryLimitError, first_line
+from ...file_kind import check_file, describe
 
 
 def add_commands(subparsers) -> None:
@@ -28,14 +30,17 @@ def add_commands(subparsers) -> None:
     comp.add_argument("--arch", help="CUDA architecture, e.g. sm_90 (default sm_90; --target cuda only)")
     comp.add_argument("--tune", action="store_true",
                       help="tune the operators around the kernels with meta_schedule, starting from the default "
-                           "schedules (CPU, static shapes: see --input-shape)")
+                           "schedules (CPU, static shapes: see --static-shape)")
     comp.add_argument("--trials", type=int, help="tuning trials per operator (default 8; implies --tune)")
     comp.add_argument("--tune-minutes", type=float, metavar="N",
                       help="tuning time budget in minutes for the whole model (implies --tune; with --trials, "
                            "whichever ends first)")
     comp.add_argument("--tuning-db", help="folder keeping tuning records; a later compile reuses them")
     comp.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                      help="fix an input's symbolic dims (repeatable); needed to tune")
+                      help="an input's shape for the verification run (repeatable); the artifact keeps its "
+                           "symbolic dims")
+    comp.add_argument("--static-shape", action="append", metavar="NAME:1x128",
+                      help="fix an input's symbolic dims in the artifact (repeatable); needed to tune")
     comp.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     comp.add_argument("--no-verify", action="store_true",
                       help="skip running the compiled model against its source (onnxruntime, or torch on a .pt2's "
@@ -56,7 +61,14 @@ def add_commands(subparsers) -> None:
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
+def artifact_output(out: Path, option: str = "-o") -> outputs.Output:
+    """An artifact folder as an output: only a folder holding `manifest.json` (runtime.MANIFEST) is ours
+    to replace (outputs.check)."""
+    return outputs.Output(out, option, folder=True, marker="manifest.json")
+
+
 def compile_command(args) -> int:
+    from ...passes.onnx_dims import describe as describe_shapes
     from ..onnxruntime import parse_input_shapes
     from .artifact import compile_model
 
@@ -66,7 +78,8 @@ def compile_command(args) -> int:
         tune = args.tune or args.trials is not None or args.tune_minutes is not None
         manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
                                tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
-                               input_shapes=parse_input_shapes(args.input_shape), force=args.force,
+                               input_shapes=parse_input_shapes(args.input_shape),
+                               static_shapes=parse_input_shapes(args.static_shape, "--static-shape"), force=args.force,
                                progress=sys.__stderr__, verify_outputs=not args.no_verify,
                                verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
                                consequence="nothing written")
@@ -81,12 +94,17 @@ def compile_command(args) -> int:
     if check and "skipped" in check:
         print(f"  not verified: {check['skipped']}")
     elif check:
-        shapes = ", ".join(f"{k} {v}" for k, v in check["inputs"].items())
-        print(f"  verified against {check['reference']} on {shapes}:")
         from ...passes.verify import describe as describe_row  # torch: after the compile, not for the parser
+        from ...passes.verify import nothing_compared
 
+        shapes = "; ".join(describe_shapes(s) for s in check.get("verified_shapes") or [check["inputs"]])
+        empty = nothing_compared(check["rows"])
+        print(f"  not verified against {check['reference']} at {shapes}: {empty}" if empty else
+              f"  verified against {check['reference']} at {shapes}:")
         for row in check["rows"]:
-            print(f"    {describe_row(row)}")
+            print(f"    {describe_row(row)}" + (f"  at {row['at']}" if row.get("at") else ""))
+        for note in check.get("notes", []):
+            print(f"  note: {note}")
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""
@@ -102,17 +120,17 @@ def run_command(args) -> int:
     from .runtime import load
 
     path = Path(args.inputs)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    check_file(path, "an .npz of input arrays")
     kind = describe(path)
     if kind != "an .npz archive of arrays":
         raise InputError(f"{path} is {kind}, not an .npz of input arrays (numpy.savez(path, name=array, ...))")
+    artifact = load(args.artifact)
+    check_declared(path, declared_arrays(path), artifact.manifest["inputs"])
     try:
         with np.load(path, allow_pickle=False) as data:
             inputs = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise InputError(f"{path}: not an .npz file ({first_line(exc)})") from None
-    artifact = load(args.artifact)
     results = artifact(inputs)
     out = Path(args.output)
     with outputs.staged(out) as stage, open(stage.path, "wb") as f:
@@ -123,6 +141,49 @@ def run_command(args) -> int:
 
         print(format_table(profile(args.artifact, artifact.checked(inputs), device=artifact.manifest["device"])))
     return 0
+
+
+def declared_arrays(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{name: (shape, dtype)} of the arrays of the .npz at `path`, from their .npy headers only (a few
+    bytes each, whatever the arrays' size or compression)."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    declared = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                with z.open(info) as f:
+                    version = npy.read_magic(f)
+                    if version not in ((1, 0), (2, 0)):
+                        raise ValueError(f"unsupported .npy format version {version}")
+                    read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                    shape, _, dtype = read(f)
+                declared[info.filename.removesuffix(".npy")] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except (OSError, ValueError, TypeError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as exc:
+        raise InputError(f"{path}: not an .npz file ({first_line(exc)})") from None
+    return declared
+
+
+def check_declared(path: Path, declared: dict, specs: list[dict]) -> None:
+    """Refuse, before any array is read, inputs whose headers do not fit the model (names, ranks, static
+    dims) or that together declare more bytes than the memory budget (a bomb: a small file claiming
+    terabytes, or gigabytes of zeros compressed to megabytes)."""
+    names = [s["name"] for s in specs]
+    if sorted(declared) != sorted(names):
+        raise InputError(f"{path}: inputs must be exactly {names}: missing {sorted(set(names) - set(declared))}, "
+                         f"unknown {sorted(set(declared) - set(names))}")
+    for spec in specs:
+        shape, want = declared[spec["name"]][0], spec["shape"]
+        fits = want is None or (len(want) == len(shape) and all(not isinstance(w, int) or w == g
+                                                                 for w, g in zip(want, shape)))
+        if not fits:
+            raise InputError(f"{path}: input {spec['name']}: shape {list(shape)}, expected {want}")
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in declared.values())
+    budget = isolate.memory_budget()
+    if total > budget:
+        raise MemoryLimitError(f"{path}: its arrays declare {total / 2**30:.1f} GiB, more than the memory limit "
+                               f"{budget / 2**30:.1f} GiB ({isolate.MEMORY_ENV}); nothing was read or run")
 
 
 def dims(shape) -> str:

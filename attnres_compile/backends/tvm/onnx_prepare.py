@@ -1,6 +1,6 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
-`simplify` fixes the input dims the user gave (`--input-shape`), makes weights listed as inputs
+`simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
 (IR < 4) plain initializers, then folds constants and
 infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
 whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
@@ -99,7 +99,7 @@ def _fold_small_constant_of_shape(node) -> bool | None:
 
 def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None) -> onnx.ModelProto:
     """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch),
-    and whose other inputs and outputs have them wherever they share the dim's name (`--input-shape
+    and whose other inputs and outputs have them wherever they share the dim's name (`--static-shape
     input_ids:2x5` fixes the batch of every past too, as pipeline.bind_shapes does for a program):
     a batch fixed in one input and symbolic in the next made shapes TVM's importer could not join."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -107,15 +107,15 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
     sizes: dict[str, int] = {}
     for name, dims in (input_shapes or {}).items():
         if name not in inputs:
-            raise ConfigError(f"--input-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
+            raise ConfigError(f"--static-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
         shape = inputs[name].type.tensor_type.shape
         if len(shape.dim) != len(dims):
-            raise ConfigError(f"--input-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
+            raise ConfigError(f"--static-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
         for dim, size in zip(shape.dim, dims):
             if dim.HasField("dim_value") and dim.dim_value != size:
-                raise ConfigError(f"--input-shape {name}: dim {dim.dim_value} is static, got {size}")
+                raise ConfigError(f"--static-shape {name}: dim {dim.dim_value} is static, got {size}")
             if dim.HasField("dim_param") and sizes.setdefault(dim.dim_param, size) != size:
-                raise ConfigError(f"--input-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
+                raise ConfigError(f"--static-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
             dim.Clear()
             dim.dim_value = size
     for value in [*model.graph.input, *model.graph.output]:
@@ -193,7 +193,7 @@ class ConverterFixes:
         except Exception as exc:  # noqa: BLE001 - converters raise ValueError, TVMError, AssertionError, ...
             node = attrs.get("tvm_custom", {}).get("name") or "?"
             hint = ("; its inputs have dims known only at run time: fixing the model's input dims with "
-                    "--input-shape may help" if any(map(_not_static, inputs)) else "")
+                    "--static-shape may help" if any(map(_not_static, inputs)) else "")
             raise CompileError(f"TVM's ONNX frontend cannot convert {op_name} (node {node}): {first_line(exc)}{hint}") from None
 
     def _construct_nodes(self, graph):
@@ -231,7 +231,7 @@ def _dim_as_tensor(dim, dtype: str) -> relax.Expr:
     """A symbolic dim as a 0-d tensor of `dtype`, so that the op broadcasts as ONNX does. The stock
     binary converters fold a constant and a dim with numpy into one scalar: `[0] + past` became rank 0
     (a later Unsqueeze of it failed) and `arange(5) + past` failed ("can only convert an array of
-    size 1"), HF's cache positions once `--input-shape` fixed the sequence but not the past."""
+    size 1"), HF's cache positions once `--static-shape` fixed the sequence but not the past."""
     tensor = relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([tvm.tirx.Cast("int64", dim)])), [])
     return tensor if dtype == "int64" else relax.op.astype(tensor, dtype)
 

@@ -72,17 +72,17 @@ def bind_shapes(model: ImportedModel, shapes: dict[str, tuple[int, ...]] | None)
     params = dict(zip(model.inputs, model.mod["main"].params))
     unknown = sorted(set(shapes) - set(params))
     if unknown:
-        raise ConfigError(f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are {model.inputs}")
+        raise ConfigError(f"--static-shape names unknown input {unknown[0]!r}; the model's inputs are {model.inputs}")
     binding: dict[tvm.tirx.Var, int] = {}
     for name, dims in shapes.items():
         declared = list(params[name].ty.shape.values)
         if len(dims) != len(declared):
-            raise ConfigError(f"--input-shape {name}: {len(dims)} dims given, the input has rank {len(declared)}")
+            raise ConfigError(f"--static-shape {name}: {len(dims)} dims given, the input has rank {len(declared)}")
         for d, size in zip(declared, dims):
             if isinstance(d, tvm.tirx.IntImm) and int(d) != size:
-                raise ConfigError(f"--input-shape {name}: dim {int(d)} is static, got {size}")
+                raise ConfigError(f"--static-shape {name}: dim {int(d)} is static, got {size}")
             if isinstance(d, tvm.tirx.Var) and binding.setdefault(d, size) != size:
-                raise ConfigError(f"--input-shape gives {d.name} two sizes: {binding[d]} and {size}")
+                raise ConfigError(f"--static-shape gives {d.name} two sizes: {binding[d]} and {size}")
     return relax.transform.BindSymbolicVars(binding, "main")(model.mod)
 
 

@@ -33,11 +33,12 @@ def load_vm(model: Any, device: str = "cpu") -> tuple[relax.VirtualMachine, tvm.
     dev = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
     names = None
     if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        from .artifact_checks import library_path
         from .runtime import read_manifest
 
         manifest = read_manifest(Path(model))
         names = [i["name"] for i in manifest["inputs"]]
-        model = Path(model) / manifest["library"]
+        model = library_path(Path(model), manifest)
     if isinstance(model, (str, os.PathLike)):
         model = vm_files.load(model)
     return relax.VirtualMachine(model, dev), dev, names

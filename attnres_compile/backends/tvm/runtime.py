@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,11 +12,11 @@ import tvm
 from tvm import relax
 
 from ...errors import ArtifactError, InputError, first_line
-from . import vm_files
+from . import artifact_checks, vm_files
 from .cuda_binary import serve_fatbins
 
 FORMAT = "attnres-compile-tvm"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the library's size and SHA-256 are recorded
 MANIFEST = "manifest.json"
 
 
@@ -35,8 +34,9 @@ class Artifact:
             raise ArtifactError(f"{self.folder}: the artifact runs on {self.manifest['device']}, and this machine has none")
         if "cuda" in self.manifest:
             serve_fatbins(self.folder, self.manifest["cuda"])
+        path = artifact_checks.library_path(self.folder, self.manifest)  # loading it runs its code: trusted
         try:
-            library = vm_files.load(self.folder / self.manifest["library"])
+            library = vm_files.load(path)
         except Exception as exc:  # noqa: BLE001
             raise ArtifactError(f"{self.folder}: cannot load {self.manifest['library']} ({first_line(exc)})") from None
         self.vm = relax.VirtualMachine(library, self.device)
@@ -84,21 +84,24 @@ class Artifact:
 
 
 def read_manifest(folder: Path) -> dict:
-    """The manifest of the artifact in `folder`, checked for format and library."""
+    """The manifest of the artifact in `folder`, checked for format, fields (artifact_checks) and TVM version."""
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder}: not an artifact folder (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path}: unreadable manifest ({first_line(exc)})") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest")
-    built_with = manifest.get("versions", {}).get("tvm")
+    manifest = artifact_checks.parse(path)
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: malformed manifest (not a JSON object)")
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a {FORMAT} manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        older = isinstance(version, int) and 0 < version < FORMAT_VERSION
+        raise ArtifactError(f"{path}: " + (f"written by an older attnres-compile (format {version}): recompile it"
+                                           if older else f"not a {FORMAT} v{FORMAT_VERSION} manifest"))
+    artifact_checks.check_fields(manifest, path)
+    built_with = manifest["versions"]["tvm"]
     if built_with != tvm.__version__:
         raise ArtifactError(f"{folder}: built with TVM {built_with}, this is TVM {tvm.__version__}: recompile it")
-    if not (folder / manifest["library"]).is_file():
-        raise ArtifactError(f"{folder}: {manifest['library']} is missing")
     return manifest
 
 

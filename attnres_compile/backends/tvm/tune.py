@@ -249,7 +249,7 @@ def _check_static(mod: tvm.IRModule) -> None:
         dims = getattr(param.ty, "shape", None)
         if dims is None or any(not isinstance(d, tvm.tirx.IntImm) for d in dims.values):
             raise ConfigError(f"tuning needs static shapes: input {param.name} is {param.ty}; "
-                              "fix its dims with --input-shape NAME:1x128")
+                              "fix its dims with --static-shape NAME:1x128")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,153 @@
+"""Verification shapes: symbolic dims filled consistently (dim expressions, decoder-with-past files)
+and checked at two shape sets (the default and all free dims at 1)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.cli import main
+from attnres_compile.errors import ConfigError, ModelRunError
+from attnres_compile.onnx_api import rewrite_onnx
+from attnres_compile.passes import onnx_dims, verify
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import decoder_with_past  # noqa: E402
+
+DECODER = {"input_ids": ["batch_size", "sequence_length"],
+           "attention_mask": ["batch_size", "past_sequence_length + sequence_length"],
+           "past_key_values.0.key": ["batch_size", 2, "past_sequence_length", 16]}
+
+
+def test_parse_linear_dim_expressions():
+    assert onnx_dims.parse("past_sequence_length + sequence_length") == {"past_sequence_length": 1, "sequence_length": 1}
+    assert onnx_dims.parse("2 * (past length + seq.len) - 1") == {"past length": 2, "seq.len": 2, "": -1}
+    assert onnx_dims.parse("s0*2") == {"s0": 2}
+    for opaque in ("s0", "unk__12", "a * b", "a // 2", "(a + b", "a +"):
+        assert onnx_dims.parse(opaque) is None, opaque
+
+
+def test_expression_dims_are_computed_from_the_free_ones():
+    (default, no_past), (small, small_no_past) = onnx_dims.Dims(DECODER).shape_sets()
+    assert default == {"input_ids": (2, 16), "attention_mask": (2, 32), "past_key_values.0.key": (2, 2, 16, 16)}
+    assert no_past["attention_mask"] == (2, 16) and no_past["past_key_values.0.key"] == (2, 2, 0, 16)
+    assert small == {"input_ids": (1, 1), "attention_mask": (1, 2), "past_key_values.0.key": (1, 2, 1, 16)}
+    # a name with an operator in it that is no dim of its own is one opaque name
+    assert onnx_dims.Dims({"x": ["batch-size", 8]}).shape_sets()[0] == [{"x": (2, 8)}]
+
+
+def test_given_shapes_solve_the_rest_or_are_refused():
+    dims = onnx_dims.Dims(DECODER, {"attention_mask": (1, 40), "input_ids": (1, 8)})
+    assert dims.shape_sets()[0][0]["past_key_values.0.key"] == (1, 2, 32, 16)
+    only_mask = onnx_dims.Dims(DECODER, {"attention_mask": (1, 8)}).shape_sets()[0][0]
+    assert only_mask["input_ids"] == (1, 8) and only_mask["past_key_values.0.key"] == (1, 2, 0, 16)
+    with pytest.raises(ConfigError, match=r"attention_mask: dim 'past_sequence_length \+ sequence_length' is 4, but"):
+        onnx_dims.Dims(DECODER, {"attention_mask": (1, 4), "input_ids": (1, 8)})
+    with pytest.raises(ConfigError, match="unknown input 'ids'"):
+        onnx_dims.Dims(DECODER, {"ids": (1, 8)})
+    assert onnx_dims.Dims({"x": ["n", "n - 1"]}).shape_sets() == [[{"x": (2, 1)}], [{"x": (1, 0)}]]
+    with pytest.raises(ConfigError, match="'n - 20' comes out negative at the default sizes"):
+        onnx_dims.Dims({"x": ["n", "n - 20"]}).shape_sets()
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory) -> dict:
+    """The tiny Llama decoder-with-past as optimum writes it (TorchScript exporter), the dynamo
+    export with optimum's dim names, and the dynamo export with the exporter's own (`s53`)."""
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("decoders")
+    decoder_with_past.export_torchscript(folder / "torchscript.onnx")
+    exported = decoder_with_past.export_dynamo(folder / "exporter_dims.onnx")
+    onnx.save(decoder_with_past.optimum_dims(exported), str(folder / "optimum_dims.onnx"))
+    return {name: folder / f"{name}.onnx" for name in ("torchscript", "optimum_dims", "exporter_dims")}
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "optimum_dims", "exporter_dims"])
+def test_decoder_with_past_rewrites_with_no_flag(decoders, kind, tmp_path):
+    """Every symbolic dim at 16 made attention_mask shorter than past + sequence: onnxruntime refused
+    the original ("Gather ... idx=32"). The mask's dim is now computed (`past_sequence_length +
+    sequence_length`), or, for names that say nothing (`s53`), the past is tried empty."""
+    path = decoders[kind]
+    inputs = onnx_dims.declared(onnx.load(str(path), load_external_data=False))
+    assert list(inputs) == decoder_with_past.names()[0]
+    if kind != "exporter_dims":
+        assert {d for dims in inputs.values() for d in dims if isinstance(d, str)} == decoder_with_past.OPTIMUM_DIMS
+    report = rewrite_onnx(path, tmp_path / "out.onnx").report
+    assert report["summary"]["sites_rewritten"] == 4
+    assert [r["output"] for r in report["verification"]] == decoder_with_past.names()[1]
+    assert all(r["ok"] for r in report["verification"]), report["verification"]
+    default, small = report["verified_shapes"]
+    past = default["past_key_values.0.key"][2]
+    assert default["attention_mask"] == [2, past + 16] and small["input_ids"] == [1, 1]
+    assert past == (0 if kind == "exporter_dims" else 16)
+
+
+def test_decoder_hint_names_shapes_that_were_tried(decoders, tmp_path, capsys):
+    """The old hint (--input-shape input_ids:1x128) failed like the default dims; it works now, and a
+    refusal names the shapes it tried and the mask rule instead of an untried guess."""
+    path = decoders["optimum_dims"]
+    assert main(["rewrite", str(path), "-o", str(tmp_path / "a.onnx"), "--input-shape", "input_ids:1x128"]) == 0
+    assert "attention_mask 1x144" in capsys.readouterr().out
+    assert main(["rewrite", str(path), "-o", str(tmp_path / "c.onnx"), "--input-shape", "attention_mask:1x4",
+                 "--input-shape", "input_ids:1x8"]) == 2
+    assert "is 4, but the other shapes given make it 8" in capsys.readouterr().err
+    with pytest.raises(ModelRunError) as refused:  # the mask's name (s53) says nothing; 8 < every past + sequence tried
+        rewrite_onnx(decoders["exporter_dims"], tmp_path / "b.onnx", input_shapes={"attention_mask": (2, 8)})
+    message = str(refused.value)
+    assert "at the shapes tried: input_ids 2x16, attention_mask 2x8," in message and ", and again with " in message
+    assert "attention_mask's length is the past length plus the sequence length" in message
+    assert "1x128" not in message
+
+
+def _model(path, body: list, width: str = "n") -> str:
+    """y = f(x) over x [b, width], float32, opset 17."""
+    graph = helper.make_graph(body, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])],
+                              initializer=[helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+                                           helper.make_tensor("two", TensorProto.INT64, [1], [2]),
+                                           helper.make_tensor("rows", TensorProto.INT64, [2], [-1, 16])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+DOUBLE = [helper.make_node("Add", ["x", "x"], ["y"])]
+# 2x, plus 1 where the width is 1 (a broadcast that is only right at the default sizes): equal at 16
+PLUS_ONE_AT_1 = [helper.make_node("Add", ["x", "x"], ["x2"]), helper.make_node("Shape", ["x"], ["s"]),
+                 helper.make_node("Slice", ["s", "one", "two"], ["width"]),
+                 helper.make_node("Equal", ["width", "one"], ["is1"]),
+                 helper.make_node("Cast", ["is1"], ["add"], to=TensorProto.FLOAT),
+                 helper.make_node("Add", ["x2", "add"], ["y"])]
+# 2x through a Reshape to rows of 16: fails in onnxruntime when b * n is no multiple of 16
+ROWS_OF_16 = [helper.make_node("Add", ["x", "x"], ["x2"]), helper.make_node("Reshape", ["x2", "rows"], ["r"]),
+              helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["r", "s"], ["y"])]
+
+
+def test_a_rewrite_wrong_only_at_size_1_is_caught(tmp_path):
+    """The default dims (2x16) hide a result that is wrong, or a model that fails, at width 1: the second
+    shape set (every free dim 1) catches both, and says at which shapes."""
+    tol = verify.tolerance("preserve", False)
+    original = _model(tmp_path / "o.onnx", DOUBLE)
+    rows, verified, notes = ort_backend.compare_files(original, _model(tmp_path / "w.onnx", PLUS_ONE_AT_1), tol)
+    assert verified == [{"x": (2, 16)}, {"x": (1, 1)}] and not notes
+    (row,) = rows
+    assert row["ok"] is False and row["at"] == "x 1x1" and row["max_abs"] == 1.0
+    rows, _, _ = ort_backend.compare_files(original, _model(tmp_path / "f.onnx", ROWS_OF_16), tol)
+    assert rows[-1]["ok"] is False and "fails where the original runs" in rows[-1]["error"] and rows[-1]["at"] == "x 1x1"
+    rows, verified, _ = ort_backend.compare_files(original, original, tol)
+    assert [r["ok"] for r in rows] == [True] and len(verified) == 2
+
+
+def test_a_small_set_the_original_refuses_is_skipped_with_a_note(tmp_path):
+    tol = verify.tolerance("preserve", False)
+    original = _model(tmp_path / "o.onnx", ROWS_OF_16)
+    rows, verified, notes = ort_backend.compare_files(original, original, tol)
+    assert [r["ok"] for r in rows] == [True] and verified == [{"x": (2, 16)}]
+    assert notes and notes[0].startswith("not verified at the small shapes (x 1x1): the original model fails there")
+    static = _model(tmp_path / "s.onnx", DOUBLE, width=16)
+    assert ort_backend.compare_files(static, static, tol)[1] == [{"x": (2, 16)}, {"x": (1, 16)}]

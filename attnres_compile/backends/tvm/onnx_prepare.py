@@ -14,9 +14,11 @@ dims: DeepSeek-V3), TopK with sorted=0 (refused by the stock converter; sorted i
 order), Expand to a shape known at run time (the stock one broadcast one way only,
 giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
 stock one read the data's dims as integers), Reshape of a shape dim to a 1-element vector (BLOOM,
-XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), SequenceInsert at a
-negative position (off by one), and every converter failure re-raised as one CompileError line
-naming the ONNX op and node.
+XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), Reshape to a -1
+beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
+arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
+SequenceInsert at a negative position (off by one), and every converter failure re-raised as one
+CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ...errors import CompileError, ConfigError, first_line
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
-BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "And", "Or", "Xor", "Less", "LessOrEqual", "Greater",
-          "GreaterOrEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor")
+BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
 
 
 def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:

@@ -46,6 +46,17 @@ class Geometry:
                 for i in range(self.layers) for _ in range(2)]
 
 
+def flat_input_names(inputs: list[str], outputs: list[str]) -> list[str]:
+    """`inputs` with a decoder-with-past program's pasts named as the ONNX route names them: traced, the
+    wrapper's `*past` becomes placeholders `past_0`, `past_1`, ...; the program is recognised by its
+    names (`input_ids`, `attention_mask`, `position_ids`, then one past per `present.*` output)."""
+    layers = (len(outputs) - 1) // 2
+    names = Geometry(layers, (0,) * layers, (0,) * layers, torch.float32)
+    if list(outputs) == names.output_names() and list(inputs[:3]) == list(INPUTS) and len(inputs) == 3 + 2 * layers:
+        return names.input_names()
+    return list(inputs)
+
+
 def _cache_param(model: nn.Module) -> str:
     """The forward's name for the cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
     params = pyinspect.signature(model.forward).parameters
@@ -155,7 +166,9 @@ def wrap(model: nn.Module, example_inputs=None, past_length: int = 7, seq_length
         ids = ids.repeat(2, 1)
     geometry, past = probe(model, ids[:, :past_length])
     mask = torch.ones_like(ids)
-    args = (ids[:, past_length:], mask, positions(mask, seq_length), *past)
+    # contiguous: a slice's stride (the prompt's length) becomes a stride symbol of the exported program
+    # that no range covers, and torch's decompositions (TVM's importer runs them) fail on it
+    args = tuple(t.contiguous() for t in (ids[:, past_length:], mask, positions(mask, seq_length), *past))
     dyn = torch.export.Dim.DYNAMIC
     spec = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past))
     wrapper = DecoderWithPast(model, geometry)

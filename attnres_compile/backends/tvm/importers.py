@@ -25,6 +25,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ... import pytree_warning
+from ...decoder import flat_input_names
 from ...errors import CompileError, first_line
 from ...passes import onnx_io
 from ...passes.fx_two_phase import one_pass
@@ -205,6 +206,7 @@ def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
         imported = _import_program(loaded.program)
         if len(loaded.outputs) == len(imported.outputs):
             imported.outputs = loaded.outputs
+            imported.inputs = flat_input_names(imported.inputs, imported.outputs)  # a decoder's pasts as ONNX names them
         return imported
     proto = onnx_io.load(path)
     check_sites(proto, value_types(proto.graph))

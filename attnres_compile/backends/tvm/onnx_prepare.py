@@ -14,27 +14,34 @@ dims: DeepSeek-V3), TopK with sorted=0 (refused by the stock converter; sorted i
 order), Expand to a shape known at run time (the stock one broadcast one way only,
 giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
 stock one read the data's dims as integers), Reshape of a shape dim to a 1-element vector (BLOOM,
-XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), SequenceInsert at a
-negative position (off by one), and every converter failure re-raised as one CompileError line
-naming the ONNX op and node.
+XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), Reshape to a -1
+beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
+arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
+SequenceInsert at a negative position (off by one), and every converter failure re-raised as one
+CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
+import operator
+import re
 
 import warnings
 
 import numpy as np
 import onnx
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...errors import CompileError, ConfigError, first_line
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
+BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
 
 
 def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
@@ -92,9 +99,13 @@ def _fold_small_constant_of_shape(node) -> bool | None:
 
 
 def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None) -> onnx.ModelProto:
-    """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch)."""
+    """A copy of `model` whose named inputs have the given dims (ConfigError on a rank or static-dim mismatch),
+    and whose other inputs and outputs have them wherever they share the dim's name (`--static-shape
+    input_ids:2x5` fixes the batch of every past too, as pipeline.bind_shapes does for a program):
+    a batch fixed in one input and symbolic in the next made shapes TVM's importer could not join."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     inputs = {i.name: i for i in model.graph.input}
+    sizes: dict[str, int] = {}
     for name, dims in (input_shapes or {}).items():
         if name not in inputs:
             raise ConfigError(f"--static-shape names unknown input {name!r}; the model's inputs are {list(inputs)}")
@@ -104,9 +115,44 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
         for dim, size in zip(shape.dim, dims):
             if dim.HasField("dim_value") and dim.dim_value != size:
                 raise ConfigError(f"--static-shape {name}: dim {dim.dim_value} is static, got {size}")
+            if dim.HasField("dim_param") and sizes.setdefault(dim.dim_param, size) != size:
+                raise ConfigError(f"--static-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
             dim.Clear()
             dim.dim_value = size
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and sizes:
+                _substitute(dim, sizes)
     return model
+
+
+def _substitute(dim, sizes: dict[str, int]) -> None:
+    """A dim named after fixed dims, or an expression of them (optimum's `past_sequence_length +
+    sequence_length`, which TVM's importer parses), with their sizes put in; evaluated once no name
+    is left. Left symbolic beside a fixed `sequence_length`, the sum's name could not be bound."""
+    text = re.sub(r"[A-Za-z_]\w*", lambda m: str(sizes.get(m.group(0), m.group(0))), dim.dim_param)
+    value = _evaluate(text)
+    if value is not None:
+        dim.dim_value = value
+    elif text != dim.dim_param:
+        dim.dim_param = text
+
+
+def _evaluate(text: str) -> int | None:
+    """The value of an integer expression of +, - and * (None if it names a dim or is anything else)."""
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(text)
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 class ConverterFixes:
@@ -120,6 +166,11 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
+            if op_name in BINARY and len(inputs) == 2 and _array_beside_dim(*inputs):
+                inputs = [_dim_as_tensor(x, _const_dtype(inputs)) if tvm.ir.is_prim_expr(x) else x for x in inputs]
+            dims = _reshape_dims(*inputs[:2], attrs, [self._nodes, self._params]) if op_name == "Reshape" else None
+            if dims is not None:
+                return self.bb.normalize(relax.op.reshape(inputs[0], relax.ShapeExpr(dims)))
             if op_name == "Reshape" and _scalar_to_vector(*inputs[:2]):
                 # a shape dim to [1] (BLOOM, XGLM): the stock Reshape wants a tensor, Unsqueeze takes it
                 return super()._convert_operator("Unsqueeze", [inputs[0], relax.const([0], "int64")], {}, opset)
@@ -164,6 +215,94 @@ def _scalar_to_vector(data, shape) -> bool:
     1-element vector."""
     return (tvm.ir.is_prim_expr(data) and isinstance(shape, tvm.ir.GenericConst)
             and shape.value.numpy().reshape(-1).tolist() in ([1], [-1]))
+
+
+def _array_beside_dim(a, b) -> bool:
+    """Whether a binary op takes a constant of rank >= 1 and a symbolic dim (a prim value)."""
+    def array(x):
+        return isinstance(x, tvm.ir.GenericConst) and x.value.numpy().ndim >= 1
+    return (array(a) and tvm.ir.is_prim_expr(b)) or (array(b) and tvm.ir.is_prim_expr(a))
+
+
+def _const_dtype(inputs) -> str:
+    return next(str(x.value.numpy().dtype) for x in inputs if isinstance(x, tvm.ir.GenericConst))
+
+
+def _dim_as_tensor(dim, dtype: str) -> relax.Expr:
+    """A symbolic dim as a 0-d tensor of `dtype`, so that the op broadcasts as ONNX does. The stock
+    binary converters fold a constant and a dim with numpy into one scalar: `[0] + past` became rank 0
+    (a later Unsqueeze of it failed) and `arange(5) + past` failed ("can only convert an array of
+    size 1"), HF's cache positions once `--static-shape` fixed the sequence but not the past."""
+    tensor = relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([tvm.tirx.Cast("int64", dim)])), [])
+    return tensor if dtype == "int64" else relax.op.astype(tensor, dtype)
+
+
+def _reshape_dims(data, shape, attrs: dict, params) -> list | None:
+    """The target dims of a Reshape of symbolic data to a shape with one -1, the -1 solved by cancelling
+    the known dims' factors from the data's (0 copies the data's dim unless allowzero); None when
+    nothing cancels or no known dim is compound. Relax infers the -1 as `prod(data) // prod(known)`,
+    which TVM cannot simplify once a sum is a factor: SDPA's key transpose `[b, h, past + seq, e]` ->
+    `[-1, past + seq, e]` got `b * (past + seq) * h * e // (past * e + seq * e)`, and the floormods of
+    that dim in the fused loops failed LLVM code generation ("Binding of variable rmod ... conflicts")."""
+    if not _not_static(data) or not isinstance(data.ty.shape, relax.ShapeExpr):
+        return None
+    shape = onnx_frontend.get_constant(shape, params)
+    if isinstance(shape, tvm.ir.GenericConst):
+        values = shape.value.numpy()
+        if values.ndim != 1:
+            return None
+        dims = [tvm.tirx.IntImm("int64", int(v)) for v in values]
+    elif isinstance(shape, relax.ShapeExpr):
+        dims = list(shape.values)
+    else:
+        return None
+    have = list(data.ty.shape.values)
+    if not attrs.get("allowzero", 0):
+        dims = [have[i] if _is_int(d, 0) and i < len(have) else d for i, d in enumerate(dims)]
+    unknown = [i for i, d in enumerate(dims) if _is_int(d, -1)]
+    if len(unknown) != 1:
+        return None
+    solved = _quotient(have, [d for i, d in enumerate(dims) if i != unknown[0]])
+    return None if solved is None else [solved if i == unknown[0] else d for i, d in enumerate(dims)]
+
+
+def _is_int(dim, value: int) -> bool:
+    return isinstance(dim, tvm.tirx.IntImm) and dim.value == value
+
+
+def _quotient(dims: list, divisors: list):
+    """prod(dims) / prod(divisors) by cancelling factors structurally; None where a factor does not cancel,
+    or where no divisor is a compound dim (then TVM simplifies the quotient itself: left to it)."""
+    size, factors = _factors(dims)
+    count, divisor_factors = _factors(divisors)
+    if all(isinstance(f, tvm.tirx.Var) for f in divisor_factors):
+        return None
+    for factor in divisor_factors:
+        match = next((i for i, f in enumerate(factors) if tvm_ffi.structural_equal(f, factor)), None)
+        if match is None:
+            return None
+        factors.pop(match)
+    if count == 0 or size % count:
+        return None
+    terms = ([tvm.tirx.IntImm("int64", size // count)] if size != count or not factors else []) + factors
+    result = terms[0]
+    for term in terms[1:]:
+        result = result * term
+    return result
+
+
+def _factors(dims: list) -> tuple[int, list]:
+    """(product of the constant factors, the other factors) of a product of dims."""
+    size, factors, stack = 1, [], list(dims)
+    while stack:
+        dim = stack.pop()
+        if isinstance(dim, tvm.tirx.IntImm):
+            size *= dim.value
+        elif isinstance(dim, tvm.tirx.Mul):
+            stack += [dim.a, dim.b]
+        else:
+            factors.append(dim)
+    return size, factors
 
 
 def _constant_of_shape(shape, attrs: dict, params) -> relax.Expr:

@@ -16,7 +16,11 @@
 - `aten.cumsum` of bools or small integers gets its int64 result dtype explicitly: the converter
   keeps the input dtype, and TVM cannot add bools (HF Whisper's decoder positions);
 - `aten.topk(sorted=False)` becomes sorted: the order of an unsorted top k is unspecified, so
-  sorted is one valid answer, and the converter refuses sorted=False (HF DeepSeek-V3's routing).
+  sorted is one valid answer, and the converter refuses sorted=False (HF DeepSeek-V3's routing);
+- `aten.cat` drops its empty 1-D inputs, which torch skips whatever the other inputs' rank: HF's
+  `DynamicCache` starts each layer's keys and values as `torch.tensor([])` and concatenates the
+  past onto them, and the converter refused the ranks ("Concat expects all input tensors to have
+  same ndim ... 1 and 4", every decoder-with-past `.pt2`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedP
             _promote_cumsum(node)
         elif node.target is torch.ops.aten.topk.default and len(node.args) > 4 and not node.args[4]:
             node.args = (*node.args[:4], True)
+        elif node.target is torch.ops.aten.cat.default:
+            _drop_empty_vectors(node)
     graph_module.recompile()
     signature = ExportGraphSignature(input_specs=specs, output_specs=list(program.graph_signature.output_specs))
     with pytree_warning.silenced():
@@ -77,6 +83,20 @@ def _wrap_negative_indices(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         wrapped.meta["val"] = index.meta["val"]
         indices[axis] = wrapped
     node.args = (source, indices)
+
+
+def _drop_empty_vectors(node: torch.fx.Node) -> None:
+    """The inputs of a `cat` without the 1-D tensors of static length 0 that torch skips, when
+    another input is kept."""
+    tensors = list(node.args[0])
+    kept = [t for t in tensors if not _empty_vector(t)]
+    if kept and len(kept) < len(tensors):
+        node.args = (kept, *node.args[1:])
+
+
+def _empty_vector(value) -> bool:
+    val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 1 and isinstance(val.shape[0], int) and val.shape[0] == 0
 
 
 def _promote_cumsum(node: torch.fx.Node) -> None:

@@ -136,6 +136,11 @@ class DecoderWithPast(nn.Module):
         self._cache = _cache_param(model)
         self._positions = _takes_positions(model)
 
+    @property
+    def wraps(self) -> nn.Module:
+        """The HF model inside (hf_experts switches its MoE experts to traceable ops while tracing)."""
+        return self.model
+
     def forward(self, input_ids, attention_mask, position_ids, *past):
         kwargs = {"position_ids": position_ids} if self._positions else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,

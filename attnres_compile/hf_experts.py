@@ -21,7 +21,9 @@ NOTE = (f"MoE experts traced with transformers' {TO}: its default {FROM} is a cu
 @contextlib.contextmanager
 def export_friendly(model: Any) -> Iterator[str | None]:
     """While tracing `model`: an HF model that can switch its experts from grouped_mm runs them with
-    batched_mm, and NOTE is yielded (else None); its implementation is restored afterwards."""
+    batched_mm, and NOTE is yielded (else None); its implementation is restored afterwards. A wrapper
+    that names the HF model it runs (`wraps`, as decoder.DecoderWithPast does) is looked through."""
+    model = getattr(model, "wraps", model)
     current = getattr(model, "get_experts_implementation", None)
     can_set = getattr(type(model), "_can_set_experts_implementation", None)
     before = current() if callable(current) and callable(can_set) and can_set() else {}

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 import transformers as tf
 
-VOCAB = 100
-BASE = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-            vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's samples/, run from anywhere
+from samples.hf_decoders import decoder as tiny_decoder  # noqa: E402
+
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary (Phi-3's pad is 32000)
 MODELS = {
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {"head_dim": 16}),
@@ -51,16 +52,7 @@ MODELS = {
 def build(name: str):
     """(model, example inputs) of a tiny random `name` with no end-of-sequence token."""
     config_cls, model_cls, extra = MODELS[name]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**BASE, **extra})).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _factory(name: str):
-    return lambda: build(name)
+    return tiny_decoder(config_cls, model_cls, **IDS, **extra)
 
 
 def check(name: str, tokens: int, routes: list[str], folder: Path) -> list[dict]:

@@ -15,7 +15,8 @@ BASE = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_atten
             vocab_size=VOCAB, max_position_embeddings=128)
 
 
-def _decoder(config_cls, model_cls, **cfg):
+def decoder(config_cls, model_cls, **cfg):
+    """(model, example inputs) of `model_cls` from BASE updated with `cfg`, with no end-of-sequence token."""
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**BASE, **cfg})).eval()
     model.generation_config.eos_token_id = None
@@ -26,22 +27,22 @@ def _decoder(config_cls, model_cls, **cfg):
 
 def llama_factory():
     """Llama: RMSNorm PreNorm, rotary positions, grouped-query attention (2 query heads, 1 KV head)."""
-    return _decoder(tf.LlamaConfig, tf.LlamaForCausalLM)
+    return decoder(tf.LlamaConfig, tf.LlamaForCausalLM)
 
 
 def qwen2_factory():
     """Qwen2: Llama-like with biased q/k/v projections."""
-    return _decoder(tf.Qwen2Config, tf.Qwen2ForCausalLM)
+    return decoder(tf.Qwen2Config, tf.Qwen2ForCausalLM)
 
 
 def mistral_factory():
     """Mistral with a sliding window of 8 tokens (shorter than a 12-token prompt plus 64 new ones)."""
-    return _decoder(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=8)
+    return decoder(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=8)
 
 
 def mixtral_factory():
     """Mixtral: sparse MoE MLPs (4 experts, top 2)."""
-    return _decoder(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2)
+    return decoder(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2)
 
 
 def gpt2_factory():

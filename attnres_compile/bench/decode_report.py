@@ -36,20 +36,22 @@ def table(data: dict) -> str:
 
 
 def site_line(site: dict, rows: list[dict]) -> str:
-    """One site at [1, 1, D] against an add, and per variant the overhead its sites predict vs measured."""
-    ops = site["op_us"]
-    spread = f"{min(ops.values()):.1f} us ({min(ops, key=ops.get)} sources) .. {max(ops.values()):.1f} us " \
-             f"({max(ops, key=ops.get)} sources)"
-    ref = site["reference_us"]
-    parts = [f"sites {site['model']} {site['width']}/{site['sublayers']} at [1, 1, {site['width']}], 1T CPU: "
-             f"add {site['add_us']:.1f} us; op {spread}; eager reference {min(ref.values()):.1f} .. "
-             f"{max(ref.values()):.1f} us"]
+    """One site at [1, 1, D] against an add; per rewritten variant, the overhead per token its op calls
+    predict (eager) and what each runtime measured, per token and per site."""
+    ops, ref = site["op_us"], site["reference_us"]
+    low, high = min(ops, key=ops.get), max(ops, key=ops.get)
+    parts = [f"sites {site['model']} {site['width']}/{site['sublayers']} at [1, 1, {site['width']}], 1T CPU: add "
+             f"{site['add_us']:.1f} us; op {ops[low]:.1f} us ({low} sources) .. {ops[high]:.1f} us ({high} sources); "
+             f"eager reference {min(ref.values()):.1f} .. {max(ref.values()):.1f} us"]
     for name, v in site["variants"].items():
-        orig = _row(rows, site, "eager", "original")
-        mine = _row(rows, site, "eager", name)
-        measured = (f", measured in eager {mine['cpu_token_ms'] - orig['cpu_token_ms']:+.3f} ms"
-                    if mine.get("cpu_token_ms") and orig.get("cpu_token_ms") else "")
-        parts.append(f"{name}: {v['sites']} sites predict {v['estimated_overhead_ms']:+.3f} ms/token{measured}")
+        measured = []
+        for runtime in dict.fromkeys(r["runtime"] for r in rows):
+            orig, mine = _row(rows, site, runtime, "original"), _row(rows, site, runtime, name)
+            if mine.get("cpu_token_ms") and orig.get("cpu_token_ms"):
+                delta = mine["cpu_token_ms"] - orig["cpu_token_ms"]
+                measured.append(f"{runtime} {delta:+.3f} ms ({delta / v['sites'] * 1e3:+.1f} us a site)")
+        parts.append(f"{name}: {v['sites']} sites, op calls less adds predict {v['estimated_overhead_ms']:+.3f} ms/token"
+                     + (", measured " + ", ".join(measured) if measured else ""))
     return "; ".join(parts)
 
 

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
             samples[name].append(child(trees[name], args.size, args.sources, args.min_time))
-    print(f"this {trees['this']}, other {trees['other']}; D={args.size}, {args.rounds} rounds, 1 thread, CPU us per call")
+    print(f"this {trees['this']}, other {trees['other']}; D={args.size}, {args.rounds} rounds, 1 thread, "
+          "CPU us per call")
     for key in samples["this"][0]:
         this, other = ([s[key] for s in samples[n]] for n in ("this", "other"))
         ratio = statistics.median(a / b for a, b in zip(this, other))

@@ -107,7 +107,8 @@ def make_variants(model: torch.nn.Module, blocks: int) -> tuple[list[Variant], d
         variants.append(Variant(name, result.graph_module, result.report["summary"]["sites_rewritten"],
                                 times={"trace": time.perf_counter() - start}))
     g = wrapper.geometry
-    return variants, {"heads": list(g.heads), "head_dims": list(g.head_dims), "geometry": g}, args, (*spec[:3], *spec[3])
+    fields = {"heads": list(g.heads), "head_dims": list(g.head_dims), "geometry": g}
+    return variants, fields, args, (*spec[:3], *spec[3])
 
 
 def save_files(v: Variant, args: tuple, spec: tuple, geometry, folder: Path, runtimes: list[str]) -> None:
@@ -154,7 +155,8 @@ def time_runtime(runtime: str, variants: list[Variant], base: dict, s: Settings,
     measured = {}
     for threads in dict.fromkeys((1, s.threads)):
         try:
-            measured[threads] = workers.run(time_decode, {**base, "candidates": candidates, "threads": threads}, TIMEOUT_S)
+            job = {**base, "candidates": candidates, "threads": threads}
+            measured[threads] = workers.run(time_decode, job, TIMEOUT_S)
         except WorkerError as exc:
             measured[threads] = exc
     out = {}

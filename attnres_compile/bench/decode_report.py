@@ -11,7 +11,8 @@ from .model_report import _panel, clock_lines, coverage_text, floor_lines, inter
 
 def columns(threads: int) -> list[tuple[str, str, str]]:
     many = f"{threads}T"
-    return [("model", "model", ""), ("width", "width", "d"), ("sublayers", "sublayers", "d"), ("runtime", "runtime", ""),
+    return [("model", "model", ""), ("width", "width", "d"), ("sublayers", "sublayers", "d"),
+            ("runtime", "runtime", ""),
             ("variant", "variant", ""), ("sites", "sites", "d"), ("ops", "ops", "d"),
             ("cpu_token_ms", "1T cpu ms/token", ".3f"), ("cpu_overhead_pct", "1T cpu ovh %", "+.1f"),
             ("cpu_interval", "1T interval %", ""), ("wall_token_ms", f"{many} wall ms/token", ".3f"),
@@ -50,7 +51,8 @@ def site_line(site: dict, rows: list[dict]) -> str:
             if mine.get("cpu_token_ms") and orig.get("cpu_token_ms"):
                 delta = mine["cpu_token_ms"] - orig["cpu_token_ms"]
                 measured.append(f"{runtime} {delta:+.3f} ms ({delta / v['sites'] * 1e3:+.1f} us a site)")
-        parts.append(f"{name}: {v['sites']} sites, op calls less adds predict {v['estimated_overhead_ms']:+.3f} ms/token"
+        parts.append(f"{name}: {v['sites']} sites, op calls less adds predict "
+                     f"{v['estimated_overhead_ms']:+.3f} ms/token"
                      + (", measured " + ", ".join(measured) if measured else ""))
     return "; ".join(parts)
 

@@ -236,7 +236,7 @@ def run(args, progress: TextIO) -> dict:
     targets = model_targets.evaluate(rows, [], {}, TARGETS, tuple(s.models))
     for t in targets:
         if t["runtime"] == "tvm":
-            t["note"] = "not measured: no TVM artifact of a decoder with past builds on this branch"
+            t["note"] = "no TVM artifact of a decoder with past builds on this branch"
     config = {**vars(s), "vocab": VOCAB, "heads": HEADS, "tvm": "not measured"}
     return {"benchmark": "decode", "environment": results.environment(s.threads, "cpu"), "config": config,
             "rows": rows, "sites": sites, "targets": targets}

@@ -92,7 +92,7 @@ def _threads(tensors: int, like: torch.Tensor) -> int:
     least BYTES_PER_THREAD per thread. Waking a sleeping worker costs more than it saves on a small
     call (a site at width 256 and 128 tokens reads ~1 MiB: 52 us on one thread, 57 us on two)."""
     size = tensors * like.numel() * like.element_size()
-    return max(1, min(torch.get_num_threads(), size // BYTES_PER_THREAD))
+    return 1 if size < 2 * BYTES_PER_THREAD else min(torch.get_num_threads(), size // BYTES_PER_THREAD)
 
 
 def _run(fn, device: torch.device, args: list, threads: int) -> None:
@@ -122,7 +122,7 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
     """The fused forward's output, or None if it does not apply."""
     s0 = sources[0]
     threads = _threads(len(sources) + 1, s0)  # a one-thread call gets the kernel without a parallel loop
-    fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
+    fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.size(-1), dim, eps, scale, threads))
     if fn is False:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)

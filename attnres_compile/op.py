@@ -224,7 +224,7 @@ class _DepthAttention(torch.autograd.Function):
         return None, grad_query if ctx.needs_input_grad[1] else None, None, None, None, *grads
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as a plain tensor (a site's query is one)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))  # a Parameter dispatches as a plain tensor (a site's query is one)
 _modes = torch._C._len_torch_dispatch_stack
 _functorch = torch._C._are_functorch_transforms_active
 _apply = super(torch.autograd.Function, _DepthAttention).apply  # without Function.apply's Python wrapper
@@ -240,13 +240,15 @@ def plain_eager(sources, query) -> bool:
     parameters). There an Autograd kernel may call the backend kernel itself, which is what
     redispatching would reach, minus a round trip through the dispatcher (~6 us a call)."""
     return (bool(sources) and not _modes() and not _functorch() and type(query) in _PLAIN
-            and sources[0].device.type in ("cpu", "cuda") and all(type(s) in _PLAIN for s in sources))
+            and (sources[0].is_cpu or sources[0].is_cuda) and _PLAIN.issuperset(map(type, sources)))
 
 
 def _autograd(sources, query, eps, scale, dim):
     """The Autograd kernel: the autograd.Function only when a gradient is wanted, else the backend
     kernel (directly in plain eager execution)."""
     direct = plain_eager(sources, query)
+    if direct and not torch.is_grad_enabled():  # inference (a decode step): straight to the kernel
+        return _forward(sources, query, eps, scale, dim)
     if wants_grad(query, *sources):
         return (_apply if direct else _DepthAttention.apply)(direct, query, eps, scale, dim, *sources)
     if direct:

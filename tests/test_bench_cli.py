@@ -16,6 +16,8 @@ from attnres_compile.cli import main
     (["bench", "model", "--tune-minutes", "0"], "--tune-minutes must be positive"),
     (["bench", "model", "--runtimes", "tvm,tvm-tuned"], "--runtimes tvm-tuned needs a tuning budget"),
     (["bench", "all", "--sublayers", "13"], "--sublayers must be even"),  # before the kernel benchmark starts
+    (["bench", "decode", "--sublayers", "13"], "--sublayers must be even"),
+    (["bench", "decode", "--widths", "30"], "--widths must be multiples of 4"),
 ])
 def test_bad_values_are_one_line_errors(argv, message, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2

@@ -1,6 +1,6 @@
-"""`attnres-compile bench kernel|model|block|all`: run benchmarks, write JSON + table + PNG to --out.
+"""`attnres-compile bench kernel|model|block|decode|all`: run benchmarks, write JSON + table + PNG to --out.
 
-Each benchmark module (kernel.py, model.py, block.py) exposes `run(args, progress) -> dict`,
+Each benchmark module (kernel.py, model.py, block.py, decode.py) exposes `run(args, progress) -> dict`,
 `table(data) -> str` and `plot(data, out_dir) -> list[Path]`; this file only parses flags,
 fixes the thread count before any runtime starts its pool, and writes the files.
 """
@@ -20,7 +20,10 @@ BENCHMARKS = {
     "model": "whole models: original, identical copy, Full and Block in torch eager (forward, forward + backward), "
              "onnxruntime and TVM; the targets of issues 11 and 12",
     "block": "Block AttnRes: two-phase vs one-pass kernels, history memory of Block vs Full",
+    "decode": "per-token decode cost with a KV cache: original, identical copy, Full and Block in torch eager and "
+              "onnxruntime; the decode targets of issue 38",
 }
+ALL = ("kernel", "model", "block")  # `bench all`; decode has its own matrix flags and runs alone
 
 
 def _ints(text: str) -> list[int]:
@@ -48,6 +51,7 @@ def add_commands(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure what AttnRes costs (JSON, table and PNG plots)")
     sub = bench.add_subparsers(dest="benchmark", required=True)
     parsers = {name: sub.add_parser(name, help=text) for name, text in BENCHMARKS.items()}
+    _decode_flags(parsers["decode"])
     parsers["all"] = sub.add_parser("all", help="kernel, model and block, one after the other")
     for name, p in parsers.items():
         p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.txt and the plots "
@@ -91,6 +95,17 @@ def add_commands(subparsers) -> None:
         p.add_argument("--tuning-db", help="folder keeping TVM tuning records across runs (default OUT/tuning-db)")
 
 
+def _decode_flags(p) -> None:
+    p.add_argument("--models", type=_names(("llama", "gpt")), help="default llama")
+    p.add_argument("--widths", type=_ints, help="hidden sizes (default 256,1024)")
+    p.add_argument("--sublayers", type=_ints, help="depths in sublayers, two per layer (default 24,48)")
+    p.add_argument("--runtimes", type=_names(("eager", "onnxruntime")), help="default eager,onnxruntime (eager: the "
+                   "traced decoder with past, and HF's own forward beside it)")
+    p.add_argument("--prefill", type=int, help="prompt tokens before the timed decode steps (default 128)")
+    p.add_argument("--steps", type=int, help="decode steps of one token per timed call (default 64)")
+    p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")
+
+
 def bench_command(args) -> int:
     """Run the chosen benchmark(s); print each table and the paths written."""
     if args.threads < 1:
@@ -108,7 +123,7 @@ def bench_command(args) -> int:
 
     out = Path(args.out)
     progress = sys.__stderr__  # the main CLI hides sys.stderr without --debug; progress stays visible
-    names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
+    names = list(ALL) if args.benchmark == "all" else [args.benchmark]
     modules = {name: importlib.import_module(f".{name}", __package__) for name in names}
     for module in modules.values():  # every flag checked before any benchmark starts
         if hasattr(module, "settings"):

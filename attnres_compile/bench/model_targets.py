@@ -73,18 +73,20 @@ def configs_text(configs: tuple[tuple[int, int], ...]) -> str:
     return ", ".join(f"width {w} at {'/'.join(str(d) for ww, d in configs if ww == w)} sublayers" for w in widths)
 
 
-def evaluate(rows: list[dict], compiles: list[dict], tuning: dict) -> list[dict]:
+def evaluate(rows: list[dict], compiles: list[dict], tuning: dict, targets: tuple[Target, ...] = TARGETS,
+             models: tuple[str, ...] = MODELS) -> list[dict]:
     """One verdict per target: {"issue", "name", "target", "measured" (the worst value, on the deciding
     clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met"
     (True, False, or None: not measured or within noise), "verdict" (MET, NOT MET, WITHIN NOISE, not
     measured), "band" and "band_where" (the interval the verdict was decided on, and whose), "note"}.
     `tuning` is the run's TVM tuning setting ({"tune_minutes", "trials"}): the tuned target holds
-    only for a run tuned TUNE_MINUTES minutes."""
-    return [_verdict(t, rows, compiles, tuning) for t in TARGETS]
+    only for a run tuned TUNE_MINUTES minutes. `targets` and `models` (whose configurations each
+    target expects): another benchmark's (bench decode)."""
+    return [_verdict(t, rows, compiles, tuning, models) for t in targets]
 
 
-def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict) -> dict:
-    expected = {(m, w, d) for m in MODELS for w, d in t.configs}
+def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict, models: tuple[str, ...]) -> dict:
+    expected = {(m, w, d) for m in models for w, d in t.configs}
     out = {"issue": t.issue, "name": t.what, "target": f"{limit_text(t)} ({configs_text(t.configs)})",
            "runtime": t.runtime, "variant": t.variant, "metric": t.metric, "limit": t.limit,
            "measured": None, "beside": None, "floor": None, "where": None, "expected": len(expected), "covered": 0,

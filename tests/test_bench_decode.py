@@ -1,0 +1,51 @@
+"""`bench decode --quick` end to end through the CLI: the JSON's rows, checks, finite ratios, site costs
+and target lines (no timing asserts: the ratios of a busy CI machine are whatever they are)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from attnres_compile.bench import decode  # noqa: E402
+from attnres_compile.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_decode")
+    assert main(["bench", "decode", "--quick", "--threads", "2", "--out", str(out)]) == 0
+    return json.loads((out / "decode.json").read_text()), out
+
+
+def test_every_row_is_checked_with_finite_ratios(quick):
+    data, out = quick
+    width, sublayers = decode.QUICK["widths"][0], decode.QUICK["sublayers"][0]
+    keys = {(r["model"], r["width"], r["sublayers"], r["runtime"], r["variant"]) for r in data["rows"]}
+    expected = {("llama", width, sublayers, rt, v) for rt in decode.RUNTIMES
+                for v in ("original", "copy", "full", "block", *(["hf"] if rt == "eager" else []))}
+    assert keys == expected and len(data["rows"]) == len(expected)
+    for r in data["rows"]:
+        assert r["error"] is None and r["max_abs_err"] < 1e-4, r
+        assert r["sites"] == (sublayers if r["variant"] in ("full", "block") else 0)
+        for clock in ("cpu", "wall"):
+            assert math.isfinite(r[f"{clock}_overhead_pct"]) and r[f"{clock}_token_ms"] > 0
+            assert r[f"{clock}_token_ms"] == pytest.approx(r[f"{clock}_ms"] / decode.QUICK["steps"])
+    assert {p.name for p in out.iterdir()} >= {"decode.json", "decode.txt", "decode_overhead.png", "decode_latency.png"}
+
+
+def test_site_costs_and_targets(quick):
+    data, out = quick
+    site, = data["sites"]
+    assert site["add_us"] > 0 and all(us > 0 for us in site["op_us"].values())
+    assert set(site["variants"]) == {"full", "block"}
+    assert all(len(v["sources"]) == v["sites"] and math.isfinite(v["estimated_overhead_ms"])
+               for v in site["variants"].values())
+    verdicts = {(t["runtime"], t["variant"]): t["verdict"] for t in data["targets"]}
+    assert verdicts == {("tvm", "block"): "not measured", ("onnxruntime", "block"): "not measured",
+                        ("eager", "block"): "not measured"}  # the quick matrix has no width-1024 rows
+    assert "issue 38: onnxruntime decode, Block" in (out / "decode.txt").read_text()

@@ -20,8 +20,8 @@ BENCHMARKS = {
     "model": "whole models: original, identical copy, Full and Block in torch eager (forward, forward + backward), "
              "onnxruntime and TVM; the targets of issues 11 and 12",
     "block": "Block AttnRes: two-phase vs one-pass kernels, history memory of Block vs Full",
-    "decode": "per-token decode cost with a KV cache: original, identical copy, Full and Block in torch eager and "
-              "onnxruntime; the decode targets of issue 38",
+    "decode": "per-token decode cost with a KV cache: original, identical copy, Full and Block in torch eager, "
+              "onnxruntime and TVM; the decode targets of issue 38",
 }
 ALL = ("kernel", "model", "block")  # `bench all`; decode has its own matrix flags and runs alone
 
@@ -99,8 +99,9 @@ def _decode_flags(p) -> None:
     p.add_argument("--models", type=_names(("llama", "gpt")), help="default llama")
     p.add_argument("--widths", type=_ints, help="hidden sizes (default 256,1024)")
     p.add_argument("--sublayers", type=_ints, help="depths in sublayers, two per layer (default 24,48)")
-    p.add_argument("--runtimes", type=_names(("eager", "onnxruntime")), help="default eager,onnxruntime (eager: the "
-                   "traced decoder with past, and HF's own forward beside it)")
+    p.add_argument("--runtimes", type=_names(("eager", "onnxruntime", "tvm")), help="default eager,onnxruntime,tvm "
+                   "(eager: the traced decoder with past, and HF's own forward beside it; tvm: the .onnx compiled, "
+                   "default build; --quick: eager,onnxruntime)")
     p.add_argument("--prefill", type=int, help="prompt tokens before the timed decode steps (default 128)")
     p.add_argument("--steps", type=int, help="decode steps of one token per timed call (default 64)")
     p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")

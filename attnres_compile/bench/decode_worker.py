@@ -6,8 +6,9 @@ tokens fixed in advance (teacher forcing: every candidate runs the same steps). 
 last-position logits of every step, [steps, vocab], which are checked before timing.
 
 Runtimes: "eager" (a .pt2 program's module, the traced decoder-with-past), "hf" (the HF model's
-own forward with a DynamicCache, rebuilt from its config and seed) and "onnxruntime" (a
-decoder-with-past .onnx).
+own forward with a DynamicCache, rebuilt from its config and seed), "onnxruntime" (a
+decoder-with-past .onnx) and "tvm" (its TVM library, model_worker.load_tvm: the VM's main on TVM
+tensors, each step's presents fed back as they come, only the logits copied out).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import numpy as np
 
-from .model_worker import _load_npz, compare, onnxruntime_options, set_threads
+from .model_worker import _load_npz, compare, load_tvm, onnxruntime_options, set_threads
 
 Decode = Callable[[], np.ndarray]
 
@@ -106,6 +107,33 @@ def _onnxruntime(path: str, ids: np.ndarray, job: dict) -> Decode:
     return decode
 
 
+def _tvm(path: str, ids: np.ndarray, job: dict) -> Decode:
+    """The library's main on TVM tensors: feeds converted before timing, presents kept as TVM tensors."""
+    import tvm
+
+    vm, dev = load_tvm(path, "cpu")
+    main = vm["main"]
+    head = [np.int64] * 3
+    shapes = [(h, d) for h, d in zip(job["heads"], job["head_dims"]) for _ in range(2)]
+    pasts = [np.float32] * len(shapes)
+
+    def tensors(arrays, dtypes):
+        return [tvm.runtime.tensor(np.ascontiguousarray(a.astype(t)), dev) for a, t in zip(arrays, dtypes)]
+
+    empty = tensors([np.zeros((ids.shape[0], h, 0, d)) for h, d in shapes], pasts)
+    feeds = [tensors(f, head) for f in _feeds(ids, job["prefill"], job["steps"])]
+    past0 = list(main(*tensors(_prompt(ids, job["prefill"]), head), *empty))[1:]
+
+    def decode():
+        past, logits = past0, []
+        for f in feeds:
+            out = list(main(*f, *past))
+            past = out[1:]
+            logits.append(out[0].numpy()[:, -1])
+        return np.concatenate(logits)
+    return decode
+
+
 def decoder_for(c: dict, ids: np.ndarray, job: dict) -> Decode:
     if c["runtime"] == "eager":
         return _eager(c["artifact"], ids, job)
@@ -113,6 +141,8 @@ def decoder_for(c: dict, ids: np.ndarray, job: dict) -> Decode:
         return _hf(ids, job)
     if c["runtime"] == "onnxruntime":
         return _onnxruntime(c["artifact"], ids, job)
+    if c["runtime"] == "tvm":
+        return _tvm(c["artifact"], ids, job)
     raise ValueError(f"unknown decode runtime {c['runtime']!r}")
 
 

@@ -40,8 +40,7 @@ def causal_lm(model: nn.Module, graph_module: fx.GraphModule) -> nn.Module:
 
 
 def _geometry(model: nn.Module) -> decoder.Geometry:
-    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
-    return decoder.probe(model, torch.zeros(1, 2, dtype=torch.long).clamp(max=vocab - 1))[0]
+    return decoder.probe(model, torch.zeros(1, 2, dtype=torch.long))[0]  # token 0: in every vocabulary
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

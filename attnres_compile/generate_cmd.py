@@ -99,14 +99,11 @@ def _past_inputs(specs: list[tuple[str, list, np.dtype]], batch: int) -> dict[st
 
 
 def _onnxruntime(path: Path, batch: int):
-    import onnxruntime as ort
-
+    from .backends.onnxruntime import session as cpu_session
     from .passes import onnx_io
 
     onnx_io.load(path, with_data=False)  # our checks (external data inside the folder, ...) before onnxruntime
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(path)
     names = [o.name for o in session.get_outputs()]
     types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
     specs = [(i.name, i.shape, np.dtype(types.get(i.type, np.float32))) for i in session.get_inputs()]

@@ -13,6 +13,7 @@ import re
 import onnx
 
 from ..decoder import DIMS
+from . import onnx_io
 
 
 def name(model: onnx.ModelProto, input_names: list[str], output_names: list[str]) -> None:
@@ -63,8 +64,8 @@ def _rename_expression(text: str, symbols: dict[str, str]) -> str:
 
 def _nodes(graph: onnx.GraphProto):
     """Every node of `graph` and of its subgraphs (If/Loop bodies read outer names too)."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in [attr.g, *attr.graphs] if attr.HasField("g") or attr.graphs else []:
-                yield from _nodes(sub)
+    stack = [graph]
+    while stack:
+        graph = stack.pop()
+        yield from graph.node
+        stack.extend(onnx_io.subgraphs(graph.node))

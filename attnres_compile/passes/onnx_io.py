@@ -283,14 +283,15 @@ def _graphs(model: onnx.ModelProto):
 def graphs_with_depth(model: onnx.ModelProto):
     """(graph, nesting depth) for the main graph (0), function bodies' subgraphs and every subgraph below,
     each visited once, without recursion."""
-    stack = [(model.graph, 0)] + [(g, 1) for fn in model.functions for g in _subgraphs(fn.node)]
+    stack = [(model.graph, 0)] + [(g, 1) for fn in model.functions for g in subgraphs(fn.node)]
     while stack:
         graph, depth = stack.pop()
         yield graph, depth
-        stack.extend((g, depth + 1) for g in _subgraphs(graph.node))
+        stack.extend((g, depth + 1) for g in subgraphs(graph.node))
 
 
-def _subgraphs(nodes):
+def subgraphs(nodes):
+    """The subgraphs held by `nodes`' attributes (If/Loop/Scan bodies), one level down."""
     for node in nodes:
         for a in node.attribute:
             if a.HasField("g"):

@@ -1,16 +1,19 @@
 """attnres-compile: rewrite the residual connections of traced models into Attention Residuals.
 
 Importing the package registers the torch ops (torch.ops.attnres.*: a saved rewritten program then
-loads with torch.export.load). The rewrite API (`inspect`, `rewrite`, `two_phase`, `RewriteResult`)
-loads on first use, with onnx and the passes: the command line answers `--help`, usage errors and
-missing inputs without them (~1 s of CPU less per call)."""
+loads with torch.export.load) as soon as torch is imported, not before (op_registration.py). The
+rewrite API (`inspect`, `rewrite`, `two_phase`, `RewriteResult`) loads on first use, with onnx and the
+passes: the command line answers `--help`, `--version` and usage errors without torch, onnx or the
+passes (~1.2 s of CPU less per call)."""
 
 __version__ = "0.1.0"
 
-from . import lazy, op, op_two_phase  # noqa: E402, F401  (op, op_two_phase: register the ops)
+from . import lazy  # noqa: E402
+from .op_registration import register_ops  # noqa: E402
 from .config import AttnResConfig  # noqa: E402
 from .errors import AttnResError  # noqa: E402
 
 _HOMES = {"RewriteResult": "api", "inspect": "api", "rewrite": "api", "two_phase": "passes.fx_two_phase"}
 __all__ = ["AttnResConfig", "AttnResError", "RewriteResult", "inspect", "rewrite", "two_phase", "__version__"]
 __getattr__, __dir__ = lazy.exports(__name__, _HOMES)
+register_ops()

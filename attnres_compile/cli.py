@@ -26,7 +26,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from . import env_checks, outputs
+from . import __version__, env_checks, outputs
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
 from .file_kind import check_file
@@ -44,6 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="attnres-compile", description="Rewrite residual connections into Attention Residuals.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and library log lines")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     model_help = "MODEL.onnx, or package.module:factory (a callable returning (model, example_inputs))"
 
@@ -502,7 +503,7 @@ def _quiet():
     """Keep stderr to the one-line error: library warnings, log lines and partial graphs (Python's
     sys.stderr) and native libraries' lines written to file descriptor 2 (TVM, onnxruntime) go to
     a scratch file that is dropped; progress written to sys.__stderr__ stays visible."""
-    import torch  # loaded with the package already (it registers the ops)
+    import torch  # not for --help and usage errors; its import registers the ops (op_registration.py)
 
     torch._logging.set_logs(all=logging.CRITICAL)
     sys.stderr.flush()

@@ -208,8 +208,8 @@ def _bad_inputs(tmp: Path, gpt_onnx: Path) -> dict:
 def test_usage_errors_and_missing_inputs_load_neither_onnx_nor_tvm():
     """Building the parser (every command, every usage error) leaves TVM unimported: its import
     took 3.5 s of the 7.7 s a mistyped path cost. A missing ONNX input and a bad config option are
-    answered before onnx and the passes are imported too (~1 s); torch is, with the package, whose
-    import registers the ops a saved program needs. Commands import what they use."""
+    answered before onnx and the passes are imported too (~1 s); torch only when a command runs
+    (test_cli_startup.py). Commands import what they use."""
     code = textwrap.dedent("""
         import sys
         from attnres_compile import cli

@@ -113,7 +113,7 @@ def test_table_and_plots(quick):
     text = model.table(data)
     assert text.splitlines()[0].split()[:5] == ["model", "width", "sublayers", "runtime", "variant"]
     for part in ("1T cpu ovh %", "2T wall ovh %", "identical copy (noise floor)", "calling thread",
-                 "issue 11: TVM, Block <= +2%", "issue 12: TVM default build time", "profile gpt 64/12"):
+                 "overhead over the original: TVM, Block <= +2%", "build time: TVM default build time", "profile gpt 64/12"):
         assert part in text
     paths = model.plot(data, out)
     assert [p.name for p in paths] == ["model_overhead.png", "model_latency.png", "model_vs_onnxruntime.png"]

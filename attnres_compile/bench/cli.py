@@ -18,10 +18,10 @@ from ..errors import ConfigError
 BENCHMARKS = {
     "kernel": "fused TVM kernel vs torch eager, torch.compile and onnxruntime, with the copy-bandwidth roofline",
     "model": "whole models: original, identical copy, Full and Block in torch eager (forward, forward + backward), "
-             "onnxruntime and TVM; the targets of issues 11 and 12",
+             "onnxruntime and TVM; verdicts on the overhead, speed-against-onnxruntime and build-time targets",
     "block": "Block AttnRes: two-phase vs one-pass kernels, history memory of Block vs Full",
     "decode": "per-token decode cost with a KV cache: original, identical copy, Full and Block in torch eager, "
-              "onnxruntime and TVM; the decode targets of issue 38",
+              "onnxruntime and TVM; verdicts on the per-token overhead targets",
 }
 ALL = ("kernel", "model", "block")  # `bench all`; decode has its own matrix flags and runs alone
 

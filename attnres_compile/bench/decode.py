@@ -1,4 +1,4 @@
-"""Decode: what AttnRes costs per generated token with a KV cache, in the same runtime (issue 38 item 6).
+"""Decode: what AttnRes costs per generated token with a KV cache, in the same runtime.
 
 Each model (HF Llama, and GPT-2 with --models, from bench model's random configs) is traced
 as a decoder with past (decoder.py) once; the original is that trace, Full and Block (N=8)
@@ -45,9 +45,9 @@ QUICK = {"models": ["llama"], "runtimes": ["eager", "onnxruntime"], "widths": [6
          "min_time": 0.01}  # the CI smoke test
 LARGE = ((1024, 24), (1024, 48))
 TARGETS = (
-    Target(38, "TVM decode, Block", "tvm", "block", "overhead", 5.0, LARGE),
-    Target(38, "onnxruntime decode, Block", "onnxruntime", "block", "overhead", 5.0, LARGE),
-    Target(38, "PyTorch eager decode, Block", "eager", "block", "overhead", 10.0, LARGE),
+    Target("TVM decode, Block", "tvm", "block", "overhead", 5.0, LARGE),
+    Target("onnxruntime decode, Block", "onnxruntime", "block", "overhead", 5.0, LARGE),
+    Target("PyTorch eager decode, Block", "eager", "block", "overhead", 10.0, LARGE),
 )
 
 
@@ -229,7 +229,7 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress,
 def run(args, progress: TextIO) -> dict:
     """Every model x width x depth x runtime x variant: per-token decode time at 1 thread (CPU time)
     and at --threads (wall), overhead over the runtime's original (median of per-round ratios, with
-    its interval), the output check; one site's cost; the issue 38 targets.
+    its interval), the output check; one site's cost; the per-token overhead targets (TARGETS).
 
     Row fields as bench model's (model.run), per decode call of --steps tokens, plus cpu_token_ms /
     wall_token_ms (per token) and ops (the traced program's operator calls); variant `hf` (eager

@@ -14,8 +14,8 @@ Runtimes: torch eager forward ("eager"), a training step's forward + backward in
 against the original and timed in interleaved rounds in a fresh worker process
 (model_worker.py), twice: at 1 thread on the process's CPU time (the work runs in the calling
 thread, and a busy machine's waiting is not counted) and at --threads threads on wall time.
-The TVM workers also time onnxruntime running the original in the same rounds (issue 12's
-ratio). Peak memory is measured per artifact in a fresh worker; --profile adds per-kernel
+The TVM workers also time onnxruntime running the original in the same rounds (the
+speed-against-onnxruntime targets' ratio). Peak memory is measured per artifact in a fresh worker; --profile adds per-kernel
 (TVM) and per-node (onnxruntime) times by op kind (profile.py).
 """
 

@@ -124,8 +124,8 @@ def _panel(ax, rows: list[dict], key: str, variants: Iterable[str]) -> None:
     if key == "cpu_overhead_pct":
         ax.axhline(0, color="grey", lw=0.5)
     elif key == "vs_onnxruntime_cpu":
-        ax.axhline(1.15, color="red", lw=0.8, label="1.15x (original, issue 12)")
-        ax.axhline(1.10, color="red", lw=0.8, ls="--", label="1.10x (Block, issue 12)")
+        ax.axhline(1.15, color="red", lw=0.8, label="1.15x (original, target)")
+        ax.axhline(1.10, color="red", lw=0.8, ls="--", label="1.10x (Block, target)")
     else:
         ax.set_yscale("log")
     ax.set_xticks(sorted({r["sublayers"] for r in rows}) or [0])

@@ -1,4 +1,5 @@
-"""The targets of issues 11 and 12 as data, and their verdicts from `bench model`'s rows.
+"""The project's performance targets as data (AttnRes overhead per runtime, TVM against onnxruntime,
+TVM build time), and their verdicts from `bench model`'s rows.
 
 Each target is a limit on one measure of one (runtime, variant) over a set of (width, sublayers)
 configurations. The verdict is decided on the 1-thread CPU-time measure (drift on a shared
@@ -21,6 +22,8 @@ WIDE = ((256, 12), (256, 24), (256, 48))  # (width, sublayers) of the default ma
 LARGE = ((1024, 24),)
 MODELS = ("gpt", "llama")
 TUNE_MINUTES = 20
+MEASURES = {"overhead": "overhead over the original", "vs_onnxruntime": "time against onnxruntime",
+            "build_s": "build time"}  # what a verdict line says its target limits
 FORMATS = {"overhead": "{:+.1f}%", "vs_onnxruntime": "{:.2f}x", "build_s": "{:.1f} s"}
 # the row fields a measure is decided on (1 thread, CPU time; its interval: the field without _pct,
 # plus _interval) and reported beside (--threads, wall time)
@@ -35,7 +38,6 @@ class Target:
     metric: "overhead" (% over the original in the same runtime and rounds), "vs_onnxruntime"
     (x onnxruntime running the original, in the same rounds), "build_s" (seconds to build; any variant)."""
 
-    issue: int
     what: str
     runtime: str
     variant: str | None
@@ -45,20 +47,20 @@ class Target:
 
 
 TARGETS = (
-    Target(11, "PyTorch eager forward, Block", "eager", "block", "overhead", 5.0, WIDE),
-    Target(11, "PyTorch eager forward, Block", "eager", "block", "overhead", 2.0, LARGE),
-    Target(11, "PyTorch eager forward, Full", "eager", "full", "overhead", 10.0, ((256, 24),)),
-    Target(11, "PyTorch forward + backward, Block", "train", "block", "overhead", 8.0, WIDE),
-    Target(11, "onnxruntime, Block", "onnxruntime", "block", "overhead", 10.0, WIDE),
-    Target(11, "onnxruntime, Block", "onnxruntime", "block", "overhead", 2.0, LARGE),
-    Target(11, "onnxruntime, Full", "onnxruntime", "full", "overhead", 25.0, ((256, 48),)),
-    Target(11, "TVM, Block", "tvm", "block", "overhead", 2.0, ((256, 48),)),
-    Target(11, "TVM, Full", "tvm", "full", "overhead", 5.0, ((256, 48),)),
-    Target(12, "TVM default build, original vs onnxruntime original", "tvm", "original", "vs_onnxruntime", 1.15,
+    Target("PyTorch eager forward, Block", "eager", "block", "overhead", 5.0, WIDE),
+    Target("PyTorch eager forward, Block", "eager", "block", "overhead", 2.0, LARGE),
+    Target("PyTorch eager forward, Full", "eager", "full", "overhead", 10.0, ((256, 24),)),
+    Target("PyTorch forward + backward, Block", "train", "block", "overhead", 8.0, WIDE),
+    Target("onnxruntime, Block", "onnxruntime", "block", "overhead", 10.0, WIDE),
+    Target("onnxruntime, Block", "onnxruntime", "block", "overhead", 2.0, LARGE),
+    Target("onnxruntime, Full", "onnxruntime", "full", "overhead", 25.0, ((256, 48),)),
+    Target("TVM, Block", "tvm", "block", "overhead", 2.0, ((256, 48),)),
+    Target("TVM, Full", "tvm", "full", "overhead", 5.0, ((256, 48),)),
+    Target("TVM default build, original vs onnxruntime original", "tvm", "original", "vs_onnxruntime", 1.15,
            WIDE + LARGE),
-    Target(12, "TVM default build time", "tvm", None, "build_s", 60.0, WIDE + LARGE),
-    Target(12, "TVM default build, Block vs onnxruntime original", "tvm", "block", "vs_onnxruntime", 1.10, WIDE + LARGE),
-    Target(12, f"TVM tuned {TUNE_MINUTES} min, Block vs onnxruntime original", "tvm-tuned", "block", "vs_onnxruntime",
+    Target("TVM default build time", "tvm", None, "build_s", 60.0, WIDE + LARGE),
+    Target("TVM default build, Block vs onnxruntime original", "tvm", "block", "vs_onnxruntime", 1.10, WIDE + LARGE),
+    Target(f"TVM tuned {TUNE_MINUTES} min, Block vs onnxruntime original", "tvm-tuned", "block", "vs_onnxruntime",
            1.0, WIDE + LARGE),
 )
 
@@ -75,7 +77,7 @@ def configs_text(configs: tuple[tuple[int, int], ...]) -> str:
 
 def evaluate(rows: list[dict], compiles: list[dict], tuning: dict, targets: tuple[Target, ...] = TARGETS,
              models: tuple[str, ...] = MODELS) -> list[dict]:
-    """One verdict per target: {"issue", "name", "target", "measured" (the worst value, on the deciding
+    """One verdict per target: {"name", "target", "measured" (the worst value, on the deciding
     clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met"
     (True, False, or None: not measured or within noise), "verdict" (MET, NOT MET, WITHIN NOISE, not
     measured), "band" and "band_where" (the interval the verdict was decided on, and whose), "note"}.
@@ -87,7 +89,7 @@ def evaluate(rows: list[dict], compiles: list[dict], tuning: dict, targets: tupl
 
 def _verdict(t: Target, rows: list[dict], compiles: list[dict], tuning: dict, models: tuple[str, ...]) -> dict:
     expected = {(m, w, d) for m in models for w, d in t.configs}
-    out = {"issue": t.issue, "name": t.what, "target": f"{limit_text(t)} ({configs_text(t.configs)})",
+    out = {"name": t.what, "target": f"{limit_text(t)} ({configs_text(t.configs)})",
            "runtime": t.runtime, "variant": t.variant, "metric": t.metric, "limit": t.limit,
            "measured": None, "beside": None, "floor": None, "where": None, "expected": len(expected), "covered": 0,
            "met": None, "verdict": "not measured", "band": None, "band_where": None, "note": None}
@@ -166,7 +168,7 @@ def line(v: dict, threads: int) -> str:
     beside; builds: wall, CPU beside), the identical copy's overhead there, the interval the verdict
     was decided on, the verdict."""
     verdict = v["verdict"]
-    head = f"issue {v['issue']}: {v['name']} {v['target']}: "
+    head = f"{MEASURES[v['metric']]}: {v['name']} {v['target']}: "
     if v["measured"] is None:
         return head + f"{verdict} ({v['note']})"
     fmt = FORMATS[v["metric"]]

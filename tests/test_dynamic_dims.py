@@ -1,6 +1,7 @@
 """Dynamic input dims: the rewritten module takes any batch and sequence length by default,
 `--dynamic` chooses the dims, and a failing dynamic trace or export falls back to static shapes."""
 
+import logging
 from pathlib import Path
 
 import onnx
@@ -95,3 +96,18 @@ def test_cli_dynamic_option(tmp_path, capsys):
     assert err.count("\n") == 0 and "--dynamic 'tokens'" in err
     assert cli.main(["inspect", str(out), "--dynamic", "batch"]) == 2
     assert "--dynamic applies to package.module:factory" in capsys.readouterr().err
+
+
+def test_batch_one_specialization_lines_stay_inside_the_api(capfd, caplog):
+    """A batch-1 example under Dim.AUTO made torch.export print one `W... dimension inputs['input_ids']
+    .shape[0] 0/1 specialized` line per input to API users; the batch stays static as the report says,
+    and the loggers are as they were afterwards."""
+    model, inputs = hf_models.gpt2_factory()
+    inputs = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    levels = [logging.getLogger(n).level for n in dynamic_dims.EXPORT_LOGGERS]
+    with caplog.at_level(logging.WARNING):
+        result = ac.rewrite(model, inputs)
+    assert result.report["dynamic_dims"] == {"input_ids": [1], "attention_mask": [1]}
+    assert not [r for r in caplog.records if "specialized" in r.getMessage()]
+    assert "specialized" not in "".join(capfd.readouterr())
+    assert [logging.getLogger(n).level for n in dynamic_dims.EXPORT_LOGGERS] == levels

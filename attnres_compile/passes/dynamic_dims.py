@@ -11,7 +11,9 @@ dim the model fixes (a convolution's channels, a fixed-length input) is silently
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from ..errors import ConfigError, first_line
 
 DEFAULT = "batch,seq"
+EXPORT_LOGGERS = ("torch._export",)  # "dimension ... 0/1 specialized" when an example's dim is 1 (report: dynamic_dims)
 KEYWORDS = ("none", "batch", "seq", "all")
 
 
@@ -139,11 +142,28 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sh
     """torch.export with `dynamic_shapes`; when that fails, once more with static shapes and a
     one-line note in `notes` (`what` names the dims asked for, e.g. "dynamic batch,seq")."""
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with quiet_loggers(EXPORT_LOGGERS):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # noqa: BLE001 - any tracer failure with symbolic dims is retried static
         if dynamic_shapes is None:
             raise
-        program = torch.export.export(model, args, kwargs, strict=False)
+        with quiet_loggers(EXPORT_LOGGERS):
+            program = torch.export.export(model, args, kwargs, strict=False)
         notes.append(f"torch.export with {what} failed ({first_line(exc, 160)}); traced with static shapes: "
                      "the result takes only the example's shapes")
         return program
+
+
+@contextlib.contextmanager
+def quiet_loggers(names: tuple[str, ...]):
+    """Third-party log lines below ERROR hidden inside our own calls (the API as the CLI hides them),
+    the loggers' levels restored after."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import logging
 import warnings
 from typing import Any
 
@@ -52,6 +51,8 @@ def _translate(sources, query, eps: float, scale: float, dim: int):
 
 
 TRANSLATION_TABLE = {torch.ops.attnres.depth_attention.default: _translate}
+_LOGGERS = ("torch.onnx", "onnx_ir", "onnxscript", "torch.export", "torch._dynamo",
+            *dynamic_dims.EXPORT_LOGGERS)  # the exporter's per-step and per-initializer lines, torch.export's notices
 
 
 def auto_dynamic_shapes(args: tuple, kwargs: dict) -> tuple | dict | None:
@@ -88,7 +89,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     """
     kwargs = kwargs or {}
     _read_torchlib_once()
-    with contextlib.redirect_stdout(io.StringIO()), _quiet_loggers(), warnings.catch_warnings():
+    with contextlib.redirect_stdout(io.StringIO()), dynamic_dims.quiet_loggers(_LOGGERS), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals
         with hf_experts.export_friendly(module):
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -167,15 +168,3 @@ def _contiguous_as_clone(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-@contextlib.contextmanager
-def _quiet_loggers():
-    """Silence the exporter's per-step and per-initializer log lines for the duration."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnx_ir", "onnxscript", "torch.export", "torch._dynamo")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)

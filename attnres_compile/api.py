@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from . import hf_experts, pytree_warning
+from . import hf_experts, progress, pytree_warning
 from .config import AttnResConfig
 from .errors import ConfigError, InputError, TraceError, first_line
 from .passes import dynamic_dims, verify
@@ -135,7 +135,8 @@ def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     `dynamic` / `dynamic_shapes`: which input dims the trace keeps symbolic (see `trace`).
     """
     config = as_config(config)
-    traced = trace(model, example_inputs, dynamic_shapes, dynamic)
+    with progress.stage("tracing"):
+        traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     view, plan = _analyze(traced, config)
     return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
 
@@ -159,7 +160,8 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     config = as_config(config)
     if with_past:
         model, example_inputs, dynamic_shapes = _with_past(model, example_inputs, dynamic_shapes, dynamic)
-    traced = trace(model, example_inputs, dynamic_shapes, dynamic)
+    with progress.stage("tracing"):
+        traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     gm = traced.graph_module
     view, plan = _analyze(traced, config)
     if not has_work(plan, config):
@@ -170,8 +172,9 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     if verify_outputs and traced.args is not None:
         original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
         changes = any(c.changes_function for c in plan.to_rewrite)
-        verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
-                                                   verify.tolerance(config.scale, changes))
+        with progress.stage("verifying in torch"):
+            verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
+                                                       verify.tolerance(config.scale, changes))
         traced.notes += notes
     report = build(plan, view, config, traced.source, sites, verification, traced.notes, traced.dynamic)
     return RewriteResult(gm, report, modified=True)

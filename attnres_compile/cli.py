@@ -26,7 +26,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from . import __version__, env_checks, outputs
+from . import __version__, env_checks, outputs, progress
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
 from .file_kind import check_file
@@ -377,10 +377,11 @@ def _rewrite_pt2(args, out: Path):
     module, tensor_kwargs = pt2.bind_constants(result.graph_module, ex_args, ex_kwargs, like=model)
     if isinstance(spec, dict):  # use_cache=False and other constants are bound, not inputs
         spec = {k: v for k, v in spec.items() if k not in ex_kwargs or k in tensor_kwargs}
-    ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
-                                     result.report.data["notes"])
-    with outputs.staged(out) as stage:
-        pt2.save(ep, stage.path)
+    with progress.stage(f"exporting {out.name}"):
+        ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
+                                         result.report.data["notes"])
+        with outputs.staged(out) as stage:
+            pt2.save(ep, stage.path)
     return result.report, stage.written
 
 
@@ -392,11 +393,12 @@ def _rewrite_pt2_with_past(model, example, config, args, out: Path):
 
     wrapper, ex_args, spec = _with_past(model, example, None, None)
     result = rewrite(wrapper, ex_args, config, verify_outputs=not args.no_verify, dynamic_shapes=spec)
-    ep = dynamic_dims.export_program(result.graph_module, ex_args, {}, (*spec[:3], *spec[3]),
-                                     "dynamic batch, sequence and past length", result.report.data["notes"])
-    pt2.drop_guards(ep)
-    with outputs.staged(out) as stage:
-        pt2.save(ep, stage.path)
+    with progress.stage(f"exporting {out.name}"):
+        ep = dynamic_dims.export_program(result.graph_module, ex_args, {}, (*spec[:3], *spec[3]),
+                                         "dynamic batch, sequence and past length", result.report.data["notes"])
+        pt2.drop_guards(ep)
+        with outputs.staged(out) as stage:
+            pt2.save(ep, stage.path)
     return result.report, stage.written
 
 
@@ -426,7 +428,8 @@ def _main(argv: list[str] | None, received: list[int], debug: bool) -> int:
             env_checks.check()
             planned, inputs, force = _plan_outputs(args)
             outputs.check(planned, inputs, force)
-            code = command(args)
+            with progress.on_terminal():
+                code = command(args)
         if not received:
             return code
         raise KeyboardInterrupt  # a signal whose exception a library swallowed: still an interruption

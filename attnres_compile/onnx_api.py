@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .api import rewrite
 from .config import AttnResConfig
-from . import outputs
+from . import outputs, progress
 from .errors import AttnResError, ModelRunError
 from .passes import onnx_io, verify
 from .passes.chain_analysis import analyze
@@ -71,8 +71,9 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     model = onnx_io.load(path, with_data=False)
     outputs.check(outputs.onnx_outputs(output), onnx_io.input_files(model, path), force)
     notes = _notes(model, path)
-    view = view_from_onnx(model)
-    plan = analyze(view, config)
+    with progress.stage(f"analysing {path.name}"):
+        view = view_from_onnx(model)
+        plan = analyze(view, config)
     if not has_work(plan, config):
         return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + plan_notes(plan) + ["no file written"]))
     if verify_outputs:
@@ -88,9 +89,10 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
             from .backends import onnxruntime as ort_backend
 
             tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
-            verification, verified, run_notes = ort_backend.compare_files(
-                path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
-                consequence="the rewritten model was not written")
+            with progress.stage("verifying in onnxruntime"):
+                verification, verified, run_notes = ort_backend.compare_files(
+                    path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
+                    consequence="the rewritten model was not written")
             notes += run_notes
     report = build(plan, view, config, "onnx", sites, verification, notes)
     if verify_outputs:
@@ -157,7 +159,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
         what = f"dynamic {dims.text}"
     notes = result.report.data["notes"]
     with onnx_io.staged(output) as stage:
-        proto = export_or_static(result.graph_module, args or (), kwargs, spec, what, notes)
+        with progress.stage("exporting to ONNX"):
+            proto = export_or_static(result.graph_module, args or (), kwargs, spec, what, notes)
         if with_past:
             from .passes import onnx_decoder_names
 
@@ -166,7 +169,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
         check_written(stage.path)
         if verify_outputs and args is not None:
             tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
-            rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
+            with progress.stage("verifying in onnxruntime"):
+                rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
             result.report.data["verification"] = (result.report.data["verification"] or []) + rows
     return OnnxRewriteResult(result.report, stage.written)
 

@@ -13,7 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ... import isolate, outputs
+from ... import isolate, outputs, progress
 from ...errors import InputError, MemoryLimitError, first_line
 from ...file_kind import check_file, describe
 
@@ -76,13 +76,15 @@ def compile_command(args) -> int:
     # In an isolated child (isolate.py): TVM's importers and builder run the user's graph and can crash.
     try:
         tune = args.tune or args.trials is not None or args.tune_minutes is not None
-        manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
-                               tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
-                               input_shapes=parse_input_shapes(args.input_shape),
-                               static_shapes=parse_input_shapes(args.static_shape, "--static-shape"), force=args.force,
-                               progress=sys.__stderr__, verify_outputs=not args.no_verify,
-                               verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
-                               consequence="nothing written")
+        with progress.stage(f"compiling {Path(args.model).name} for {args.target}" + (", tuning" if tune else ""),
+                            lines_follow=tune):  # tuning prints a line per task
+            manifest = isolate.run(compile_model, args.model, args.output, target=args.target, arch=args.arch,
+                                   tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
+                                   input_shapes=parse_input_shapes(args.input_shape),
+                                   static_shapes=parse_input_shapes(args.static_shape, "--static-shape"), force=args.force,
+                                   progress=sys.__stderr__, verify_outputs=not args.no_verify,
+                                   verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
+                                   consequence="nothing written")
     finally:
         outputs.clean_stale(Path(args.output))  # the staging folder of a child that crashed
     kernels = len(manifest["kernels"])

@@ -27,17 +27,16 @@ def register_ops() -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Imports `then[name]` right after module `name` has run; leaves sys.meta_path when all have."""
+    """Imports `then[name]` right after module `name` has run; leaves sys.meta_path when all have.
+    A look-up without an import (importlib.util.find_spec("torch"), as transformers does) only
+    wraps a loader that never runs."""
 
     def __init__(self, then: dict[str, str]):
         self.then = then
 
     def find_spec(self, name, path=None, target=None):
-        follow = self.then.pop(name, None)
-        if follow is None:
+        if name not in self.then:
             return None
-        if not self.then:
-            sys.meta_path.remove(self)
         spec = next((s for f in list(sys.meta_path) if f is not self and hasattr(f, "find_spec")
                      for s in [f.find_spec(name, path, target)] if s is not None), None)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -46,7 +45,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            importlib.import_module(follow)
+            follow = self.then.pop(name, None)
+            if not self.then and self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if follow:
+                importlib.import_module(follow)
 
         spec.loader.exec_module = exec_module
         return spec

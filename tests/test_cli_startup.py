@@ -76,11 +76,13 @@ print("OK" if torch.allclose(out, expected["out"]) else "DIFFERS")
 
 def test_a_saved_program_loads_after_the_package_whichever_is_imported_first(tmp_path):
     """torch.export.load needs torch.ops.attnres.*: the package registers them when torch is imported,
-    also when the package (or its op module, which itself imports torch) comes first."""
+    also when the package (or its op module, which itself imports torch) comes first, and when torch
+    was looked up before it was imported."""
     model, x = _TwoSites(), torch.randn(3, 8)
     torch.export.save(torch.export.export(model, (x,)), tmp_path / "two.pt2")
     torch.save({"x": x, "out": model(x)}, tmp_path / "expected.pt")
-    for first in ("import attnres_compile", "from attnres_compile import op"):
+    for first in ("import attnres_compile, importlib.util; importlib.util.find_spec('torch')",  # as transformers looks
+                  "from attnres_compile import op"):
         run = subprocess.run([sys.executable, "-c", LOAD.format(first=first), tmp_path / "two.pt2",
                               tmp_path / "expected.pt"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.stdout.strip() == "OK", (first, run.stderr[-2000:])

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from attnres_compile import progress
-from attnres_compile.cli import main
+from tests.forked_cli import run_cli
 from tests.test_cli import chain_model
 
 
@@ -26,24 +26,17 @@ def _read(master: int) -> str:
     return b"".join(chunks).decode().replace("\r\n", "\n")
 
 
-def _cli_on_terminal(argv: list[str]) -> tuple[int, str]:
-    """main(argv) in a forked child whose stderr is a pseudo-terminal (stdout dropped): its exit code and terminal text."""
+def _cli_on_terminal(argv: list) -> tuple[int, str]:
+    """main(argv) in a forked child (forked_cli) whose stderr is a pseudo-terminal: its exit code and terminal text."""
     master, slave = os.openpty()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(master)
-            os.dup2(slave, 2)
-            os.close(slave)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-            code = main([str(a) for a in argv])
-        finally:
-            os._exit(code)
-    os.close(slave)
+    try:
+        run = run_cli(argv, setup=lambda: os.dup2(slave, 2))
+    finally:
+        os.close(slave)
     text = _read(master)
     os.close(master)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+    assert not run.timed_out and run.stderr == "", run
+    return run.code, text
 
 
 def _steps(text: str) -> list[str]:

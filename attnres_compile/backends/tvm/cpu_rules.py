@@ -274,14 +274,17 @@ class RowReduction(_SafeRule):
     that is a static multiple of the vector width (or of a half or quarter of it) keeps one
     partial sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise
     stages read by one stage, or that only cast or copy, are inlined into their readers. A stage
-    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule."""
+    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule,
+    as does an output with no axis beyond the rows (a pooling, a squeeze-excite's [1, C, 1, 1]
+    convolution): its innermost loop is the row loop, and vectorised it held the row's stages,
+    which TVM cannot lower ("VectorizeLoop before LiftStorageAlloc")."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
         if len(infos) < 2 or all(b.is_injective() for b in infos) or not infos[-1].is_injective():
             return None
         rows = min(len(k) - len(k.lstrip("S")) for k in (b.dom_kind() for b in infos))
-        if not rows:
+        if not rows or rows == len(infos[-1].dom_kind()):
             return None
         lane = lanes(target, 32)
         blocks = [*_inline_stages(sch, infos[:-1]), infos[-1].block_rv]

@@ -21,6 +21,7 @@ from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
 from attnres_compile.passes import onnx_io, onnx_view
 from attnres_compile.passes.chain_analysis import analyze
 from forked_cli import run_cli
+from hostile import tiny
 
 
 def _wheel_file(package: str, name: str) -> Path:
@@ -84,6 +85,16 @@ def test_inspect_takes_input_shape_in_one_line_errors(tmp_path):
     assert [c["links"] for c in json.loads(run.stdout)["chains"]] == [2]
     run = run_cli(["inspect", path, "--input-shape", "z:1x8"])
     assert run.code == 2 and run.stderr.count("\n") == 1 and "unknown input 'z'" in run.stderr, run.stderr
+
+
+def test_symbolic_inference_is_left_out_where_it_never_ends(tmp_path, monkeypatch):
+    """onnxruntime's symbolic inference loops forever on an input of undefined element type: it is
+    not started there, so the analysis answers instead of being refused at the CPU time limit."""
+    model = tiny()
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.UNDEFINED
+    onnx.save(model, tmp_path / "untyped.onnx")
+    monkeypatch.setattr(onnx_view, "CPU_SECONDS", 5.0)
+    assert inspect_onnx(tmp_path / "untyped.onnx").data["summary"]["adds"] == 2
 
 
 def _fpn_sum(path: Path) -> Path:

@@ -39,6 +39,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...errors import CompileError, ConfigError, first_line
+from ...passes.onnx_optimize import exact_no_ops
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
 BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
@@ -56,7 +57,8 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             folded = ir.from_proto(model)
-            onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
+            with exact_no_ops():
+                onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
             _register_folded_constants(folded.graph)
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is

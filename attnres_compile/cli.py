@@ -71,10 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("--with-past", action="store_true",
                     help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
                          "(past_key_values.* in, logits and present.* out, as optimum names them)")
-    rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                    help="ONNX input shape for verification (repeatable); other symbolic dims are 2 (leading) and "
-                         "16, then all 1 (a second check); dims that are sums of others are computed")
     _config_args(rw)
+    ins.add_argument("--input-shape", action="append", metavar="NAME:1x128",
+                     help="ONNX input shape for the analysis (repeatable): dims that shape inference cannot relate "
+                          "symbolically are compared at these shapes")
+    rw.add_argument("--input-shape", action="append", metavar="NAME:1x128",
+                    help="ONNX input shape for the analysis and verification (repeatable); other symbolic dims are "
+                         "2 (leading) and 16, then all 1 (a second check); dims that are sums of others are computed")
     for sp in (ins, rw):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and library log lines")
     from .backends.tvm.cli import add_commands
@@ -246,12 +249,15 @@ def _inspect(args) -> int:
     if is_onnx_path(args.model):
         from .onnx_api import inspect_onnx
 
+        from .backends.onnxruntime import parse_input_shapes
+
         _no_dynamic_for_onnx(args)
-        report = inspect_onnx(args.model, _config(args))
+        report = inspect_onnx(args.model, _config(args), parse_input_shapes(args.input_shape))
     else:
         from .api import inspect
         from .passes.dynamic_dims import parse
 
+        _no_input_shape_for_factory(args)
         parse(args.dynamic)
         model, example = load_factory(args.model)
         report = inspect(model, example, _config(args), dynamic=args.dynamic)
@@ -285,8 +291,8 @@ def _rewrite_output(args) -> Path:
     suffixes = (".onnx",) if onnx_input else (".onnx", ".pt2")
     if out.suffix.lower() not in suffixes:
         raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
-    if args.input_shape and not onnx_input:
-        raise ConfigError("--input-shape applies to ONNX input files; a factory's example inputs fix the shapes")
+    if not onnx_input:
+        _no_input_shape_for_factory(args)
     if args.with_past and (onnx_input or args.dynamic is not None):
         raise ConfigError("--with-past applies to package.module:factory models (HF causal LMs) and sets the dynamic "
                           "dims itself; an ONNX decoder-with-past file is rewritten as it is, without the flag"
@@ -301,10 +307,15 @@ def _rewrite_output(args) -> Path:
     return out
 
 
+def _no_input_shape_for_factory(args) -> None:
+    if args.input_shape:
+        raise ConfigError("--input-shape applies to ONNX input files; a factory's example inputs fix the shapes")
+
+
 def _no_dynamic_for_onnx(args) -> None:
     if args.dynamic is not None:
         raise ConfigError("--dynamic applies to package.module:factory models; an ONNX file's dims are the ones it "
-                          "declares (--input-shape NAME:1x128 fixes them for verification)")
+                          "declares (--input-shape NAME:1x128 fixes them for the analysis and verification)")
 
 
 def _rewrite(args) -> int:

@@ -1,7 +1,7 @@
 """Run what executes a user's graph (onnxruntime sessions, TVM import and build) in a forked child
-process with a time and a memory limit, so that a native crash, an endless loop or a memory
-blow-up in a library becomes one error line with its own exit code (16 crash, 17 time limit,
-18 memory limit) instead of killing or hanging the command.
+process with a time limit (wall clock, CPU time or both) and a memory limit, so that a native crash,
+an endless loop or a memory blow-up in a library becomes one error line with its own exit code
+(16 crash, 17 time limit, 18 memory limit) instead of killing or hanging the command.
 
 The child is forked from the already-imported process (no interpreter start-up, no imports:
 a few milliseconds), runs one function and pickles its result (or its AttnResError) back
@@ -89,14 +89,16 @@ def _vm_size() -> int:
 
 
 def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: float | None,
-        memory: int | None = None, consequence: str = "", hint: str = "", **kwargs: Any) -> Any:
+        memory: int | None = None, consequence: str = "", hint: str = "", cpu: float | None = None,
+        **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` in a forked child; its result. `what` names the library ("onnxruntime"),
     `action` what it was doing ("verifying"), for the error line, which adds `consequence`
     ("the rewritten model was not written") and `hint` ("Re-run with --no-verify ...").
 
     AttnResErrors raised by `fn` are raised again here; other exceptions become CrashError's
     sibling, an AttnResError naming them. Crash (signal) -> CrashError, more than `timeout`
-    seconds (None: no limit) -> TimeLimitError, memory -> MemoryLimitError.
+    seconds (None: no limit) or more than `cpu` seconds of CPU time -> TimeLimitError, memory ->
+    MemoryLimitError. A CPU time limit does not depend on how busy the machine is.
     """
     budget = memory_budget() if memory is None else memory
     for stream in (sys.stdout, sys.stderr):
@@ -109,7 +111,7 @@ def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: flo
     if pid == 0:  # the child: never returns
         os.close(read_end)
         _die_with(parent)
-        _child(fn, args, kwargs, write_end, log.fileno(), budget)
+        _child(fn, args, kwargs, write_end, log.fileno(), budget, cpu)
     os.close(write_end)
     start = time.monotonic()
     chunks: list[bytes] = []
@@ -128,7 +130,7 @@ def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: flo
         timed_out = timeout is not None and time.monotonic() - start >= timeout
         if timed_out:
             os.kill(pid, signal.SIGKILL)
-        status = os.waitpid(pid, 0)[1]
+        _, status, usage = os.wait4(pid, 0)
     finally:
         os.close(read_end)
         if status is None:  # interrupted (Ctrl-C, SIGTERM) or an error here: the child goes too
@@ -140,6 +142,8 @@ def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: flo
     tail = f". {hint}" if hint else ""
     if timed_out:
         raise TimeLimitError(lead.format(f"did not finish within {timeout:.0f} s") + tail)
+    if cpu is not None and usage.ru_utime + usage.ru_stime >= cpu:
+        raise TimeLimitError(lead.format(f"used more than {cpu:.0f} s of CPU time") + tail)
     data = b"".join(chunks)
     if os.WIFSIGNALED(status) or not data:
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
@@ -165,7 +169,7 @@ class ChildError(AttnResError):
     callers turn it into their own error class (onnxruntime refusing a model: ModelRunError)."""
 
 
-def _child(fn, args, kwargs, out_fd: int, log_fd: int, budget: int) -> None:
+def _child(fn, args, kwargs, out_fd: int, log_fd: int, budget: int, cpu: float | None) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -174,6 +178,7 @@ def _child(fn, args, kwargs, out_fd: int, log_fd: int, budget: int) -> None:
         os.dup2(log_fd, 2)
         sys.stdout = sys.stderr = open(log_fd, "w", closefd=False)
         _limit_memory(budget)
+        _limit_cpu(cpu)
         with contextlib.suppress(Exception):
             import torch
 
@@ -222,6 +227,21 @@ def _limit_memory(budget: int) -> None:
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _limit_cpu(seconds: float | None) -> None:
+    """SIGXCPU (then SIGKILL) past `seconds` of CPU time, without a core file."""
+    import math
+    import resource
+
+    if seconds is None:
+        return
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    ceiling = math.inf if hard == resource.RLIM_INFINITY else hard
+    soft = int(min(max(1, math.ceil(seconds)), ceiling))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, int(min(soft + 2, ceiling))))
+    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
 
 
 def _replay(log) -> str:

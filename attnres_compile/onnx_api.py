@@ -43,14 +43,38 @@ def _notes(model, path: Path) -> list[str]:
     return [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
 
 
-def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None) -> Report:
-    """Analyse the ONNX file at `path`: chains, links, sources, sites and skipped adds (no rewrite)."""
+def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
+                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+    """Analyse the ONNX file at `path`: chains, links, sources, sites and skipped adds (no rewrite),
+    with the inputs of `input_shapes` bound to those shapes (`_view`)."""
     config = as_config(config)
     path = Path(path)
     model = onnx_io.load(path, with_data=False)
-    view = view_from_onnx(model)
+    view = _view(model, input_shapes)
     plan = analyze(view, config)
-    return build(plan, view, config, "onnx", notes=_notes(model, path) + plan_notes(plan))
+    return build(plan, view, config, "onnx", notes=_notes(model, path) + _analysis_notes(plan, view, input_shapes))
+
+
+def _view(model, input_shapes: dict[str, tuple[int, ...]] | None):
+    """The model's view, its shapes inferred with the inputs of `input_shapes` bound: sizes that shape
+    inference cannot relate symbolically (`unk__12` vs `unk__18`) are compared at those shapes.
+    The shapes are checked against the model's inputs first (ConfigError)."""
+    from .passes import onnx_dims
+
+    if input_shapes:
+        onnx_dims.Dims(onnx_dims.declared(model), input_shapes)
+    return view_from_onnx(model, input_shapes)
+
+
+def _analysis_notes(plan, view, input_shapes) -> list[str]:
+    """plan_notes, and without `input_shapes` a hint where adds were skipped for symbolic dims that
+    shape inference could not prove equal."""
+    unproven = [s for s in plan.skipped_adds if s.reason.startswith("skip shape")
+                and any(not isinstance(d, int) for d in view.nodes[s.node]["shape"] or ())]
+    hint = (f"{len(unproven)} add(s) skipped because shape inference cannot prove their operands' dims equal "
+            f"(e.g. {unproven[0].node}); --input-shape NAME:1x3x224x224 analyses the model at given input shapes"
+            if unproven and not input_shapes else None)
+    return plan_notes(plan) + ([hint] if hint else [])
 
 
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
@@ -63,19 +87,19 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
     with `verify_timeout` seconds (default sized to the model), before the output is put in
     place, at the default and the all-1 shape sets (passes/onnx_dims.py; `input_shapes` fixes
-    an input's shape in both): preserve mode must match to 1e-5. An existing output, or one that would replace a
+    an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`.
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
     outputs.check(outputs.onnx_outputs(output), onnx_io.input_files(model, path), force)
-    notes = _notes(model, path)
     with progress.stage(f"analysing {path.name}"):
-        view = view_from_onnx(model)
+        view = _view(model, input_shapes)
         plan = analyze(view, config)
+    notes = _notes(model, path) + _analysis_notes(plan, view, input_shapes)
     if not has_work(plan, config):
-        return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + plan_notes(plan) + ["no file written"]))
+        return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + ["no file written"]))
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))

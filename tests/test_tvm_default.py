@@ -716,12 +716,13 @@ def test_string_tensors_are_refused_in_one_line():
 def test_grouped_convolutions_build_for_cuda():
     """Grouped and depthwise convolutions (the onnx wheel's Conv{1,2,3}d_groups and depthwise
     with multiplier): dlight's GPU Reduction rule returns a schedule TVM's cross-thread reduction
-    lowering refuses, and the whole CUDA build failed. gpu_rules.Lowerable rejects that schedule
+    lowering refuses, and the whole CUDA build failed. lowerable.Lowerable rejects that schedule
     and the next rule takes the operator; a norm-like reduction keeps the Reduction schedule."""
     from tvm import s_tir, topi
     from tvm.s_tir import dlight
 
-    from attnres_compile.backends.tvm.gpu_rules import Lowerable
+    from attnres_compile.backends.tvm.gpu_rules import lowers
+    from attnres_compile.backends.tvm.lowerable import Lowerable
     from attnres_compile.backends.tvm.pipeline import bind_shapes, lower, prepare
 
     target = make_target("cuda", "sm_90")
@@ -732,10 +733,10 @@ def test_grouped_convolutions_build_for_cuda():
         raw = dlight.gpu.Reduction().apply(conv, target, False)
         with pytest.raises(ValueError, match="Cross-thread reduction"):
             s_tir.transform.LowerCrossThreadReduction()(raw.mod)
-        assert Lowerable(dlight.gpu.Reduction()).apply(conv, target, False) is None
+        assert Lowerable(dlight.gpu.Reduction(), lowers).apply(conv, target, False) is None
         x = te.placeholder((64, 256), name="x")
         row_sum = te.create_prim_func([x, topi.sum(x, axis=1)])
-        assert Lowerable(dlight.gpu.Reduction()).apply(row_sum, target, False) is not None
+        assert Lowerable(dlight.gpu.Reduction(), lowers).apply(row_sum, target, False) is not None
     for name in ("Conv1d_groups", "Conv2d_groups", "Conv3d_groups", "Conv2d_depthwise_with_multiplier"):
         path = ONNX_DATA / "pytorch-converted" / f"test_{name}" / "model.onnx"
         build(import_model(path), target)

@@ -30,15 +30,8 @@ def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
     skipped: list[SkippedAdd] = []
     links: dict[str, Link] = {}
     for root in adds:
-        if root in inner:
-            continue
-        tree, terms, between = _flatten(g, root, inner)
-        found = _match_link(g, root, tree, terms)
-        if isinstance(found, Link):
-            found.inner = between
-            links[root] = found
-        else:
-            skipped += [SkippedAdd(a, nodes[a]["target"], found) for a in tree]
+        if root not in inner:
+            _match_sum(g, root, inner, links, skipped)
     chains = _chains(g, links, config)
     existing = [n for n in g if nodes[n]["kind"] == Kind.DEPTH_ATTENTION]
     return Plan(chains, skipped, existing, len(adds))
@@ -101,6 +94,31 @@ def _flatten(g: nx.DiGraph, root: str, inner: set[str]) -> tuple[list[str], list
             else:
                 terms.append(i)
     return tree, list(reversed(terms)), between
+
+
+def _match_sum(g: nx.DiGraph, root: str, inner: set[str], links: dict[str, Link], skipped: list[SkippedAdd]) -> None:
+    """The link of the sum tree under `root` into `links`; where its terms form none as a whole, `root`
+    over its own operands and each add under it as a sum of its own (an FPN's `(x + se(x)) +
+    upsample(y)` holds the residual `x + se(x)`); what forms no link into `skipped`."""
+    tree, terms, between = _flatten(g, root, inner)
+    found = _match_link(g, root, tree, terms)
+    if isinstance(found, Link):
+        found.inner = between
+        links[root] = found
+        return
+    if len(tree) == 1:
+        skipped.append(SkippedAdd(root, g.nodes[root]["target"], found))
+        return
+    parts = [a for a in tree if a != root]
+    tree, terms, _ = _flatten(g, root, inner - set(parts))
+    found = _match_link(g, root, tree, terms)
+    if isinstance(found, Link):
+        links[root] = found
+    else:
+        skipped.append(SkippedAdd(root, g.nodes[root]["target"], found))
+    for part in dict.fromkeys(_inner_source(g, i, inner)[0] for i in g.nodes[root]["inputs"]):
+        if part is not None:
+            _match_sum(g, part, inner, links, skipped)
 
 
 def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> Link | str:

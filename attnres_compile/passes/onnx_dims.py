@@ -21,6 +21,7 @@ from ..errors import ConfigError
 DEFAULT_BATCH = 2
 DEFAULT_DIM = 16
 SMALL_DIM = 1
+UNKNOWN = "?"  # a dim_param that names no size
 _PAST = re.compile(r"past|cache", re.IGNORECASE)
 
 Declared = dict[str, list]  # input -> dims: int (static), str (dim_param) or None (unnamed)
@@ -99,10 +100,11 @@ def _atom(tokens: list) -> tuple[dict[str, int], list]:
 
 class Dims:
     """The symbolic dims of a model's inputs: free names (with their defaults) and expressions of them,
-    and the sizes the user gave (`--input-shape`), checked against the declaration."""
+    and the sizes the user gave (`--input-shape`), checked against the declaration. The dim name `?`
+    is unnamed: paddle2onnx writes it for every unknown dim, not for one shared size."""
 
     def __init__(self, inputs: Declared, overrides: Shapes | None = None):
-        self.inputs = inputs
+        self.inputs = inputs = {name: [None if d == UNKNOWN else d for d in dims] for name, dims in inputs.items()}
         alone = [d for dims in inputs.values() for d in dims if isinstance(d, str)]
         self.exprs: dict[str, dict[str, int]] = {}
         for text in dict.fromkeys(alone):

@@ -29,6 +29,7 @@ from . import dynamic_dims
 from .fx_two_phase import one_pass
 from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
 from .onnx_grouping import finalize_sites
+from .onnx_optimize import exact_no_ops
 from .onnx_rewrite import PREFIX
 
 # The signature the exporter's tracer needs to record the node; never registered globally.
@@ -106,7 +107,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         graph = program.model.graph
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]
         graph.inputs.extend(queries)
-        program.optimize()
+        with exact_no_ops():
+            program.optimize()
         for q in queries:
             graph.inputs.remove(q)
         _name_outputs(graph, names)

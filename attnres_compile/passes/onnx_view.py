@@ -10,8 +10,9 @@ plan's names are the graph's value names. Ops are classified structurally, never
     attnres.DepthAttention, DepthAttentionMerge  DEPTH_ATTENTION (one per site; checked by onnx_site_check)
     graph inputs                               INPUT
 
-Shapes come from shape inference (`inferred_types`) on top of the file's own value_info;
-symbolic dims are their names, unknown dims a per-value token that equals no other.
+Shapes come from shape inference (`inferred_types`: the inference runs merged, with the inputs
+bound where --input-shape gives them) on top of the file's own value_info; symbolic dims are
+their names, unknown dims a per-value token that equals no other.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ CONTRACTIONS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInte
 
 
 SYMBOLIC_MAX_DEPTH = 2  # onnxruntime's symbolic inference re-infers every subgraph on each pass: exponential in depth
+CPU_SECONDS, CPU_SECONDS_PER_NODE, CPU_SECONDS_PER_GIB = 30.0, 0.05, 60.0  # each shape inference's CPU time limit
 
 
 def symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -55,7 +57,7 @@ def symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
         source = onnx.inliner.inline_local_functions(model) if model.functions else model
         with _quiet("onnxruntime.tools.symbolic_shape_infer"), _no_stray_files():
             return SymbolicShapeInference.infer_shapes(source, auto_merge=True, guess_output_rank=True)
-    except Exception:  # noqa: BLE001 - the caller falls back to ONNX's inference
+    except Exception:  # noqa: BLE001 - the caller goes on with the other inferences
         return None
 
 
@@ -67,40 +69,103 @@ def onnx_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
 
 
-def _symbolic_types(model: onnx.ModelProto) -> dict | None:
+def _symbolic_types(model: onnx.ModelProto) -> dict:
     inferred = symbolic_shapes(model)
-    return None if inferred is None else value_types(inferred.graph)
+    return {} if inferred is None else value_types(inferred.graph)
 
 
 def _onnx_types(model: onnx.ModelProto) -> dict:
     return value_types(onnx_shapes(model).graph)
 
 
-def inferred_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple | None]]:
-    """`value_types` of the main graph after shape inference: onnxruntime's symbolic one, else ONNX's.
+def inferred_types(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                   ) -> dict[str, tuple[int, tuple | None]]:
+    """`value_types` of the main graph, each dim the best that shape inference knows, the same on any machine.
 
-    Both run in an isolated child (isolate.py): shape inference evaluates parts of the graph
-    (Range, ConstantOfShape on constants) and has its own bugs (the symbolic one loops forever on
-    an input of undefined element type), so a hostile model's hang, crash or memory bomb there
-    costs at most the time limit (30 s plus 0.05 s per node); the symbolic one failing in any way
-    falls back to ONNX's. Beyond SYMBOLIC_MAX_DEPTH levels of If/Loop/Scan nesting only ONNX's
-    runs: the symbolic one re-infers each body on every pass, exponential in the depth, while
-    ONNX's is linear. Shape inference is best effort: values left without a shape are reported as such.
+    Up to three inferences, merged per dim (`merge_types`), best first: ONNX's on a copy whose inputs
+    have the `input_shapes` given (--input-shape; concrete dims prove sizes equal there), onnxruntime's
+    symbolic one (one symbol per dim through Shape/Gather/Concat/Reshape arithmetic, where ONNX's
+    invents a fresh `unk__N` after every computed Reshape) and ONNX's own (dims the symbolic one
+    leaves open). Each runs in an isolated child (isolate.py): shape inference evaluates parts of
+    the graph (Range, ConstantOfShape on constants) and has its own bugs, so a hostile model's hang
+    or memory bomb there is refused in one line. The limit is CPU time (30 s plus 0.05 s per node),
+    which does not depend on how busy the machine is, with a wall-clock backstop four times as long.
+    The symbolic one failing or crashing leaves it out; it is left out beforehand where it cannot
+    end: beyond SYMBOLIC_MAX_DEPTH levels of If/Loop/Scan nesting (it re-infers each body on every
+    pass, exponential in the depth; ONNX's is linear) and on an input of undefined element type (it
+    loops forever). Shape inference is best effort: values left without a shape are reported as such.
     """
     from .. import isolate
-    from ..errors import CrashError, MemoryLimitError, TimeLimitError
+    from ..errors import CrashError
 
     nodes = sum(len(g.node) for g, _ in onnx_io.graphs_with_depth(model))
-    timeout = 30.0 + 0.05 * nodes + 60.0 * model.ByteSize() / 2**30
-    run = {"what": "shape inference", "action": "analysing the model", "timeout": timeout}
-    if onnx_io.subgraph_depth(model) <= SYMBOLIC_MAX_DEPTH:
+    cpu = CPU_SECONDS + CPU_SECONDS_PER_NODE * nodes + CPU_SECONDS_PER_GIB * model.ByteSize() / 2**30
+    run = {"what": "shape inference", "action": "analysing the model", "cpu": cpu, "timeout": 60.0 + 4 * cpu,
+           "consequence": "the model is refused"}
+    runs = []
+    if input_shapes:
+        runs.append(isolate.run(_onnx_types, bind_inputs(model, input_shapes), **run))
+    if onnx_io.subgraph_depth(model) <= SYMBOLIC_MAX_DEPTH and not _untyped_input(model):
         try:
-            types = isolate.run(_symbolic_types, model, **run)
-            if types is not None:
-                return types
-        except (CrashError, TimeLimitError, MemoryLimitError, isolate.ChildError):
+            runs.append(isolate.run(_symbolic_types, model, **run))
+        except (CrashError, isolate.ChildError):
             pass
-    return isolate.run(_onnx_types, model, **run)
+    runs.append(isolate.run(_onnx_types, model, **run))
+    return merge_types(runs, {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim})
+
+
+def bind_inputs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+    """A copy of `model` whose graph inputs named in `shapes` have those dims, and whose main graph
+    carries no value_info of its own (the file's, computed without the binding, would stand)."""
+    bound = onnx.ModelProto()
+    bound.CopyFrom(model)
+    bound.graph.ClearField("value_info")
+    for vi in bound.graph.input:
+        if vi.name in shapes:
+            shape = vi.type.tensor_type.shape
+            shape.ClearField("dim")
+            for size in shapes[vi.name]:
+                shape.dim.add().dim_value = size
+    return bound
+
+
+def _untyped_input(model: onnx.ModelProto) -> bool:
+    return any(i.type.HasField("tensor_type") and i.type.tensor_type.elem_type == TensorProto.UNDEFINED
+               for i in model.graph.input)
+
+
+def merge_types(runs: list[dict], names: set[str]) -> dict[str, tuple[int, tuple | None]]:
+    """One `value_types` from several inference runs, best first: each dim a size where any run has one,
+    else the first run's symbol (a negative size, which ONNX's inference passes on, counts as one),
+    else unknown (None); the element type from the first run that knows it.
+
+    Equal symbols prove equal sizes only within a run (`unk__3` of two runs are unrelated): a run's
+    symbols that an earlier run also uses get the run's number (`unk__3~2`); the input dims'
+    own names (`names`) mean the same in every run.
+    """
+    seen: set = set()
+    renamed = []
+    for k, types in enumerate(runs):
+        own = {d for _, shape in types.values() for d in shape or () if isinstance(d, str) and d not in names}
+        renamed.append({d: f"{d}~{k}" for d in own & seen})
+        seen |= own
+    merged: dict[str, tuple[int, tuple | None]] = {}
+    for name in dict.fromkeys(v for types in runs for v in types):
+        found = [(types[name], rename) for types, rename in zip(runs, renamed) if name in types]
+        elem = next((e for (e, _), _ in found if e), 0)
+        shapes = [(shape, rename) for (_, shape), rename in found if shape is not None]
+        if not shapes:
+            merged[name] = (elem, None)
+            continue
+        rank = len(shapes[0][0])
+        shapes = [(shape, rename) for shape, rename in shapes if len(shape) == rank]
+        dims = []
+        for axis in range(rank):
+            options = [rename.get(shape[axis], shape[axis]) for shape, rename in shapes]
+            size = next((d for d in options if isinstance(d, int) and d >= 0), None)
+            dims.append(size if size is not None else next((d for d in options if d is not None), None))
+        merged[name] = (elem, tuple(dims))
+    return merged
 
 
 class _OnnxWithoutSave:
@@ -122,7 +187,7 @@ def _no_stray_files():
     """Keep onnxruntime's symbolic shape inference from writing into the working directory.
 
     When it cannot infer every shape it saves the model there (`sym_shape_infer_temp.onnx`, its
-    weights in a `<uuid>.data`) before raising, and view_from_onnx falls back to ONNX's own
+    weights in a `<uuid>.data`) before raising, and inferred_types goes on with ONNX's own
     inference; only that save is dropped.
     """
     try:
@@ -252,11 +317,12 @@ def _kind(node: onnx.NodeProto, types: dict) -> Kind:
     return Kind.OP
 
 
-def view_nodes(model: onnx.ModelProto) -> list[ViewNode]:
-    """The ViewNodes of `model.graph` in topological order (the order ONNX requires)."""
+def view_nodes(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ViewNode]:
+    """The ViewNodes of `model.graph` in topological order (the order ONNX requires); shapes as
+    inferred with the inputs of `input_shapes` bound (`inferred_types`)."""
     graph = model.graph
     check_sites(model, value_types(graph))  # before anything trusts (or shape-infers) existing sites
-    types = inferred_types(model)  # types only: shape inference may have inlined functions
+    types = inferred_types(model, input_shapes)  # types only: shape inference may have inlined functions
     initializers = [i.name for i in graph.initializer]
     consts = set(initializers)
     out: list[ViewNode] = []
@@ -290,6 +356,7 @@ def view_nodes(model: onnx.ModelProto) -> list[ViewNode]:
     return out
 
 
-def view_from_onnx(model: onnx.ModelProto) -> nx.DiGraph:
-    """The neutral view of `model.graph` (node names are the ONNX value names)."""
-    return build_view(view_nodes(model))
+def view_from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> nx.DiGraph:
+    """The neutral view of `model.graph` (node names are the ONNX value names), analysed at
+    `input_shapes` where given."""
+    return build_view(view_nodes(model, input_shapes))

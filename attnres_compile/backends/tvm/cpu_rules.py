@@ -2,7 +2,8 @@
 
 dlight ships CPU rules for GEMV and for norm/softmax-like reductions only; this module adds
 the rest, in the order `default_rules` applies them (the first rule that returns a schedule
-wins; the kernels, already scheduled, are never touched):
+TVM can lower wins, lowerable.py: a rule that raises, or whose schedule `lowers` refuses, passes
+the operator on; the kernels, already scheduled, are never touched):
 
 - `Matmul`: C[s, i, j] = sum_k A[s, i, k] * B[s, k, j] with an injective epilogue (bias,
   residual add, activation) computed per register tile. Tile: 4 rows x 4 vectors of the
@@ -14,8 +15,9 @@ wins; the kernels, already scheduled, are never touched):
   pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
   a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
   `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
-- dlight's `GEMV`, passing on an operator its own assertions refuse or that it would vectorise
-  around a loop (a build that did not finish).
+- dlight's `GEMV`, passing on an operator its own assertions refuse (a matmul over one term
+  with a symbolic batch: HF LeViT's and MobileViT's attention over one token) or that it would
+  vectorise around a loop (a build that did not finish).
 - `RowReduction`: norms, softmax and other row reductions in dlight's `Reduction` form, with
   the reductions vectorised (one partial sum per vector lane, then a horizontal sum) where
   dlight adds each row serially: a chain of dependent float adds, which made a [128, 256]
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import s_tir, sym, tirx
 from tvm.ir.expr import TensorLoad  # TVM 0.27's buffer load (tirx.BufferLoad is its factory)
 from tvm.s_tir import dlight
@@ -38,6 +41,8 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits, make_iter_fusion_index_map
 from tvm.target import Target
 
+from . import tir_pipeline
+from .lowerable import Lowerable
 from .schedule import _cores, vector_bits
 
 ROWS = 4  # rows of the register tile
@@ -51,8 +56,8 @@ PREPROC = "meta_schedule.layout_rewrite_preproc"
 
 def default_rules() -> list[dlight.ScheduleRule]:
     """The CPU rules in the order they are tried."""
-    return [Matmul(), _Guarded(dlight.cpu.GEMV()), RowReduction(), _Guarded(dlight.cpu.Reduction()), Injective(),
-            Fallback()]
+    rules = (Matmul(), dlight.cpu.GEMV(), RowReduction(), dlight.cpu.Reduction(), Injective(), Fallback())
+    return [Lowerable(rule, lowers) for rule in rules]
 
 
 def default_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
@@ -99,23 +104,17 @@ class _SafeRule(CPUScheduleRule):
         raise NotImplementedError
 
 
-class _Guarded(CPUScheduleRule):
-    """One of dlight's rules, where its own assertions on an operator it did not expect mean that it
-    does not apply: GEMV asserted on a batched matmul with K = 1 and a symbolic batch (HF LeViT's
-    and MobileViT's attention over one token), and the whole build failed. A schedule that
-    vectorises a loop with loops inside it is refused too: GEMV did so over the 128 rows of a
+def lowers(sch: s_tir.Schedule, target: Target) -> None:
+    """Raise where TVM's TIR lowering (tvm.compile's, all but code generation) refuses `sch`, or
+    where it vectorises a loop with loops inside it: dlight's GEMV did so over the 128 rows of a
     batched [32, 128, 32] x [32, 32, 1] product (HF GraniteMoE's experts as batched_mm), and the
-    build ran for over ten minutes without finishing; the next rule takes such an operator."""
-
-    def __init__(self, rule: dlight.ScheduleRule):
-        self.rule = rule
-
-    def apply(self, func, target: Target, tunable: bool):
-        try:
-            sch = self.rule.apply(func, target, tunable)
-        except AssertionError:
-            return None
-        return None if isinstance(sch, s_tir.Schedule) and _vector_loop_nest(sch) else sch
+    build ran for over ten minutes without finishing."""
+    if _vector_loop_nest(sch):
+        raise ValueError("a vectorised loop with loops inside it")
+    func = sch.mod["main"].with_attr("global_symbol", "main")
+    mod = tirx.transform.BindTarget(target.with_host(target))(tvm.IRModule({"main": func}))
+    passes, host_passes, _ = tirx.get_tir_pipeline(tir_pipeline.NAME)
+    host_passes()(passes(mod))
 
 
 def _vector_loop_nest(sch: s_tir.Schedule) -> bool:
@@ -274,14 +273,17 @@ class RowReduction(_SafeRule):
     that is a static multiple of the vector width (or of a half or quarter of it) keeps one
     partial sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise
     stages read by one stage, or that only cast or copy, are inlined into their readers. A stage
-    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule."""
+    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule,
+    as does an output with no axis beyond the rows (a pooling, a squeeze-excite's [1, C, 1, 1]
+    convolution): its innermost loop is the row loop, and vectorised it held the row's stages,
+    which TVM cannot lower ("VectorizeLoop before LiftStorageAlloc")."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
         if len(infos) < 2 or all(b.is_injective() for b in infos) or not infos[-1].is_injective():
             return None
         rows = min(len(k) - len(k.lstrip("S")) for k in (b.dom_kind() for b in infos))
-        if not rows:
+        if not rows or rows == len(infos[-1].dom_kind()):
             return None
         lane = lanes(target, 32)
         blocks = [*_inline_stages(sch, infos[:-1]), infos[-1].block_rv]

@@ -39,6 +39,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...errors import CompileError, ConfigError, first_line
+from ...passes.onnx_optimize import exact_no_ops
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
 BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
@@ -56,7 +57,8 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             folded = ir.from_proto(model)
-            onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
+            with exact_no_ops():
+                onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
             _register_folded_constants(folded.graph)
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
@@ -113,9 +115,10 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
         if len(shape.dim) != len(dims):
             raise ConfigError(f"--static-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
         for dim, size in zip(shape.dim, dims):
-            if dim.HasField("dim_value") and dim.dim_value != size:
+            # Paddle's exports write an unknown dim as -1 or "?", never one dim named "?" twice
+            if dim.HasField("dim_value") and 0 <= dim.dim_value != size:
                 raise ConfigError(f"--static-shape {name}: dim {dim.dim_value} is static, got {size}")
-            if dim.HasField("dim_param") and sizes.setdefault(dim.dim_param, size) != size:
+            if dim.dim_param not in ("", "?") and sizes.setdefault(dim.dim_param, size) != size:
                 raise ConfigError(f"--static-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
             dim.Clear()
             dim.dim_value = size

@@ -8,7 +8,8 @@ and cumsum becomes a scan that builds with symbolic dims (cumsum.py); the module
 fused. Then (`schedule`) every operator gets a default schedule: cpu_rules.py's on CPU
 (register-tiled GEMMs with pre-packed weights, dlight's GEMV, norms and softmax with their row
 sums in vector lanes, parallel/vectorised injective operators), dlight's GPU rules on CUDA
-(gpu_rules.py: a rule's schedule that TVM cannot lower goes to the next rule). With tuning,
+(gpu_rules.py); on both, a rule's schedule that TVM cannot lower goes to the next rule
+(lowerable.py). With tuning,
 meta_schedule tunes the prepared operators first (tune.py) and the default schedules fill in
 whatever it did not schedule. The rest is TVM's standard lowering.
 """

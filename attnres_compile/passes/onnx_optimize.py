@@ -1,0 +1,55 @@
+"""onnxscript's optimizer with its no-op rules made exact (`exact_no_ops`).
+
+onnxscript drops `x + c`, `x - c`, `x * c` and `x / c` where a scalar c is within
+math.isclose(rel_tol=1e-5, abs_tol=1e-8) of 0 or 1. An RMSNorm's `variance + 1e-8` (Helium's
+rms_norm_eps) is then removed, and an all-zero row (a pad token's embedding) reads
+rsqrt(0) * 0 = NaN in onnxruntime and TVM where torch gives 0. Inside `exact_no_ops` those four
+rules match a constant that is exactly 0 or 1; every other rule is onnxscript's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import onnx_ir as ir
+from onnxscript import rewriter
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter.rules.common import _no_op
+
+# onnxscript's tolerant rules (the `x + 0` and `x * 1` rules with their commuted forms)
+TOLERANT = tuple(r for r in _no_op.rules.rules if r not in (_no_op.dropout_zero_rule, _no_op.dropout_inference_rule))
+
+
+def _scalar_is(value: ir.Value, expected: float) -> bool:
+    """Whether `value` is a constant rank-0 tensor equal to `expected` (no tolerance)."""
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None or tensor.shape.rank() != 0:
+        return False
+    return tensor.numpy().item() == expected
+
+
+def _rule(op_name: str, neutral: float, commute: bool) -> list[pattern.RewriteRule]:
+    def target(op, x, c):
+        return getattr(op, op_name)(x, c)
+
+    def replacement(op, x, c):
+        return op.Identity(x)
+
+    def check(context, x, c, **_) -> bool:
+        return _scalar_is(c, neutral)
+
+    rule = pattern.RewriteRule(target, replacement, check)
+    return rule.commute() if commute else [rule]
+
+
+EXACT = (*_rule("Add", 0.0, True), *_rule("Sub", 0.0, False), *_rule("Mul", 1.0, True), *_rule("Div", 1.0, False))
+
+
+@contextlib.contextmanager
+def exact_no_ops() -> Iterator[None]:
+    """onnxscript's default rewrite rules, its tolerant no-op rules replaced by EXACT, while inside."""
+    rules = tuple(r for r in rewriter._DEFAULT_REWRITE_RULES if r not in TOLERANT)
+    with mock.patch.object(rewriter, "_DEFAULT_REWRITE_RULES", (*rules, *EXACT)):
+        yield

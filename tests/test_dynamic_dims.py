@@ -12,7 +12,7 @@ from attnres_compile import cli
 from attnres_compile.errors import ConfigError
 from attnres_compile.onnx_api import export_onnx
 from attnres_compile.passes import dynamic_dims, onnx_export
-from samples import hf_models, models
+from samples import hf_models, hf_zoo, models
 
 
 
@@ -95,3 +95,18 @@ def test_cli_dynamic_option(tmp_path, capsys):
     assert err.count("\n") == 0 and "--dynamic 'tokens'" in err
     assert cli.main(["inspect", str(out), "--dynamic", "batch"]) == 2
     assert "--dynamic applies to package.module:factory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_chunked_scans_keep_their_links():
+    """Mamba2 and Zamba2 pad the sequence to whole chunks and slice it back: the branch's length
+    is `(s53 + Mod(4 - Mod(s53, 4), 4))//4 * ...`, which the export's guards prove equal to the
+    skip's `s53` (fx_view.InputDims). All links are found (Mamba2 2, Zamba2 3; compared as text:
+    0 and 1) and the rewrite is exact."""
+    for factory, links in ((hf_zoo.mamba2_factory, [2]), (hf_zoo.zamba2_factory, [1, 2])):
+        report = ac.rewrite(*factory()).report
+        assert [c["links"] for c in report["chains"]] == links, factory.__name__
+        assert report["chains"][-1]["status"] == "rewritten" and all(row["ok"] for row in report["verification"])
+        assert report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
+

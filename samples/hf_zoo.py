@@ -160,6 +160,11 @@ def zamba2_factory():
                    use_mem_rope=False, max_position_embeddings=32)
 
 
+def falcon_mamba_factory():
+    """FalconMamba: its selective scan loops over the sequence, which the export then fixes at 8."""
+    return _ssm_lm(tf.FalconMambaConfig, tf.FalconMambaForCausalLM, num_hidden_layers=1, state_size=8, conv_kernel=4)
+
+
 ZOO = {
     "t5": t5_factory,
     "whisper": whisper_factory,

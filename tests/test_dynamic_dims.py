@@ -1,6 +1,7 @@
 """Dynamic input dims: the rewritten module takes any batch and sequence length by default,
 `--dynamic` chooses the dims, and a failing dynamic trace or export falls back to static shapes."""
 
+import re
 from pathlib import Path
 
 import onnx
@@ -27,6 +28,7 @@ def test_rewritten_module_takes_any_batch_and_sequence():
     model, inputs = hf_models.llama_factory()
     result = ac.rewrite(model, inputs)
     assert result.report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
+    assert not any("stay static" in note for note in result.report["notes"])
     for batch, length in ((3, 5), (1, 8)):
         other = {"input_ids": torch.randint(0, 100, (batch, length)), "attention_mask": torch.ones(batch, length, dtype=torch.long),
                  "use_cache": False}
@@ -110,3 +112,13 @@ def test_chunked_scans_keep_their_links():
         assert report["chains"][-1]["status"] == "rewritten" and all(row["ok"] for row in report["verification"])
         assert report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
 
+
+def test_note_names_the_dims_the_model_fixes(capsys):
+    """FalconMamba's scan loops over the sequence: asked dynamic (the default), the sequence stays
+    8, and one note line says which dims, their size and the model's line that fixed them."""
+    assert cli.main(["inspect", "samples.hf_zoo:falcon_mamba_factory"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "stay static" in line]
+    assert len(notes) == 1, notes
+    assert re.fullmatch(r"note: input_ids\[1\], attention_mask\[1\] stay static \(size 8\): torch\.export specialised "
+                        r"them at transformers/models/falcon_mamba/modeling_falcon_mamba\.py:\d+ in mamba_selective_scan "
+                        r"\(the result takes only these sizes\)", notes[0]), notes[0]

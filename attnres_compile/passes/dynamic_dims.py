@@ -6,7 +6,8 @@ named dims `INPUT.AXIS` (`pixel_values.2`). The default, `batch,seq`, lets the r
 model take any batch size and sequence length while image sizes and feature axes stay static:
 with every dim symbolic, window partitions (Swin) and similar shape arithmetic can no longer
 be proven to keep a branch in the skip's shape. Chosen dims get `torch.export.Dim.AUTO`, so a
-dim the model fixes (a convolution's channels, a fixed-length input) is silently static.
+dim the model fixes (a convolution's channels, a scan over the sequence) stays static; a note
+names those of size >= 2 and where the model fixed them (`specialised_note`).
 """
 
 from __future__ import annotations

@@ -83,14 +83,18 @@ def _trace(model: Any, example_inputs: Any, dynamic_shapes: Any, dynamic: str | 
                          "works on a copy to leave the model passed in unchanged: make it deep-copyable") from None
     dims = dynamic_dims.parse(dynamic)
     what = "dynamic_shapes" if dynamic_shapes is not None else f"dynamic {dims.text}"
-    if dynamic_shapes is None:
+    dims_asked = dynamic_shapes is None
+    if dims_asked:
         dynamic_shapes = dynamic_dims.export_spec(dims, model, args, kwargs)
         notes += dynamic_dims.size_one_note(dims, model, args, kwargs)
     try:
         with hf_experts.export_friendly(model) as note:
             ep = dynamic_dims.export_program(model, args, kwargs, dynamic_shapes, what, notes)
         notes += [note] if note else []
-        return Traced(make_mode_switchable(ep.module(check_guards=False), model.training), "torch.export", args, kwargs, notes)
+        gm = ep.module(check_guards=False)
+        if dims_asked:
+            notes += dynamic_dims.specialised_note(dims, model, args, kwargs, gm)
+        return Traced(make_mode_switchable(gm, model.training), "torch.export", args, kwargs, notes)
     except Exception as export_exc:  # noqa: BLE001 - any tracer failure falls back, then is reported
         try:
             gm = fx.symbolic_trace(model)

@@ -137,6 +137,34 @@ def mixtral_factory():
                num_experts_per_tok=2)
 
 
+def _ssm_lm(config_cls, model_cls, **cfg):
+    """A state-space LM (no attention sizes in its config), with the text models' inputs."""
+    torch.manual_seed(0)
+    model = model_cls(config_cls(hidden_size=32, vocab_size=VOCAB, **cfg)).eval()
+    return model, {**_text_inputs(VOCAB), "use_cache": False}
+
+
+def mamba2_factory():
+    """Mamba2: 2 pre-norm SSM layers; the chunked scan pads the sequence to whole chunks of 4 and
+    slices it back, so the branch's length is an expression the export's guards equate to the skip's."""
+    return _ssm_lm(tf.Mamba2Config, tf.Mamba2ForCausalLM, num_hidden_layers=2, state_size=8, num_heads=4,
+                   head_dim=16, n_groups=1, chunk_size=4)
+
+
+def zamba2_factory():
+    """Zamba2: a hybrid layer (a shared attention block's projection added into the stream, then
+    Mamba2) and a Mamba2 layer; chunked scans as in Mamba2."""
+    return _ssm_lm(tf.Zamba2Config, tf.Zamba2ForCausalLM, num_hidden_layers=2, layers_block_type=["hybrid", "mamba"],
+                   mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16, mamba_ngroups=1, chunk_size=4,
+                   num_attention_heads=2, attention_head_dim=16, intermediate_size=64, num_mem_blocks=1,
+                   use_mem_rope=False, max_position_embeddings=32)
+
+
+def falcon_mamba_factory():
+    """FalconMamba: its selective scan loops over the sequence, which the export then fixes at 8."""
+    return _ssm_lm(tf.FalconMambaConfig, tf.FalconMambaForCausalLM, num_hidden_layers=1, state_size=8, conv_kernel=4)
+
+
 ZOO = {
     "t5": t5_factory,
     "whisper": whisper_factory,

@@ -6,7 +6,8 @@ from torch import nn
 
 import attnres_compile as ac
 from attnres_compile.config import AttnResConfig
-from attnres_compile.passes import chain_analysis
+from attnres_compile.onnx_api import inspect_onnx
+from attnres_compile.passes import chain_analysis, onnx_export, onnx_io
 from attnres_compile.passes.chain_analysis import analyze
 from attnres_compile.passes.graph_view import Kind, ViewNode, build_view
 
@@ -222,3 +223,30 @@ def test_explicit_non_residual_adds_survive_rewrite():
     assert sum("scalar" in r for r in reasons.values()) == 3      # var + eps
     assert [c["links"] for c in result.report["chains"]] == [6]
     assert all(row["ok"] for row in result.report["verification"])
+
+
+class GatedConditioning(nn.Module):
+    """FiLM / adaLN-style gating, y + W(c) * sigmoid(mean(y)): the branch's only learned op, W(c),
+    is beside the skip's path, not on it."""
+
+    def __init__(self, d=16, layers=3):
+        super().__init__()
+        self.cond = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, y, c):
+        for w in self.cond:
+            y = y + w(c) * torch.sigmoid(y.mean(-1, keepdim=True))
+        return y
+
+
+def test_gated_conditioning_branch_is_learned(tmp_path):
+    """A branch is learned when its cone after the skip holds a learned op: the three gated links
+    form one chain, in the fx analysis and in the ONNX one (a single rule), and rewrite exactly."""
+    torch.manual_seed(0)
+    model, inputs = GatedConditioning().eval(), (torch.randn(2, 6, 16), torch.randn(2, 6, 16))
+    result = ac.rewrite(model, inputs)
+    assert [c["links"] for c in result.report["chains"]] == [3]
+    assert all(row["ok"] for row in result.report["verification"])
+    path = tmp_path / "gated.onnx"
+    onnx_io.write(onnx_export.export(model, inputs), path)
+    assert [c["links"] for c in inspect_onnx(path)["chains"]] == [3]

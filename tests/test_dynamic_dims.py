@@ -2,6 +2,7 @@
 `--dynamic` chooses the dims, and a failing dynamic trace or export falls back to static shapes."""
 
 import logging
+import re
 from pathlib import Path
 
 import onnx
@@ -13,7 +14,7 @@ from attnres_compile import cli
 from attnres_compile.errors import ConfigError
 from attnres_compile.onnx_api import export_onnx
 from attnres_compile.passes import dynamic_dims, onnx_export
-from samples import hf_models, models
+from samples import hf_models, hf_zoo, models
 
 
 
@@ -28,6 +29,7 @@ def test_rewritten_module_takes_any_batch_and_sequence():
     model, inputs = hf_models.llama_factory()
     result = ac.rewrite(model, inputs)
     assert result.report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
+    assert not any("stay static" in note for note in result.report["notes"])
     for batch, length in ((3, 5), (1, 8)):
         other = {"input_ids": torch.randint(0, 100, (batch, length)), "attention_mask": torch.ones(batch, length, dtype=torch.long),
                  "use_cache": False}
@@ -111,3 +113,30 @@ def test_batch_one_specialization_lines_stay_inside_the_api(capfd, caplog):
     assert not [r for r in caplog.records if "specialized" in r.getMessage()]
     assert "specialized" not in "".join(capfd.readouterr())
     assert [logging.getLogger(n).level for n in dynamic_dims.EXPORT_LOGGERS] == levels
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_chunked_scans_keep_their_links():
+    """Mamba2 and Zamba2 pad the sequence to whole chunks and slice it back: the branch's length
+    is `(s53 + Mod(4 - Mod(s53, 4), 4))//4 * ...`, which the export's guards prove equal to the
+    skip's `s53` (fx_view.InputDims). All links are found (Mamba2 2, Zamba2 3; compared as text:
+    0 and 1) and the rewrite is exact."""
+    for factory, links in ((hf_zoo.mamba2_factory, [2]), (hf_zoo.zamba2_factory, [1, 2])):
+        result = ac.rewrite(*factory())
+        report = result.report
+        assert [c["links"] for c in report["chains"]] == links, factory.__name__
+        assert not any(n.target == "reshape_as" for n in result.graph_module.graph.nodes)  # sources in the site's shape
+        assert report["chains"][-1]["status"] == "rewritten" and all(row["ok"] for row in report["verification"])
+        assert report["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1]}
+
+
+def test_note_names_the_dims_the_model_fixes(capsys):
+    """FalconMamba's scan loops over the sequence: asked dynamic (the default), the sequence stays
+    8, and one note line says which dims, their size and the model's line that fixed them."""
+    assert cli.main(["inspect", "samples.hf_zoo:falcon_mamba_factory"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "stay static" in line]
+    assert len(notes) == 1, notes
+    assert re.fullmatch(r"note: input_ids\[1\], attention_mask\[1\] stay static \(size 8\): torch\.export specialised "
+                        r"them at transformers/models/falcon_mamba/modeling_falcon_mamba\.py:\d+ in mamba_selective_scan "
+                        r"\(the result takes only these sizes\)", notes[0]), notes[0]

@@ -139,7 +139,7 @@ def _match_link(g: nx.DiGraph, root: str, tree: list[str], terms: list[str]) -> 
     branches = [t for t in terms if t != skip]
     if not all(_depends_on(g, b, paths[skip]) for b in branches):
         return NOT_A_SKIP
-    if not all(_learned_between(g, paths[skip], b) for b in branches):
+    if not all(_learned_branch(g, paths[skip], b) for b in branches):
         return NOT_LEARNED
     shape = nodes[skip]["shape"]
     if shape is None or any(nodes[t]["shape"] is None for t in terms):
@@ -187,33 +187,28 @@ def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
     return False
 
 
-def _learned_between(g: nx.DiGraph, skip_path: list[str], branch: str) -> bool:
-    """Whether a learned op lies on a path from the skip value to `branch` (`branch` included).
+def _learned_branch(g: nx.DiGraph, skip_path: list[str], branch: str) -> bool:
+    """Whether the cone of `branch` holds a learned op after the skip: on a path from the skip
+    value (`branch` included) or beside it, in another operand's cone (FiLM / adaLN gating:
+    `y + W(c) * sigmoid(mean(y))`, whose only learned op is W(c)).
 
-    The nodes between them are the ancestors of `branch` (after the skip, in topological
-    order) that the skip reaches; depth-attention nodes are barriers as in `_depends_on`.
+    Searched: the ancestors of `branch` after the skip in topological order (never the skip's own
+    cone, so GELU-tanh's `x + 0.044715*x**3` after a linear is no link); depth-attention nodes are
+    barriers as in `_depends_on`.
     """
     nodes = g.nodes
     low = nodes[skip_path[-1]]["order"]
-    ancestors, stack = {branch}, [branch]
+    seen, stack = {branch}, [branch]
     while stack:
         n = stack.pop()
+        if nodes[n]["learned"] and n not in skip_path:
+            return True
         if nodes[n]["kind"] == Kind.DEPTH_ATTENTION:
             continue
         for i in nodes[n]["inputs"]:
-            if i not in ancestors and nodes[i]["order"] > low:
-                ancestors.add(i)
+            if i not in seen and nodes[i]["order"] > low:
+                seen.add(i)
                 stack.append(i)
-    reached = set()
-    stack = [u for s in skip_path for u in nodes[s]["users"] if u in ancestors]
-    while stack:
-        n = stack.pop()
-        if n in reached:
-            continue
-        if nodes[n]["learned"]:
-            return True
-        reached.add(n)
-        stack += [u for u in nodes[n]["users"] if u in ancestors and u not in reached]
     return False
 
 

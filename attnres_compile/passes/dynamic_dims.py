@@ -6,7 +6,8 @@ named dims `INPUT.AXIS` (`pixel_values.2`). The default, `batch,seq`, lets the r
 model take any batch size and sequence length while image sizes and feature axes stay static:
 with every dim symbolic, window partitions (Swin) and similar shape arithmetic can no longer
 be proven to keep a branch in the skip's shape. Chosen dims get `torch.export.Dim.AUTO`, so a
-dim the model fixes (a convolution's channels, a fixed-length input) is silently static.
+dim the model fixes (a convolution's channels, a scan over the sequence) stays static; a note
+names those of size >= 2 and where the model fixed them (`specialised_note`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,34 @@ def size_one_note(dims: DynamicDims, model: Any, args: tuple, kwargs: dict) -> l
         return []
     return [f"{', '.join(fixed)} stay static: their example size is 0 or 1, which torch.export specialises "
             "(give examples of size >= 2 for dynamic dims)"]
+
+
+def specialised_note(dims: DynamicDims, model: Any, args: tuple, kwargs: dict, gm: torch.fx.GraphModule) -> list[str]:
+    """A note for dims asked dynamic (example size >= 2) that the trace made static anyway: a
+    shape guard set their symbol to a constant (FalconMamba's scan loops over the sequence,
+    Funnel's position table is built for it); names them, their size and where torch.export
+    specialised them."""
+    shape_env = next((n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes
+                      if n.op == "placeholder" and hasattr(n.meta.get("val"), "fake_mode")), None)
+    if shape_env is None:
+        return []
+    inputs = {**dict(zip(_input_names(model, args), args)), **kwargs}
+    kept = traced_dims(gm)
+    fixed = [(f"{name}[{axis}]", value.shape[axis]) for name, value in inputs.items() for axis in dims.axes(name, value)
+             if value.shape[axis] >= 2 and axis not in kept.get(name, [])]
+    specialised = {s for s, r in shape_env.replacements.items() if r.is_number}
+    where = next((f" at {g.sloc.maybe_user_loc or str(g.sloc)[1:-1]}" for g in shape_env.guards
+                  if _sets_constant(g.expr) and g.expr.free_symbols & specialised), "")
+    if not fixed or not shape_env.var_to_sources:
+        return []  # nothing asked became static, or the export fell back to static shapes (noted there)
+    sizes = "/".join(sorted({str(size) for _, size in fixed}))
+    return [f"{', '.join(n for n, _ in fixed)} stay static (size {sizes}): torch.export specialised them{where} "
+            "(the result takes only these sizes)"]
+
+
+def _sets_constant(expr) -> bool:
+    """A guard `Eq(s, 8)`: it fixes a symbol to a constant (not `Eq(s0, s1)`, which unifies two)."""
+    return expr.is_Relational and expr.rel_op == "==" and any(side.is_number for side in expr.args)
 
 
 def traced_dims(gm: torch.fx.GraphModule) -> dict[str, list[int]]:

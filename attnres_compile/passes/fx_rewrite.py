@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from ..config import AttnResConfig
 from ..op import depth_attention as _op  # noqa: F401  (registers torch.ops.attnres)
-from .fx_view import tensor_meta
+from .fx_view import InputDims, tensor_meta
 from .plan import Chain, Plan, RewrittenSite
 
 HOLDER = "attnres"
@@ -27,11 +27,12 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, config: AttnResConfig) -> list[Re
     by_name = {n.name: n for n in gm.graph.nodes}
     replaced: dict[fx.Node, fx.Node] = {}
     sites: list[RewrittenSite] = []
+    dims = InputDims(gm)
     for chain in plan.to_rewrite:
         name = _free_name(holder)
         params = nn.ParameterDict()
         holder.register_module(name, params)
-        sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, config)
+        sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, config, dims)
     for old, new in replaced.items():
         old.replace_all_uses_with(new)
     _erase_dead(gm.graph, [by_name[a] for c in plan.to_rewrite for link in c.links for a in link.adds + link.inner])
@@ -47,7 +48,7 @@ def _free_name(holder: nn.Module) -> str:
     return f"chain{i}"
 
 
-def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) -> list[RewrittenSite]:
+def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config, dims) -> list[RewrittenSite]:
     graph = gm.graph
     sources = [by_name[s] for s in chain.sources]
     terms = chain.site_terms(config.block_size_for(len(sources) - 1))
@@ -59,7 +60,7 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) ->
         val = site.meta.get("val")
         device = val.device if isinstance(val, torch.Tensor) else None
         params[f"site{k}"] = nn.Parameter(torch.zeros(chain.feature_size, dtype=torch.float32, device=device))
-        layout = (site, ref, tensor_meta(site)[0])
+        layout = (site, ref, tensor_meta(site, dims)[0], dims)
         with graph.inserting_before(site.next):
             inputs = [_term(graph, group, sources, layout, cache) for group in groups]
             scale = float(len(inputs)) if config.scale == "preserve" else 1.0
@@ -78,7 +79,7 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config) ->
 def _term(graph: fx.Graph, group: tuple[int, ...], sources, layout, cache) -> fx.Node:
     """The node for one entry of S_k: a source, or the (partial) block sum over `group`.
 
-    `layout` is (site, a node with the site's shape, the site's shape).
+    `layout` is (site, a node with the site's shape, the site's shape, the graph's InputDims).
     """
     key = (group, layout[2])
     if key in cache:
@@ -96,11 +97,11 @@ def _term(graph: fx.Graph, group: tuple[int, ...], sources, layout, cache) -> fx
 
 def _in_layout(graph: fx.Graph, src: fx.Node, layout, cache) -> fx.Node:
     """`src` brought to the site's layout ([B*T, D] vs [B, T, D]) when the two differ."""
-    site, ref, shape = layout
+    site, ref, shape, dims = layout
     key = (src, shape)
     if key in cache:
         return cache[key]
-    if tensor_meta(src)[0] == shape:
+    if tensor_meta(src, dims)[0] == shape:
         cache[key] = src
     else:
         cache[key] = graph.call_method("reshape_as", (src, ref))

@@ -14,6 +14,7 @@ import operator
 import networkx as nx
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
 from .graph_view import Kind, ViewNode, build_view
@@ -44,11 +45,12 @@ def _op_name(gm: fx.GraphModule, node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def tensor_meta(node: fx.Node):
-    """(shape, dtype) of a node's tensor value from its metadata, or (None, None)."""
+def tensor_meta(node: fx.Node, dim=None):
+    """(shape, dtype) of a node's tensor value from its metadata, or (None, None); `dim` names
+    symbolic dims (default `_dim`)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return tuple(_dim(d) for d in val.shape), str(val.dtype).replace("torch.", "")
+        return tuple((dim or _dim)(d) for d in val.shape), str(val.dtype).replace("torch.", "")
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return tuple(int(d) for d in tm.shape), str(tm.dtype).replace("torch.", "")
@@ -62,6 +64,35 @@ def _dim(d) -> int | str:
         value = d.node.maybe_as_int()
         return value if value is not None else str(d)
     return d
+
+
+class InputDims:
+    """Names a graph's symbolic dims by the input dim the trace's shape env proves them equal to.
+
+    A chunked scan (Mamba2) pads the sequence to whole chunks and slices it back: its output's
+    dim is `(s53 + Mod(4 - Mod(s53, 4), 4))//4 * ...`, which the export's guards make equal to
+    `s53`; compared as text, the branch and the skip would differ. Dims proven equal to no input
+    dim keep their own text.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        self.inputs = {}
+        for node in gm.graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            for d in val.shape if isinstance(val, torch.Tensor) else ():
+                if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                    self.inputs.setdefault(d.node.expr, d)
+        self.names: dict[str, str] = {}
+
+    def __call__(self, d) -> int | str:
+        dim = _dim(d)
+        if isinstance(dim, int) or d.node.expr.is_symbol:
+            return dim
+        if dim not in self.names:
+            same = (str(s) for sym, s in self.inputs.items()
+                    if sym in d.node.expr.free_symbols and statically_known_true(d == s))
+            self.names[dim] = next(same, dim)
+        return self.names[dim]
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -201,6 +232,7 @@ def view_from_fx(gm: fx.GraphModule) -> nx.DiGraph:
     """The neutral view of `gm.graph` (node names are the fx node names)."""
     out = []
     pos = {node: i for i, node in enumerate(gm.graph.nodes)}
+    dims = InputDims(gm)
     for node in gm.graph.nodes:
         kind = _kind(gm, node)
         if kind == Kind.ADD:
@@ -209,7 +241,7 @@ def view_from_fx(gm: fx.GraphModule) -> nx.DiGraph:
             inputs = [node.args[0]]  # the value; type_as's dtype reference and view sizes are not data
         else:
             inputs = list(dict.fromkeys(node.all_input_nodes))
-        shape, dtype = tensor_meta(node)
+        shape, dtype = tensor_meta(node, dims)
         is_add = kind == Kind.ADD
         out.append(ViewNode(
             node.name, kind, _op_name(gm, node), [i.name for i in inputs], shape, dtype,

@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from attnres_compile import fused, op, two_phase
+from attnres_compile import op, two_phase
 from attnres_compile.bench.model import make_inputs, make_model, make_variants
 from attnres_compile.bench.timing import interleaved_clocks, paired_ratio, ratio_interval
+from attnres_compile.kernels import fused
 
 
 class Kernels:

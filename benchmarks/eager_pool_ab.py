@@ -20,10 +20,10 @@ import statistics
 
 import torch
 
-from attnres_compile import fused
 from attnres_compile.bench.model import make_inputs, make_model, make_variants
 from attnres_compile.bench.timing import interleaved_clocks, paired_ratio
-from attnres_compile.kernel_cache import Spec, get
+from attnres_compile.kernels import fused
+from attnres_compile.kernels.cache import Spec, get
 
 
 def kernel_sets() -> dict[str, dict]:

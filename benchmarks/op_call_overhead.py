@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 import attnres_compile  # registers torch.ops.attnres
-from attnres_compile import fused
 from attnres_compile.bench import timing
+from attnres_compile.kernels import fused
 
 OP = torch.ops.attnres.depth_attention.default
 

@@ -2,7 +2,7 @@
 partial kernel per history, side by side.
 
 `bench model`'s GPT-2 or Llama, rewritten to Full and put through `two_phase`, runs at 1 thread
-with `kernel_cache.PARTIAL_CHUNK` set per candidate before each call (8, the default; 1000, one
+with `kernels/cache.py`'s `PARTIAL_CHUNK` set per candidate before each call (8, the default; 1000, one
 link per history: the form before chains), interleaved, plus an identical copy of the first.
 
     python benchmarks/partial_chunk_ab.py gpt [--sublayers 48] [--rounds 25]
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnres_compile as ac  # noqa: E402
-from attnres_compile import kernel_cache  # noqa: E402
+from attnres_compile.kernels import cache as kernel_cache  # noqa: E402
 from attnres_compile.bench import timing  # noqa: E402
 from attnres_compile.bench.model import make_inputs, make_model  # noqa: E402
 

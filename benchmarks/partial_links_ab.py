@@ -1,7 +1,7 @@
 """One phase-1 partial over a long history as chains of links of different lengths, side by side,
-hot and cold: the TVM kernels (kernel.py, schedule.py) of this checkout, 1 thread.
+hot and cold: the TVM kernels (kernels/tensorir.py, schedule.py) of this checkout, 1 thread.
 
-A chain of links of at most K sources (kernel_cache.partial_links) passes its state [queries,
+A chain of links of at most K sources (kernels/cache.py, partial_links) passes its state [queries,
 rows, D] from link to link through memory; one link per history (K >= history) has no such
 traffic but a kernel per history length. Each form is checked against the first (the normalised
 sums acc / l), then timed in interleaved rounds: hot (inputs in cache, the call repeated) and
@@ -22,9 +22,10 @@ import numpy as np
 import tvm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attnres_compile.backends.tvm.kernel import depth_attention_partial_func  # noqa: E402
-from attnres_compile.backends.tvm.schedule import build, host_target  # noqa: E402
 from attnres_compile.bench import timing  # noqa: E402
+from attnres_compile.kernels.schedule import build  # noqa: E402
+from attnres_compile.kernels.target import host_target  # noqa: E402
+from attnres_compile.kernels.tensorir import depth_attention_partial_func  # noqa: E402
 
 
 def chain(history: int, queries: int, size: int, most: int, built: dict):

@@ -24,8 +24,8 @@ from tvm.s_tir import dlight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnres_compile.backends.tvm import cpu_rules, pipeline  # noqa: E402
-from attnres_compile.backends.tvm.schedule import host_target  # noqa: E402
 from attnres_compile.bench import timing  # noqa: E402
+from attnres_compile.kernels.target import host_target  # noqa: E402
 
 OPERATORS = {"layer_norm [1, 128, 256]": (1, 128, 256), "rms_norm [1, 128, 256]": (1, 128, 256),
              "softmax [1, 4, 128, 128]": (1, 4, 128, 128), "layer_norm [1, 2048, 1024]": (1, 2048, 1024),

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import io
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -27,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from . import __version__, env_checks, outputs, progress
+from .cli_args import factory_file, load_factory, seconds
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
 from .file_kind import check_file
@@ -63,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("-o", "--output", required=True,
                     help="output file: .onnx (ONNX model; from an ONNX file or a factory) or .pt2 (torch.export program)")
     rw.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
-    rw.add_argument("--verify-timeout", type=_seconds, metavar="SECONDS",
+    rw.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                     help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
     rw.add_argument("--report", help="also write the report as JSON to this file")
     rw.add_argument("--force", action="store_true",
@@ -88,16 +86,6 @@ def _parser() -> argparse.ArgumentParser:
     add_generate_command(sub)
     add_bench_commands(sub)
     return p
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -133,65 +121,6 @@ def is_onnx_path(model: str) -> bool:
     return model.lower().endswith(".onnx") or (os.path.exists(model) and not os.path.isdir(model))
 
 
-_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_ATTR = re.compile(r"^[A-Za-z_]\w*$")
-
-
-def _factory_parts(spec: str) -> tuple[str, str]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not _MODULE.match(module_name) or not _ATTR.match(attr):
-        raise InputError(f"model {spec!r} is neither an existing file nor of the form package.module:factory "
-                         "(an importable module path and a function name)")
-    return module_name, attr
-
-
-def factory_file(spec: str) -> Path | None:
-    """The source file of a factory's module, found without running the module (None if unknown)."""
-    module_name, _ = _factory_parts(spec)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        found = importlib.util.find_spec(module_name)
-    except BaseException:  # noqa: BLE001 - a parent package that fails to import: load_factory reports it
-        return None
-    return Path(found.origin) if found is not None and found.origin and os.path.isfile(found.origin) else None
-
-
-def load_factory(spec: str):
-    """(model, example_inputs) from `package.module:factory`, importable from the working directory.
-
-    Any failure of the module or the factory (an exception, a SyntaxError, sys.exit) is a bad
-    factory (InputError); Ctrl-C and SIGTERM still interrupt."""
-    module_name, attr = _factory_parts(spec)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (KeyboardInterrupt, Interrupted):
-        raise
-    except BaseException as exc:  # noqa: BLE001 - ImportError, SyntaxError, SystemExit, errors at import time
-        raise InputError(f"cannot load factory {spec!r}: {_why(exc)}") from None
-    if not callable(factory):
-        raise InputError(f"factory {spec!r} is a {type(factory).__name__}, not a function")
-    try:
-        made = factory()
-    except (KeyboardInterrupt, Interrupted):
-        raise
-    except BaseException as exc:  # noqa: BLE001
-        raise InputError(f"factory {spec!r} raised {_why(exc)}") from None
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise InputError(f"factory {spec!r} must return (model, example_inputs), got {type(made).__name__}")
-    return made
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"SystemExit: it called sys.exit({exc.code!r})"
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
-    return first_line(exc)
-
-
 # ---------------------------------------------------------------------------------------------
 # what each command writes and reads: checked together before any work (outputs.check)
 
@@ -224,7 +153,7 @@ def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
         heatmap = Path(args.heatmap) if args.heatmap else checkpoint.with_suffix(".png")
         return [Output(heatmap, "--heatmap")], [checkpoint], args.force
     if args.command == "compile":
-        from .backends.tvm.cli import artifact_output
+        from .backends.tvm.artifact_checks import artifact_output
         from .passes import onnx_io
 
         return [artifact_output(Path(args.output))], onnx_io.files_of(Path(args.model)), args.force

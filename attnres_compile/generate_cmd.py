@@ -152,7 +152,7 @@ def _pt2(path: Path, batch: int):
 
 def _factory(args, batch: int):
     from .api import rewrite
-    from .cli import load_factory
+    from .cli_args import load_factory
     from .config import AttnResConfig
     from .decoder import probe
     from .generation import torch_step

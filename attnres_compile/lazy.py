@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 
 def exports(package: str, homes: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """(__getattr__, __dir__) for `package`, whose name X lives in its submodule `homes[X]`; a name,
-    once loaded, is stored on the package, so later lookups do not come back here."""
+    """(__getattr__, __dir__) for `package`, whose name X lives in the module `homes[X]`, relative to
+    the package (a submodule, or `..kernels.schedule` for a sibling package's); a name, once loaded,
+    is stored on the package, so later lookups do not come back here."""
 
     def __getattr__(name: str):
         if name not in homes:

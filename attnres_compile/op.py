@@ -3,7 +3,7 @@
     out = scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
 Two implementations behind one op, chosen per call by ATTNRES_KERNEL (or `set_kernel`):
-  auto (default)  the fused TVM kernels (fused.py) where they apply, else the eager reference
+  auto (default)  the fused TVM kernels (kernels/fused.py) where they apply, else the eager reference
   tvm             the same, but a TVM that cannot be imported is an error, not a fallback
   eager           the eager reference only
 The eager reference never stacks the sources: per source it reads the norm and the dot with `w`
@@ -41,7 +41,7 @@ _BACKWARD = torch.ops.attnres.depth_attention_backward.default
 depth_attention = _OP  # depth_attention(sources, query, eps, scale, dim)
 
 _mode = os.environ.get("ATTNRES_KERNEL") or "auto"  # unset or empty: auto
-_fused = None  # fused.py for modes auto/tvm once resolved; False: the eager reference only
+_fused = None  # kernels/fused.py for modes auto/tvm once resolved; False: the eager reference only
 
 
 def set_kernel(mode: str) -> str:
@@ -59,7 +59,7 @@ def unknown_kernel(what: str) -> str:
 
 
 def _resolve():
-    """fused.py, imported on the first call that may use it; False in mode eager or, in mode
+    """kernels/fused.py, imported on the first call that may use it; False in mode eager or, in mode
     auto, without a usable TVM."""
     global _fused
     if _mode not in KERNELS:
@@ -67,7 +67,7 @@ def _resolve():
     if _mode == "eager":
         _fused = False
         return _fused
-    from . import fused
+    from .kernels import fused
 
     if not fused.available():
         if _mode == "tvm":
@@ -170,7 +170,7 @@ def backward_reference(sources: list[torch.Tensor], query: torch.Tensor, grad: t
 # ---- kernels -----------------------------------------------------------------------------------
 
 def fused_kernels():
-    """fused.py where this call may use the fused kernels (modes auto and tvm), else False."""
+    """kernels/fused.py where this call may use the fused kernels (modes auto and tvm), else False."""
     return _fused if _fused is not None else _resolve()
 
 

@@ -13,7 +13,7 @@ of a block; Full: ~sqrt(L) consecutive sites) reads that history once in one par
 once per site (passes/fx_two_phase.py puts them in a graph). "rows" are the sources' dims but
 the feature axis, in order, the feature axis moved last.
 
-Both run the fused TVM kernels (the two-phase pair of backends/tvm/kernel.py) where the op's
+Both run the fused TVM kernels (the two-phase pair of kernels/tensorir.py) where the op's
 mode allows and they apply, else the eager reference below. With a gradient wanted they run the
 reference in differentiable torch ops: m and the merge's running max are shifts the result does
 not depend on, held constant, so autograd's gradient is the exact one.

@@ -2,7 +2,7 @@
 
 Builds each kernel (phase-1 partial `p:J:B`, a link continuing a partial's state `c:J:B`, one-pass site
 `s:S`, merge `m:E`, backward `b:S`) from this
-checkout's kernel.py/schedule.py and from those of another checkout (`--other`, e.g.
+checkout's kernels (attnres_compile/kernels: tensorir.py, schedule.py) and from those of another checkout (`--other`, e.g.
 `git worktree add /tmp/old REV`), checks that both compute the same numbers, and times them
 interleaved at 1 thread on [rows, D] float32 sources: per round each build runs `--min-time`
 seconds, and the figure is the median over rounds of (this / other). This checkout's build is
@@ -24,15 +24,18 @@ import tvm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnres_compile.bench import timing  # noqa: E402
+from attnres_compile.kernels.target import host_target  # noqa: E402
 
 
 def kernels(checkout: Path, tag: str):
-    """(kernel, schedule) modules of `checkout`, imported as a package of their own (`tag`), so
-    that their relative imports resolve within that checkout."""
+    """(definitions, schedule) modules of `checkout`'s kernels (attnres_compile/kernels, or
+    backends/tvm's kernel.py and schedule.py before them), imported as a package of their own
+    (`tag`), so that their relative imports resolve within that checkout."""
+    home = checkout / "attnres_compile/kernels"
     package = types.ModuleType(tag)
-    package.__path__ = [str(checkout / "attnres_compile/backends/tvm")]
+    package.__path__ = [str(home if home.is_dir() else checkout / "attnres_compile/backends/tvm")]
     sys.modules[tag] = package
-    return [importlib.import_module(f"{tag}.{name}") for name in ("kernel", "schedule")]
+    return [importlib.import_module(f"{tag}.{name}") for name in ("tensorir" if home.is_dir() else "kernel", "schedule")]
 
 
 def build(kernel, schedule, spec: str, size: int):
@@ -47,7 +50,7 @@ def build(kernel, schedule, spec: str, size: int):
         func = kernel.depth_attention_backward_func(n[0], size)
     else:
         func = kernel.depth_attention_func(n[0], size) if kind == "s" else kernel.depth_attention_merge_func(n[0], size)
-    return schedule.build(func, schedule.host_target(1))[func.attrs["global_symbol"]]
+    return schedule.build(func, host_target(1))[func.attrs["global_symbol"]]
 
 
 def arguments(spec: str, rows: int, size: int, rng) -> list:

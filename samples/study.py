@@ -366,7 +366,7 @@ def execute(tasks: list[Task], workers: int, progress: Callable[[Task, dict, int
 def kernel_selected(mode: str):
     """The depth_attention implementation `mode`, here and in workers spawned meanwhile (ATTNRES_KERNEL), restored
     after; yields what runs: the fused TVM kernels (where they apply: float32 on the last axis here) or the eager reference."""
-    from attnres_compile import fused
+    from attnres_compile.kernels import fused
 
     env = os.environ.get("ATTNRES_KERNEL")
     os.environ["ATTNRES_KERNEL"] = mode

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from samples.study_report import ATTNRES_ARMS, CONVERTED, LABEL
+from samples.study_arms import ATTNRES_ARMS, CONVERTED, LABEL
 
 DPI = 90
 

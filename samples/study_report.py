@@ -12,14 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from samples import study_plots
+from samples.study_arms import CONVERTED, LABEL
+
 # two-sided 95% Student t quantiles t(0.975, df), df = 1..30; larger df use 1.96
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-ATTNRES_ARMS = ("full", "block", "full-preserve", "block-preserve", "full-paper", "block-paper")
-CONVERTED = ("full-preserve", "block-preserve", "full-paper", "block-paper")
-LABEL = {"baseline": "baseline (scratch)", "full": "Full, paper (scratch)", "block": "Block, paper (scratch)",
-         "continue": "baseline, continued", "full-preserve": "-> Full, preserve", "block-preserve": "-> Block, preserve",
-         "full-paper": "-> Full, paper", "block-paper": "-> Block, paper"}
 
 
 def paired(values: list[float], refs: list[float]) -> dict:
@@ -313,8 +311,6 @@ def _limits(results: dict, analysis: dict, cfg: dict) -> list[str]:
 
 def write_all(results: dict, out: Path) -> None:
     """results.json (with the analysis), summary.md and the PNGs, each written whole or not at all."""
-    from samples import study_plots
-
     out.mkdir(parents=True, exist_ok=True)
     results["analysis"] = analyze(results)
     _atomic(out / "results.json", compact_json(results))

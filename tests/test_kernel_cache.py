@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hostile import payload_library  # noqa: E402
 
-from attnres_compile import kernel_cache  # noqa: E402
 from attnres_compile import op as op_module  # noqa: E402
+from attnres_compile.kernels import cache as kernel_cache  # noqa: E402
 
 SPEC = kernel_cache.Spec("forward", 2, 2, 8, "float32", 1e-6, 2.0, "cpu", 1)
 NOBODY = 65534
@@ -146,7 +146,7 @@ def test_a_truncated_kernel_is_rebuilt_not_a_crash(cache):
     pid = os.fork()
     if pid == 0:
         try:
-            from attnres_compile.backends.tvm import schedule
+            from attnres_compile.kernels import schedule
 
             schedule.build = lambda *a: os._exit(3)
             computes_right()

@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
-from attnres_compile import fused, kernel_cache
 from attnres_compile import op as op_module
+from attnres_compile.kernels import cache as kernel_cache
+from attnres_compile.kernels import fused
 from attnres_compile.op import depth_attention_stacked
 
 op = torch.ops.attnres.depth_attention.default
@@ -265,7 +266,7 @@ def test_forward_kernel_follows_the_call_threads(one_thread):
 def test_kernel_cache_on_disk(tmp_path, monkeypatch, capsys):
     """A built kernel is found on disk by a fresh memory cache (as by a second process) without a
     build; a damaged file is rebuilt and replaced, never a crash."""
-    from attnres_compile.backends.tvm import schedule
+    from attnres_compile.kernels import schedule
 
     monkeypatch.setenv("ATTNRES_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_MEMORY", {})

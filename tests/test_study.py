@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from samples import study, study_report
-from samples.study_report import CONVERTED
+from samples.study_arms import CONVERTED
 
 
 @pytest.fixture(scope="module")

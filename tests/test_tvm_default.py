@@ -217,7 +217,7 @@ def test_schedules_take_the_register_width_from_the_cpu_features(mcpu, bits):
     sized for 512 spilled there (a GEMM ran at 27 GFLOP/s instead of 90 on znver3)."""
     from tvm.target import Target
 
-    from attnres_compile.backends.tvm.schedule import vector_bits
+    from attnres_compile.kernels.target import vector_bits
 
     assert vector_bits(Target({"kind": "llvm", "mcpu": mcpu})) == bits
 

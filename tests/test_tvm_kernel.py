@@ -14,18 +14,17 @@ import numpy as np
 import pytest
 import tvm
 
-from attnres_compile.backends.tvm import (
-    build,
+from attnres_compile.kernels import tir_pipeline
+from attnres_compile.kernels.schedule import build, schedule_cpu
+from attnres_compile.kernels.target import host_target, vector_bits
+from attnres_compile.kernels.tensorir import (
+    BLOCK_MAJOR,
     depth_attention_backward_func,
     depth_attention_func,
     depth_attention_merge_func,
+    depth_attention_merge_indexed_func,
     depth_attention_partial_func,
-    host_target,
-    schedule_cpu,
-    tir_pipeline,
 )
-from attnres_compile.backends.tvm.kernel import BLOCK_MAJOR, depth_attention_merge_indexed_func
-from attnres_compile.backends.tvm.schedule import vector_bits
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Relative to the output's magnitude. float32: accumulation order only. Reduced precision: the

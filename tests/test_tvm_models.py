@@ -29,7 +29,6 @@ import tvm
 from onnx import TensorProto, helper
 
 import attnres_compile as ac
-from attnres_compile import kernel_cache
 from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
 from attnres_compile.backends.tvm import check as tvm_check
@@ -39,11 +38,12 @@ from attnres_compile.backends.tvm.importers import from_onnx, import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, PARTIAL_PREFIX, calls
 from attnres_compile.backends.tvm.pipeline import make_target
 from attnres_compile.errors import ArtifactError, ConfigError, InputError, VerificationError
+from attnres_compile.kernels import cache as kernel_cache
 from attnres_compile.onnx_api import export_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
+from attnres_compile.passes import onnx_grouping
 from attnres_compile.passes.onnx_export import auto_dynamic_shapes
 from attnres_compile.passes.onnx_function import attach_functions, site_node
-from attnres_compile.passes import onnx_grouping
 from attnres_compile.passes.onnx_grouping import sites as onnx_sites
 from samples import hf_models, models
 

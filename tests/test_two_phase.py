@@ -12,8 +12,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import attnres_compile as ac
-from attnres_compile import fused, kernel_cache
 from attnres_compile import op as op_module
+from attnres_compile.kernels import cache as kernel_cache
+from attnres_compile.kernels import fused
 from attnres_compile.op_two_phase import depth_attention_merge as merge
 from attnres_compile.op_two_phase import depth_attention_partial as partial
 from samples import hf_models

@@ -162,8 +162,8 @@ class Forward:
 def _kernels(D: int, target):
     """kernel(kind, n, [queries]) -> built module, cached: fused over n sources (scale n), phase 1
     over n completed sources, merge of one partial sum into n completed (scale n + 1)."""
-    from ..backends.tvm import (build, depth_attention_func, depth_attention_merge_func,
-                                depth_attention_partial_func)
+    from ..kernels.schedule import build
+    from ..kernels.tensorir import depth_attention_func, depth_attention_merge_func, depth_attention_partial_func
 
     make = {"fused": lambda n: depth_attention_func(n, D, "float32", EPS),
             "partial": lambda n, q: depth_attention_partial_func(n, q, D, "float32", EPS),

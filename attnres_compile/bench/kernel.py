@@ -43,7 +43,7 @@ import numpy as np
 import psutil
 import torch
 
-from ..kernel_cache import target as tvm_target  # the block benchmark imports it from here too
+from ..kernels.cache import target as tvm_target  # the block benchmark imports it from here too
 from . import results
 from .timing import CopyBandwidth, interleaved, sync_for
 
@@ -178,7 +178,8 @@ class Group:
 
 
 def _tvm_build(S: int, D: int, dtype: str, device: str, threads: int, backward: bool = False):
-    from ..backends.tvm import build, depth_attention_backward_func, depth_attention_func
+    from ..kernels.schedule import build
+    from ..kernels.tensorir import depth_attention_backward_func, depth_attention_func
 
     make = depth_attention_backward_func if backward else depth_attention_func
     return build(make(S, D, dtype, EPS, float(S)), tvm_target(device, threads))

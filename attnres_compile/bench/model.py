@@ -246,7 +246,7 @@ def compile_tvm(variant: Variant, onnx_path: Path, folder: Path, s: Settings, pr
     from ..backends.tvm import vm_files
     from ..backends.tvm.importers import import_model
     from ..backends.tvm.pipeline import build, make_target
-    from ..backends.tvm.schedule import host_target
+    from ..kernels.target import host_target
 
     kind = "tvm-tuned" if tuned else "tvm"
     start, cpu = time.perf_counter(), time.process_time()

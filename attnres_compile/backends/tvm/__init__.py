@@ -1,6 +1,6 @@
-"""TVM (TensorIR) backend: the fused depth-attention kernels (forward, backward, two-phase pair) and
-their schedules, whole-model lowering (every AttnRes site one kernel call), and deployable
-artifacts (`compile_model`, `load`).
+"""TVM (TensorIR) backend: whole-model lowering (every AttnRes site one kernel call) and deployable
+artifacts (`compile_model`, `load`); it re-exports the fused depth-attention kernels (forward,
+backward, two-phase pair) and their schedules from their home, attnres_compile.kernels.
 
 The names below load on first use (PEP 562), so that `backends.tvm.cli`, which the command line
 imports to build its parser, does not import TVM (~3.5 s of CPU) for commands that never use it."""
@@ -10,16 +10,16 @@ from ...lazy import exports
 _HOMES = {
     "Artifact": "runtime",
     "LowerDepthAttention": "lower",
-    "build": "schedule",
+    "build": "..kernels.schedule",
     "compile_model": "artifact",
-    "depth_attention_backward_func": "kernel",
-    "depth_attention_func": "kernel",
-    "depth_attention_merge_func": "kernel",
-    "depth_attention_partial_func": "kernel",
-    "host_target": "schedule",
+    "depth_attention_backward_func": "..kernels.tensorir",
+    "depth_attention_func": "..kernels.tensorir",
+    "depth_attention_merge_func": "..kernels.tensorir",
+    "depth_attention_partial_func": "..kernels.tensorir",
+    "host_target": "..kernels.target",
     "load": "runtime",
-    "schedule_cpu": "schedule",
-    "schedule_cuda": "schedule",
+    "schedule_cpu": "..kernels.schedule",
+    "schedule_cuda": "..kernels.schedule",
 }
 
 __all__ = sorted(_HOMES)

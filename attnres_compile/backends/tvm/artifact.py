@@ -29,7 +29,7 @@ from ... import __version__, outputs
 from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
 from ...passes import onnx_io
 from . import artifact_checks, vm_files
-from .cli import artifact_output
+from .artifact_checks import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
 from .pipeline import Built, build, make_target

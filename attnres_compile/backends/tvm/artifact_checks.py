@@ -1,4 +1,5 @@
-"""What `load` and `run` check before they load an artifact's library (issue 39 items 6, 9, 10).
+"""What `load` and `run` check before they load an artifact's library (issue 39 items 6, 9, 10),
+and which folder `compile` may replace (`artifact_output`).
 
 Loading the library runs its code: an artifact folder is trusted code (docs/tvm.md, *Trust
 model*). These checks keep a damaged or malformed folder to one line (ArtifactError, exit 14)
@@ -23,9 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ArtifactError, first_line
+from ...outputs import Output
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is kilobytes; this bounds what a read takes in
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def artifact_output(out: Path, option: str = "-o") -> Output:
+    """An artifact folder as an output: only a folder holding `manifest.json` (runtime.MANIFEST) is ours
+    to replace (outputs.check)."""
+    return Output(out, option, folder=True, marker="manifest.json")
 
 
 def parse(path: Path) -> object:

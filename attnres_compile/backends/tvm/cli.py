@@ -14,14 +14,13 @@ import zipfile
 from pathlib import Path
 
 from ... import isolate, outputs, progress
+from ...cli_args import seconds
 from ...errors import InputError, MemoryLimitError, first_line
 from ...file_kind import check_file, describe
 
 
 def add_commands(subparsers) -> None:
     """Register `compile` and `run` on `subparsers` (from ArgumentParser.add_subparsers)."""
-    from ...cli import _seconds
-
     comp = subparsers.add_parser("compile", help="compile an AttnRes model (.onnx or .pt2) into a TVM artifact folder")
     comp.add_argument("model", help="rewritten model: MODEL.onnx (attnres-compile rewrite) or MODEL.pt2 (torch.export)")
     comp.add_argument("-o", "--output", required=True, help="artifact folder to write (model.so, manifest.json)")
@@ -45,7 +44,7 @@ def add_commands(subparsers) -> None:
     comp.add_argument("--no-verify", action="store_true",
                       help="skip running the compiled model against its source (onnxruntime, or torch on a .pt2's "
                            "example inputs)")
-    comp.add_argument("--verify-timeout", type=_seconds, metavar="SECONDS",
+    comp.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                       help="time limit of the onnxruntime reference run (default: 120 s plus 120 s per GiB of model)")
     comp.set_defaults(handler=compile_command)
 
@@ -59,12 +58,6 @@ def add_commands(subparsers) -> None:
     run.set_defaults(handler=run_command)
     for sp in (comp, run):
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-
-
-def artifact_output(out: Path, option: str = "-o") -> outputs.Output:
-    """An artifact folder as an output: only a folder holding `manifest.json` (runtime.MANIFEST) is ours
-    to replace (outputs.check)."""
-    return outputs.Output(out, option, folder=True, marker="manifest.json")
 
 
 def compile_command(args) -> int:

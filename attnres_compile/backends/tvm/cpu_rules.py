@@ -41,9 +41,9 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits, make_iter_fusion_index_map
 from tvm.target import Target
 
-from . import tir_pipeline
+from ...kernels import tir_pipeline
+from ...kernels.target import cores, vector_bits
 from .lowerable import Lowerable
-from .schedule import _cores, vector_bits
 
 ROWS = 4  # rows of the register tile
 VECTORS = 4  # vectors per row of the register tile with 32 vector registers (AVX-512)
@@ -301,7 +301,7 @@ class RowReduction(_SafeRule):
         if not all(_once_per_row(sch, block, row) for block in stages):
             return None  # a stage not indexed by the rows (a mean over them) would be recomputed per row
         points = math.prod(_extent(sch, lp) or PARALLEL_MIN for lp in sch.get_loops(last))
-        if _cores(target) > 1 and points >= PARALLEL_MIN:
+        if cores(target) > 1 and points >= PARALLEL_MIN:
             sch.parallel(row)
         for block in stages:
             name = sch.get(block).name_hint

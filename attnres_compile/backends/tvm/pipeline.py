@@ -27,12 +27,13 @@ from tvm import relax
 from tvm.target import Target
 
 from ...errors import CompileError, ConfigError, first_line
-from . import cpu_rules, gpu_rules, tir_pipeline
+from ...kernels import tir_pipeline
+from ...kernels.target import host_target
+from . import cpu_rules, gpu_rules
 from .cumsum import LegalizeCumsum
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
 from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars, WrapTakeIndices
-from .schedule import host_target
 from .sites import PACKED_NAME
 
 TARGETS = ("llvm", "cuda")

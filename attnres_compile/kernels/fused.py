@@ -3,7 +3,7 @@
 `forward`, `backward` and the two-phase pair `partial`, `merge` (op_two_phase.py) return None
 where the fused kernels do not apply, and the op then runs its eager reference: storage dtypes
 other than float32/float16/bfloat16, a feature axis other than the last, rank-1 sources, devices
-other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from kernel_cache
+other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from cache.py
 (built on first use). The per-call path is kept to a dict lookup, an output allocation and the
 kernel call: the tensors go to the kernel as they are (its row dims are symbolic, no reshape),
 made contiguous only if they are not.
@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from . import kernel_cache
+from . import cache as kernel_cache
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _KERNELS: dict[tuple, object] = {}  # (kind, count, dtype, device, rank, size, dim, eps, scale, threads) -> fn | False

@@ -1,13 +1,13 @@
-"""Schedules for the kernels in kernel.py (CPU and CUDA) and a build helper."""
+"""Schedules for the kernels in tensorir.py (CPU and CUDA) and a build helper."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 from . import tir_pipeline
+from .target import cores, vector_bits
 
 RF_LANES = 8  # partial sums per row reduction of a forward-family kernel on CPU (schedule_cpu)
 CUDA_CHUNKS = 256  # row chunks of the backward on CUDA: thread blocks, each with its own partial dw
@@ -22,18 +22,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def vector_bits(target: Target) -> int:
-    """The width of the target's vector registers. LLVM's own answer (llvm_get_vector_width)
-    reads 512 on x86 CPUs without AVX-512 (znver3): a 16-float vector is then two registers,
-    and tiles sized for 32 registers of 512 bits spill on the 16 of 256 bits."""
-    if target.kind.name == "llvm" and target_has_features("avx512f", target):
-        return 512
-    if target.kind.name == "llvm" and target_has_features("avx", target):
-        return 256
-    width = llvm_get_vector_width(target)
-    return width if width > 0 else 128
-
-
 def _lanes(target: Target) -> int:
     """float32 lanes of the target's vector registers."""
     return max(vector_bits(target) // 32, 4)
@@ -42,10 +30,6 @@ def _lanes(target: Target) -> int:
 def _divisor(size: int, lanes: int) -> int:
     """The largest divisor of `size` up to `lanes`."""
     return next(f for f in range(min(lanes, size), 0, -1) if size % f == 0)
-
-
-def _cores(target: Target) -> int:
-    return max(1, int(target.attrs.get("num-cores", 1)))
 
 
 def _source(name: str) -> str:
@@ -116,12 +100,12 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     for name, block in _stages(sch):
         if name.startswith("stats") and factor > 1:
             sch.rfactor(sch.split(sch.get_loops(block)[1], [None, factor])[1], 0)
-    chunked = _chunk_rows(sch, _cores(target))
+    chunked = _chunk_rows(sch, cores(target))
     if not chunked:
         _merge_rows(sch)
     depth = 2 if chunked else 1  # row loops above the feature loops
     stages = _stages(sch)
-    if _cores(target) > 1:
+    if cores(target) > 1:
         # on one core the row loop stays serial: a parallel loop goes through TVM's thread pool
         # even when the pool runs one task, ~10 us per call, 40-55 us when its worker slept
         # (width 256, 128 tokens, 2 sources: 15 us of work)
@@ -246,12 +230,6 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
         init = sch.decompose_reduction(sch.get_sblock("dw_rf"), row)
         sch.bind(sch.split(sch.get_loops(init)[-1], [threads, per_thread])[0], "threadIdx.x")
     return sch.mod["main"]
-
-
-def host_target(num_cores: int = 2) -> Target:
-    """An llvm target for this machine's CPU with `num_cores` worker threads."""
-    mcpu = str(Target.from_device("cpu").attrs["mcpu"])
-    return Target({"kind": "llvm", "mcpu": mcpu, "num-cores": num_cores})
 
 
 def build(func: tirx.PrimFunc, target: Target | dict):

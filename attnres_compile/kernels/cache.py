@@ -1,13 +1,14 @@
 """Compiled depth-attention kernels for the PyTorch op: built on first use, kept in memory and on disk.
 
-A kernel is one of kernel.py's functions (forward, backward, partial, merge) for one (arity,
+A kernel is one of tensorir.py's functions (forward, backward, partial, merge) for one (arity,
 rank, feature size, dtype, eps, scale), scheduled and compiled for one target. The disk cache is
 a folder (ATTNRES_KERNEL_CACHE, an absolute path, else $XDG_CACHE_HOME/attnres-compile/kernels,
 else ~/.cache/attnres-compile/kernels), in a subfolder per TVM version and target, one entry per
-kernel named for its parameters and a digest of the kernel generator's source (kernel.py,
-schedule.py): a new version of either never loads an old binary. A cached kernel is code, so the
-folder and its entries are checked before anything is loaded (kernel_store.py: this user's own,
-writable by no one else, no symlinks, size and SHA-256 recorded at build time); a folder that
+kernel named for its parameters and a digest of the kernel generator's source (tensorir.py,
+schedule.py, target.py, tir_pipeline.py): a new version of any never loads an old binary. A
+cached kernel is code, so the folder and its entries are checked before anything is loaded
+(store.py: this user's own, writable by no one else, no symlinks, size and SHA-256 recorded at
+build time); a folder that
 fails is replaced by a private temporary one for the process (one warning line), an entry that
 fails is rebuilt and replaced (one warning line). A build prints one line on stderr.
 
@@ -26,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .kernel_store import Folder, Untrusted, location
+from .store import Folder, Untrusted, location
 
 
 class Spec(NamedTuple):
@@ -85,9 +86,9 @@ def installed() -> bool:
 @cache
 def _source_digest() -> str:
     """Digest of the code that generates and schedules the kernels."""
-    here = Path(__file__).parent / "backends" / "tvm"
+    here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("kernel.py", "schedule.py", "tir_pipeline.py"):
+    for name in ("tensorir.py", "schedule.py", "target.py", "tir_pipeline.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -115,7 +116,7 @@ def target(device: str, threads: int):
     import torch
     from tvm.target import Target
 
-    from .backends.tvm.schedule import host_target
+    from .target import host_target
 
     if device != "cuda":
         return host_target(threads)
@@ -134,22 +135,22 @@ def _name(spec: Spec) -> str:
 
 
 def path(spec: Spec) -> Path:
-    """Where the configured cache keeps `spec`'s entry (kernel_store.Untrusted if it has no valid location)."""
+    """Where the configured cache keeps `spec`'s entry (store.Untrusted if it has no valid location)."""
     base, parts = location()
     return base.joinpath(*parts, *_parts(spec), _name(spec))
 
 
 def _func(spec: Spec):
-    from .backends.tvm import kernel
+    from . import tensorir
 
     if spec.kind == "forward":
-        return kernel.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
+        return tensorir.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
     if spec.kind == "backward":
-        return kernel.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
+        return tensorir.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
     if spec.kind in ("partial", "partial_link"):
-        return kernel.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
+        return tensorir.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
                                                    spec.rank, spec.kind == "partial_link")
-    return kernel.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
+    return tensorir.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
 
 
 _MEMORY: dict[Spec, object] = {}
@@ -242,7 +243,7 @@ def get(spec: Spec):
     library = _cached(folder, name)
     fn = _load(folder, library, spec) if library is not None else None
     if fn is None:
-        from .backends.tvm.schedule import build
+        from .schedule import build
 
         print(f"attnres-compile: compiling the fused depth-attention {spec.kind} kernel ({spec.count} "
               f"{'blocks' if spec.kind.startswith('partial') else 'sources'}, D={spec.size}, {spec.dtype}, {spec.device}); "

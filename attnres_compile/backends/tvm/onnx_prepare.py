@@ -3,9 +3,10 @@
 `simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
 (IR < 4) plain initializers, then folds constants and
 infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
-whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
--> Reshape / ConstantOfShape / Resize); TVM's importer loses the shapes on the way (a Swin's
-Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they are constants.
+whole; a site's output gets its first source's type and shape, so the shape arithmetic after a
+site folds as it does before one: PP-OCRv4 rec's Reshape after its sites). Legacy (TorchScript)
+exports compute every shape at run time (Shape -> Gather -> Concat -> Reshape / ConstantOfShape /
+Resize); TVM's importer loses the shapes on the way (a Swin's Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they are constants.
 
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
@@ -35,10 +36,12 @@ import numpy as np
 import onnx
 import tvm
 import tvm_ffi
+from onnxscript.optimizer import _constant_folding
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...errors import CompileError, ConfigError, first_line
+from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
 BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
@@ -61,6 +64,25 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
         return model
+
+
+def _site_output_shape(first_source: int):
+    """A partial evaluator for onnxscript's folding that gives a site's output the type and shape of
+    its input `first_source` (the output is a weighted sum of that input and ones like it, cast like
+    it) and folds nothing. Node-level shape inference knows no `attnres` op, so the output had no
+    shape and every Shape of what follows stayed a run-time value TVM's Reshape converter refuses."""
+    def evaluate(node, op, state):
+        del op, state
+        source, output = node.inputs[first_source], node.outputs[0]
+        if source is not None and source.shape is not None and (output.shape is None or len(output.shape) == len(source.shape)):
+            output.type = output.type or source.type
+            output.shape = _constant_folding._merge_shapes(output.shape, source.shape)
+        return None
+    return evaluate
+
+
+_constant_folding.register(OP_TYPE, DOMAIN)(_site_output_shape(0))
+_constant_folding.register(MERGE, DOMAIN)(_site_output_shape(3))  # lse, acc, columns, then the first extra
 
 
 def _initializers_not_inputs(graph: onnx.GraphProto) -> None:

@@ -1,12 +1,13 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
 `simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
-(IR < 4) plain initializers, then folds constants and
-infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
-whole; a site's output gets its first source's type and shape, so the shape arithmetic after a
-site folds as it does before one: PP-OCRv4 rec's Reshape after its sites). Legacy (TorchScript)
-exports compute every shape at run time (Shape -> Gather -> Concat -> Reshape / ConstantOfShape /
-Resize); TVM's importer loses the shapes on the way (a Swin's Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they are constants.
+(IR < 4) plain initializers, then folds constants and infers shapes with onnxscript's optimizer
+(local functions, the AttnRes sites among them, kept whole; a site's output gets its first
+source's type and shape, so the shape arithmetic after a site folds as it does before one:
+PP-OCRv4 rec's Reshape after its sites). Legacy (TorchScript) exports compute every shape at run
+time (Shape -> Gather -> Concat -> Reshape / ConstantOfShape / Resize); TVM's importer loses the
+shapes on the way (a Swin's Reshape, YOLOv8's Resize after a Concat of upsampled maps), while
+folded they are constants.
 
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
@@ -18,8 +19,9 @@ stock one read the data's dims as integers), Reshape of a shape dim to a 1-eleme
 XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), Reshape to a -1
 beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
 arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
-SequenceInsert at a negative position (off by one), and every converter failure re-raised as one
-CompileError line naming the ONNX op and node.
+SequenceInsert at a negative position (off by one), Tile by counts that are a shape (SigLIP's
+probe per image: refused by the stock loop; tile.py), and every converter failure re-raised as
+one CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations

@@ -34,20 +34,23 @@ def _heads_after_residuals(path: Path, blocks: int) -> None:
     or off its output's declared dims without folding)."""
     rng = np.random.default_rng(0)
     nodes, x = [], "x"
-    weights = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.3, f"w{i}") for i in range(blocks)]
+    weights = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.3, f"w{i}")
+               for i in range(blocks)]
     for i in range(blocks):
         nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"]), helper.make_node("Relu", [f"mm{i}"], [f"r{i}"]),
                   helper.make_node("Add", [x, f"r{i}"], [f"h{i}"])]
         x = f"h{i}"
     consts = {"zero": [0], "one": [1], "two": [2], "heads": [2, 8]}
     weights += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
-    nodes += [helper.make_node("Shape", [x], ["shape"]), helper.make_node("Cast", ["shape"], ["shape32"], to=TensorProto.INT32),
+    nodes += [helper.make_node("Shape", [x], ["shape"]),
+              helper.make_node("Cast", ["shape"], ["shape32"], to=TensorProto.INT32),
               helper.make_node("Slice", ["shape32", "one", "two", "zero", "one"], ["seq32"]),
               helper.make_node("Cast", ["seq32"], ["seq"], to=TensorProto.INT64),
               helper.make_node("Concat", ["zero", "seq", "heads"], ["target"], axis=0),
               helper.make_node("Sigmoid", [x], ["gate"]), helper.make_node("Reshape", ["gate", "target"], ["split"]),
               helper.make_node("Transpose", ["split"], ["y"], perm=[0, 2, 1, 3])]
-    graph = helper.make_graph(nodes, "heads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 16])],
+    graph = helper.make_graph(nodes, "heads",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, "seq", 8])], weights)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 

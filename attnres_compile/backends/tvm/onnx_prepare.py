@@ -77,7 +77,8 @@ def _site_output_shape(first_source: int):
     def evaluate(node, op, state):
         del op, state
         source, output = node.inputs[first_source], node.outputs[0]
-        if source is not None and source.shape is not None and (output.shape is None or len(output.shape) == len(source.shape)):
+        if source is not None and source.shape is not None and (
+                output.shape is None or len(output.shape) == len(source.shape)):
             output.type = output.type or source.type
             output.shape = _constant_folding._merge_shapes(output.shape, source.shape)
         return None
@@ -236,9 +237,11 @@ class ConverterFixes:
                 yield node
                 continue
             try:
-                self._nodes[node.output[0]] = self.bb.normalize(tile(self.bb, self._nodes[node.input[0]], list(reps.values)))
+                data = self._nodes[node.input[0]]
+                self._nodes[node.output[0]] = self.bb.normalize(tile(self.bb, data, list(reps.values)))
             except Exception as exc:  # noqa: BLE001 - as in _convert_operator
-                raise CompileError(f"TVM's ONNX frontend cannot convert Tile (node {node.name}): {first_line(exc)}") from None
+                raise CompileError(f"TVM's ONNX frontend cannot convert Tile (node {node.name}): "
+                                   f"{first_line(exc)}") from None
 
 
 class _Nodes:

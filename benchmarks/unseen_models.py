@@ -130,6 +130,12 @@ MODELS = {
     "xlm_roberta_xl": lambda: _build(tf.XLMRobertaXLModel, tf.XLMRobertaXLConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100,
         max_position_embeddings=40), _encoder_text(100)),
+    "hubert": lambda: _build(tf.HubertModel, tf.HubertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=True), _audio(400)),
+    "siglip_vision": lambda: _build(tf.SiglipVisionModel, tf.SiglipVisionConfig(num_hidden_layers=3, **VISION),
+                                    _pixels(16)),
     "olmo2": lambda: _build(tf.Olmo2ForCausalLM, tf.Olmo2Config(num_hidden_layers=3, pad_token_id=0, eos_token_id=2,
                                                                 **LM), _text(100)),
 }

@@ -36,6 +36,7 @@ from ...passes.onnx_view import value_types
 from .onnx_prepare import ConverterFixes, simplify
 from .program_prepare import convertible
 from .sites import site_call
+from .tile import symbolic, tile
 
 TORCH_OP_NAME = "depth_attention.default"
 
@@ -136,7 +137,8 @@ def from_exported_program(program) -> tvm.IRModule:
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
                                                 "reshape.default": _convert_reshape, "empty.default": _convert_empty,
-                                                "empty.memory_format": _convert_empty, "slice.Tensor": _convert_slice})
+                                                "empty.memory_format": _convert_empty, "slice.Tensor": _convert_slice,
+                                                "repeat.default": _convert_repeat})
 
 
 def _convert_slice(node, importer) -> relax.Expr:
@@ -157,6 +159,15 @@ def _convert_slice(node, importer) -> relax.Expr:
         return importer.block_builder.emit(relax.op.strided_slice(importer.env[x], [dim], [0], [importer.env[end]], [1],
                                                                   assume_inbound=True))
     return importer._slice(node)
+
+
+def _convert_repeat(node, importer) -> relax.Expr:
+    """repeat(x, counts) with a symbolic count (SigLIP's `probe.repeat(batch, 1, 1)`) as tile.py's
+    broadcast; integer counts go to the stock converter, which passes them to `relax.op.tile`."""
+    x, reps = importer.retrieve_args(node)[:2]
+    if not symbolic(list(reps)):
+        return importer._repeat(node)
+    return importer.block_builder.emit(tile(importer.block_builder, x, list(reps)))
 
 
 def _convert_empty(node, importer) -> relax.Expr:

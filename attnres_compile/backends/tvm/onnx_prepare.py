@@ -1,11 +1,13 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
 `simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
-(IR < 4) plain initializers, then folds constants and
-infers shapes with onnxscript's optimizer (local functions, the AttnRes sites among them, kept
-whole). Legacy (TorchScript) exports compute every shape at run time (Shape -> Gather -> Concat
--> Reshape / ConstantOfShape / Resize); TVM's importer loses the shapes on the way (a Swin's
-Reshape, YOLOv8's Resize after a Concat of upsampled maps), while folded they are constants.
+(IR < 4) plain initializers, then folds constants and infers shapes with onnxscript's optimizer
+(local functions, the AttnRes sites among them, kept whole; a site's output gets its first
+source's type and shape, so the shape arithmetic after a site folds as it does before one:
+PP-OCRv4 rec's Reshape after its sites). Legacy (TorchScript) exports compute every shape at run
+time (Shape -> Gather -> Concat -> Reshape / ConstantOfShape / Resize); TVM's importer loses the
+shapes on the way (a Swin's Reshape, YOLOv8's Resize after a Concat of upsampled maps), while
+folded they are constants.
 
 `ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
 stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
@@ -17,8 +19,9 @@ stock one read the data's dims as integers), Reshape of a shape dim to a 1-eleme
 XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), Reshape to a -1
 beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
 arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
-SequenceInsert at a negative position (off by one), and every converter failure re-raised as one
-CompileError line naming the ONNX op and node.
+SequenceInsert at a negative position (off by one), Tile by counts that are a shape (SigLIP's
+probe per image: refused by the stock loop; tile.py), and every converter failure re-raised as
+one CompileError line naming the ONNX op and node.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ import numpy as np
 import onnx
 import tvm
 import tvm_ffi
+from onnxscript.optimizer import _constant_folding
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...errors import CompileError, ConfigError, first_line
+from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE
 from ...passes.onnx_optimize import exact_no_ops
+from .tile import tile
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
 BINARY = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
@@ -63,6 +69,26 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
             return ir.to_proto(folded)
     except Exception:  # noqa: BLE001 - folding is an optimisation: import the model as it is
         return model
+
+
+def _site_output_shape(first_source: int):
+    """A partial evaluator for onnxscript's folding that gives a site's output the type and shape of
+    its input `first_source` (the output is a weighted sum of that input and ones like it, cast like
+    it) and folds nothing. Node-level shape inference knows no `attnres` op, so the output had no
+    shape and every Shape of what follows stayed a run-time value TVM's Reshape converter refuses."""
+    def evaluate(node, op, state):
+        del op, state
+        source, output = node.inputs[first_source], node.outputs[0]
+        if source is not None and source.shape is not None and (
+                output.shape is None or len(output.shape) == len(source.shape)):
+            output.type = output.type or source.type
+            output.shape = _constant_folding._merge_shapes(output.shape, source.shape)
+        return None
+    return evaluate
+
+
+_constant_folding.register(OP_TYPE, DOMAIN)(_site_output_shape(0))
+_constant_folding.register(MERGE, DOMAIN)(_site_output_shape(3))  # lse, acc, columns, then the first extra
 
 
 def _initializers_not_inputs(graph: onnx.GraphProto) -> None:
@@ -202,7 +228,30 @@ class ConverterFixes:
 
     def _construct_nodes(self, graph):
         with contextlib.redirect_stdout(io.StringIO()):  # the stock loop prints each failing node's inputs
-            return super()._construct_nodes(graph)
+            return super()._construct_nodes(_Nodes(self._tiles_by_shape(graph.node)))
+
+    def _tiles_by_shape(self, nodes):
+        """The graph's nodes as the stock loop takes them, one at a time, but for each Tile whose
+        counts are a shape (`Concat(Shape(x)[:1], [1, 1])`): converted here, when the node is reached,
+        by tile.py. The stock loop refuses a shape as input of any op but its listed few."""
+        for node in nodes:
+            reps = self._nodes.get(node.input[1]) if node.op_type == "Tile" else None
+            if not isinstance(reps, relax.ShapeExpr):
+                yield node
+                continue
+            try:
+                data = self._nodes[node.input[0]]
+                self._nodes[node.output[0]] = self.bb.normalize(tile(self.bb, data, list(reps.values)))
+            except Exception as exc:  # noqa: BLE001 - as in _convert_operator
+                raise CompileError(f"TVM's ONNX frontend cannot convert Tile (node {node.name}): "
+                                   f"{first_line(exc)}") from None
+
+
+class _Nodes:
+    """A graph as `_construct_nodes` reads it: only its nodes, here produced while it converts them."""
+
+    def __init__(self, nodes):
+        self.node = nodes
 
 
 def _not_static(value) -> bool:

@@ -88,6 +88,20 @@ def bind_shapes(model: ImportedModel, shapes: dict[str, tuple[int, ...]] | None)
     return relax.transform.BindSymbolicVars(binding, "main")(model.mod)
 
 
+def static_shape_hint(model: ImportedModel, shapes: dict[str, tuple[int, ...]] | None) -> str:
+    """The way out of a failure that dims known only at run time may cause (TVM's shape arithmetic
+    gives up on some symbolic extents where their values would do): a `--static-shape` per input
+    with symbolic dims not fixed yet, each such dim written as {its name}; '' when there is none."""
+    flags = []
+    for name, param in zip(model.inputs, model.mod["main"].params):
+        dims = param.ty.shape.values if isinstance(getattr(param.ty, "shape", None), relax.ShapeExpr) else []
+        if name not in (shapes or {}) and any(not isinstance(d, tvm.tirx.IntImm) for d in dims):
+            flags.append(f"--static-shape {name}:" + "x".join(str(int(d)) if isinstance(d, tvm.tirx.IntImm)
+                                                                else f"{{{d}}}" for d in dims))
+    return (f"; its inputs have dims known only at run time: fixing them may help ({' '.join(flags)}, with the "
+            "sizes to compile for)" if flags else "")
+
+
 def lower(mod: tvm.IRModule, target: Target, expected_sites: int) -> tuple[tvm.IRModule, list[dict]]:
     """Every placeholder to one kernel call; checks that none is left and each site has its call."""
     lowering = LowerDepthAttention(target)
@@ -151,7 +165,8 @@ def build(model: ImportedModel, target: Target, *, input_shapes: dict | None = N
     try:
         mod = prepare(mod, target)
     except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
-        raise CompileError(f"TVM could not legalize the model for {target.kind.name}: {first_line(exc)}") from None
+        raise CompileError(f"TVM could not legalize the model for {target.kind.name}: {first_line(exc).rstrip('.')}"
+                           f"{static_shape_hint(model, input_shapes)}") from None
     if tune:
         from . import tune as tuning  # meta_schedule's runner needs psutil and cloudpickle
 
@@ -163,5 +178,6 @@ def build(model: ImportedModel, target: Target, *, input_shapes: dict | None = N
         mod = schedule(mod, target)
         executable = tvm.compile(mod, target, relax_pipeline=finish(target), tir_pipeline=tir_pipeline.NAME)
     except Exception as exc:  # noqa: BLE001 - TVM's errors carry the reason on their first line
-        raise CompileError(f"TVM could not build the model for {target.kind.name}: {first_line(exc)}") from None
+        raise CompileError(f"TVM could not build the model for {target.kind.name}: {first_line(exc).rstrip('.')}"
+                           f"{static_shape_hint(model, input_shapes)}") from None
     return Built(executable, mod, target, sites, summary)

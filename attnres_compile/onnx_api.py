@@ -141,7 +141,8 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
     absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
     from .passes import onnx_dims
 
-    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides).shape_sets()[0][0].items():
+    metadata = {p.key: p.value for p in model.metadata_props}
+    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata)).shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
             raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "
@@ -163,7 +164,7 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
     names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
     out; batch, sequence and past length dynamic).
     """
-    from .passes import dynamic_dims
+    from .passes import dynamic_dims, onnx_dims
     from .passes.onnx_export import export_or_static
 
     config = as_config(config)
@@ -189,6 +190,7 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
             from .passes import onnx_decoder_names
 
             onnx_decoder_names.name(proto, model.geometry.input_names(), model.geometry.output_names())
+        onnx_dims.record_examples(proto, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
         check_written(stage.path)
         if verify_outputs and args is not None:

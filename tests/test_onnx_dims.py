@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 from attnres_compile.backends import onnxruntime as ort_backend
@@ -151,3 +152,38 @@ def test_a_small_set_the_original_refuses_is_skipped_with_a_note(tmp_path):
     assert notes and notes[0].startswith("not verified at the small shapes (x 1x1): the original model fails there")
     static = _model(tmp_path / "s.onnx", DOUBLE, width=16)
     assert ort_backend.compare_files(static, static, tol)[1] == [{"x": (2, 16)}, {"x": (1, 16)}]
+
+
+class _Strided(torch.nn.Module):
+    """An audio-like front end: two strided convolutions need more than 16 samples, then residual layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = torch.nn.Sequential(torch.nn.Conv1d(1, 8, 10, 5), torch.nn.GELU(), torch.nn.Conv1d(8, 8, 10, 5))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.convs(x.unsqueeze(1)).transpose(1, 2)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_exported_files_are_verified_at_their_example_sizes(tmp_path):
+    """16 samples are too few for this conv stack: onnxruntime refused the default set, so `compile` of our
+    own export failed unless the user found --input-shape. The export records the example's sizes."""
+    from attnres_compile import AttnResConfig
+    from attnres_compile.onnx_api import export_onnx
+
+    torch.manual_seed(0)
+    export_onnx(_Strided().eval(), (torch.randn(2, 400),), tmp_path / "a.onnx", AttnResConfig(variant="full"))
+    sess = ort_backend.session(tmp_path / "a.onnx")
+    assert ort_backend.input_shapes(sess) == {"x": (2, 400)}
+    assert ort_backend.input_shapes(sess, {"x": (3, 200)}) == {"x": (3, 200)}  # --input-shape still first
+    assert "refused" not in ort_backend.run_sets(tmp_path / "a.onnx")[0]
+
+
+@pytest.mark.parametrize("value", ['{"n": 400', '[400]', '{"n": "400"}', '{"n": 0}', '{"n": 1e9}', '{"n": true}', "[" * 5000])
+def test_malformed_example_sizes_are_ignored(value):
+    assert onnx_dims.examples({onnx_dims.EXAMPLE_DIMS: value}) == {}
+    assert onnx_dims.Dims({"x": ["b", "n"]}, examples=onnx_dims.examples({onnx_dims.EXAMPLE_DIMS: value})).shape_sets()[0][0] == {"x": (2, 16)}

@@ -61,7 +61,12 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
 
 def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
     """Concrete shapes for every input of `sess`: the default shape set (onnx_dims), overrides first."""
-    return onnx_dims.Dims(declared(sess), overrides).shape_sets()[0][0]
+    return symbolic_dims(sess, overrides).shape_sets()[0][0]
+
+
+def symbolic_dims(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> onnx_dims.Dims:
+    """The sizes for `sess`'s symbolic dims: `overrides`, else the file's recorded example sizes, else the defaults."""
+    return onnx_dims.Dims(declared(sess), overrides, onnx_dims.examples(sess.get_modelmeta().custom_metadata_map))
 
 
 def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
@@ -132,7 +137,7 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
     refused default set the small one is not tried."""
     sess = session(original)
     model = onnx.load(str(original), load_external_data=False)
-    dims = onnx_dims.Dims(declared(sess), overrides)
+    dims = symbolic_dims(sess, overrides)
     other = None
     results: list[dict] = []
     for variants in dims.shape_sets():

@@ -4,15 +4,18 @@ A dim_param that is a linear expression of other input dims (`past_sequence_leng
 sequence_length`, `2 * seq`, `n - 1`) is computed from them instead of getting a size of its
 own; it counts as an expression only when every name in it is a dim of some input on its own
 (so `batch-size` stays one name). Free dims get 2 (leading) or 16, or 1 in the small set that
-catches broadcasts that break at size 1. Past-like dims (only in inputs named `past...` or
+catches broadcasts that break at size 1; a file this tool exported records its example inputs'
+sizes (`EXAMPLE_DIMS`), which then replace 2 and 16 (an audio model's conv stack needs hundreds of
+samples, not 16). Past-like dims (only in inputs named `past...` or
 `...cache...`) get 0 in a second variant of each set: it makes an opaque total length
 (`unk__12`, `s53`) equal to the sequence length, as a first decode step has it.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import onnx
 
@@ -22,6 +25,8 @@ DEFAULT_BATCH = 2
 DEFAULT_DIM = 16
 SMALL_DIM = 1
 UNKNOWN = "?"  # a dim_param that names no size
+EXAMPLE_DIMS = "attnres.example_dims"  # metadata key: {dim_param: size} of the inputs the file was exported with
+MAX_EXAMPLE_DIM = 1 << 20
 _PAST = re.compile(r"past|cache", re.IGNORECASE)
 
 Declared = dict[str, list]  # input -> dims: int (static), str (dim_param) or None (unnamed)
@@ -35,6 +40,35 @@ def declared(model: onnx.ModelProto) -> Declared:
     return {i.name: [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else d.dim_param or None
                      for d in i.type.tensor_type.shape.dim]
             for i in model.graph.input if i.name not in weights and i.type.HasField("tensor_type")}
+
+
+def record_examples(model: onnx.ModelProto, tensors: list) -> None:
+    """Record in `model`'s metadata the size each input dim_param had in `tensors` (the example inputs, one per
+    graph input in order); a name seen at two sizes is left out."""
+    inputs = [i for i in model.graph.input if i.type.HasField("tensor_type")]
+    if len(inputs) != len(tensors):
+        return
+    sizes: dict[str, set[int]] = {}
+    for value, tensor in zip(inputs, tensors):
+        for d, size in zip(value.type.tensor_type.shape.dim, tuple(tensor.shape)):
+            if d.HasField("dim_param") and d.dim_param != UNKNOWN:
+                sizes.setdefault(d.dim_param, set()).add(int(size))
+    kept = {name: next(iter(s)) for name, s in sizes.items() if len(s) == 1}
+    if kept:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = EXAMPLE_DIMS, json.dumps(kept, sort_keys=True)
+
+
+def examples(metadata: Mapping[str, str]) -> dict[str, int]:
+    """The example sizes `record_examples` wrote ({} where absent or malformed: metadata is the file's word)."""
+    try:
+        found = json.loads(metadata.get(EXAMPLE_DIMS, "{}"))
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items()
+            if isinstance(k, str) and type(v) is int and 1 <= v <= MAX_EXAMPLE_DIM}
 
 
 def parse(text: str) -> dict[str, int] | None:
@@ -103,7 +137,7 @@ class Dims:
     and the sizes the user gave (`--input-shape`), checked against the declaration. The dim name `?`
     is unnamed: paddle2onnx writes it for every unknown dim, not for one shared size."""
 
-    def __init__(self, inputs: Declared, overrides: Shapes | None = None):
+    def __init__(self, inputs: Declared, overrides: Shapes | None = None, examples: Mapping[str, int] | None = None):
         self.inputs = inputs = {name: [None if d == UNKNOWN else d for d in dims] for name, dims in inputs.items()}
         alone = [d for dims in inputs.values() for d in dims if isinstance(d, str)]
         self.exprs: dict[str, dict[str, int]] = {}
@@ -115,7 +149,8 @@ class Dims:
         for dims in inputs.values():
             for axis, d in enumerate(dims):
                 for name in self._names(d):
-                    self.defaults.setdefault(name, DEFAULT_BATCH if axis == 0 else DEFAULT_DIM)
+                    default = DEFAULT_BATCH if axis == 0 else DEFAULT_DIM
+                    self.defaults.setdefault(name, (examples or {}).get(name, default))
         others = {d for name, dims in inputs.items() if not _PAST.search(name) for d in dims if d not in self.exprs}
         self.past = [n for n in self.defaults if n not in others]
         self.overrides = dict(overrides or {})

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import onnx
 
 from ..errors import ConfigError
+from . import onnx_io
 
 DEFAULT_BATCH = 2
 DEFAULT_DIM = 16
@@ -102,7 +103,8 @@ class Dims:
     and the sizes the user gave (`--input-shape`), checked against the declaration."""
 
     def __init__(self, inputs: Declared, overrides: Shapes | None = None):
-        self.inputs = inputs
+        self.inputs = inputs = {name: [None if d == onnx_io.UNNAMED_DIM else d for d in dims]
+                                for name, dims in inputs.items()}
         alone = [d for dims in inputs.values() for d in dims if isinstance(d, str)]
         self.exprs: dict[str, dict[str, int]] = {}
         for text in dict.fromkeys(alone):

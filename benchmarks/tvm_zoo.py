@@ -15,7 +15,8 @@ are symbolic. Routes, at the example inputs' shapes:
 - `legacy` (HF only): the same through `torch.onnx.export(dynamo=False)` (TorchScript: every shape
   computed at run time), the exports that broke TVM's importer before the folding pre-pass;
 - `attnres`: the Block(2) AttnRes ONNX (`export_onnx`, or `rewrite_onnx` of a pretrained file)
-  through `compile_model`, against onnxruntime on that file;
+  through `compile_model` (a pretrained file's at its fixed shapes, `static_shapes`, as its `onnx`
+  route; an HF model's with dynamic batch/sequence), against onnxruntime on that file;
 - `pt2` (HF only): the rewritten program (torch.export) through `compile_model`, against torch eager.
 
 Each (model, route) runs in a forked child (isolate.py) under `--timeout` seconds, so a crash or a
@@ -155,12 +156,13 @@ def _build_against(path: Path, feeds: dict, reference: list, row: dict) -> None:
     row["rel_err"] = _rel(reference, _run_built(built, imported, feeds))
 
 
-def _compile_against(source, folder: Path, shapes: dict, feeds: dict, reference: list, row: dict) -> None:
-    """`compile_model` of a rewritten `source` (as the CLI's `compile`); build time, sites and error into `row`."""
+def _compile_against(source, folder: Path, feeds: dict, reference: list, row: dict, **shapes) -> None:
+    """`compile_model` of a rewritten `source` (as the CLI's `compile`, `shapes` its input_shapes or
+    static_shapes); build time, sites and error into `row`."""
     from attnres_compile.backends.tvm import compile_model, load
 
     start = time.perf_counter()
-    manifest = compile_model(source, folder, input_shapes=shapes, force=True)
+    manifest = compile_model(source, folder, force=True, **shapes)
     row["build_s"] = time.perf_counter() - start
     row["sites"] = len(manifest["sites"])
     row["rel_err"] = _rel(reference, list(load(folder)(feeds).values()))
@@ -183,7 +185,7 @@ def pretrained_route(name: str, spec: Pretrained, kind: str, folder: Path) -> di
     if not rewritten.exists():
         row.update(status="no chain", sites=0, note=report.data.get("notes", ["no file written"])[-1])
         return row
-    _compile_against(rewritten, folder / f"{name}_attnres", shapes, feeds, _ort(rewritten, feeds), row)
+    _compile_against(rewritten, folder / f"{name}_attnres", feeds, _ort(rewritten, feeds), row, static_shapes=shapes)
     return row
 
 
@@ -233,7 +235,9 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
             with torch.no_grad():
                 reference = [x.numpy() for x in torch.utils._pytree.tree_leaves(
                     result.graph_module(**tensors, **constants)) if isinstance(x, torch.Tensor)]
-        _compile_against(source, folder / f"{name}_{kind}", shapes, feeds, reference, row)
+        # a program is verified on its own example inputs: --input-shape is for ONNX sources only
+        _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row,
+                         **({"input_shapes": shapes} if kind == "attnres" else {}))
     if cuda:
         import tvm
 

@@ -26,8 +26,9 @@ op of `PRETRAINED` that onnxruntime runs: LSTM, custom ops), build seconds, max 
 |reference| over all outputs, the exit code and first line of a failure, and with --cuda whether
 the CUDA build succeeds (sm_90 without a GPU; with one, run too: `cuda_rel_err`). `--out X.json`
 merges the rows run into X.json (rows of other models kept) and writes X.txt beside it;
-`--resume` skips the (model, route) pairs X.json already holds. Runtime on 2 busy cores: a tiny
-HF model 10-60 s per route, a pretrained file 1-5 min per route; the whole zoo about 2 h.
+`--resume` skips the (model, route) pairs X.json already holds. Measured on 2 shared cores (load
+4-9): an HF route 30-100 s (mostly export and verification), a pretrained file's 3 s to 5 min
+(YOLOv8n and ddddocr's detector build 3-4 min each); all 212 rows about 3 h, one model a few minutes.
 """
 
 from __future__ import annotations
@@ -220,24 +221,23 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
         reference = _ort(path, feeds)
         _build_against(path, feeds, reference, row)
         source, shapes = path, {k: v.shape for k, v in feeds.items()}
-    else:
+    elif kind == "attnres":
         from attnres_compile.onnx_api import export_onnx
 
-        path = folder / f"{name}_attnres.onnx"
-        export_onnx(model, inputs, path, CONFIG)
-        if kind == "attnres":
-            reference, source = _ort(path, feeds), path
-        else:
-            from attnres_compile import rewrite
+        source = folder / f"{name}_attnres.onnx"
+        export_onnx(model, inputs, source, CONFIG)
+        reference = _ort(source, feeds)
+        _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row, input_shapes=shapes)
+    else:
+        from attnres_compile import rewrite
 
-            result = rewrite(model, inputs, CONFIG)
-            source = torch.export.export(result.graph_module, (), {**tensors, **constants})
-            with torch.no_grad():
-                reference = [x.numpy() for x in torch.utils._pytree.tree_leaves(
-                    result.graph_module(**tensors, **constants)) if isinstance(x, torch.Tensor)]
+        result = rewrite(model, inputs, CONFIG)
+        source = torch.export.export(result.graph_module, (), {**tensors, **constants})
+        with torch.no_grad():
+            reference = [x.numpy() for x in torch.utils._pytree.tree_leaves(
+                result.graph_module(**tensors, **constants)) if isinstance(x, torch.Tensor)]
         # a program is verified on its own example inputs: --input-shape is for ONNX sources only
-        _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row,
-                         **({"input_shapes": shapes} if kind == "attnres" else {}))
+        _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row)
     if cuda:
         import tvm
 

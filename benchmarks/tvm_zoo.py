@@ -120,6 +120,11 @@ class Outputs(torch.nn.Module):
         super().__init__()
         self.model, self.keys, self.constants = model, keys, constants
 
+    @property
+    def wraps(self) -> torch.nn.Module:
+        """The HF model, which hf_experts.export_friendly looks through this wrapper for (MoE experts)."""
+        return self.model
+
     def forward(self, *args):
         out = self.model(**dict(zip(self.keys, args)), **self.constants)
         items = out.to_tuple() if hasattr(out, "to_tuple") else out if isinstance(out, (tuple, list)) else (out,)
@@ -216,8 +221,11 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
             names = [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
             feeds = dict(zip(names, feeds.values()))
         else:
-            torch.onnx.export(wrapped, args, str(path), dynamo=False, input_names=list(tensors), opset_version=17,
-                              dynamic_axes={k: {0: "batch"} for k in tensors})
+            from attnres_compile import hf_experts
+
+            with hf_experts.export_friendly(wrapped):  # MoE experts as standard ops, as the project's exporter does
+                torch.onnx.export(wrapped, args, str(path), dynamo=False, input_names=list(tensors), opset_version=17,
+                                  dynamic_axes={k: {0: "batch"} for k in tensors})
         reference = _ort(path, feeds)
         _build_against(path, feeds, reference, row)
         source, shapes = path, {k: v.shape for k, v in feeds.items()}

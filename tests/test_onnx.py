@@ -360,6 +360,42 @@ def test_old_opsets_are_converted_on_reading(tmp_path):
     assert "new.onnx: unknown producer, opset 17, IR version 10" in inspect_onnx(tmp_path / "new.onnx")["notes"]
 
 
+def test_negative_dims_are_unknown_to_every_reader(tmp_path):
+    """paddle2onnx writes a dynamic batch as dim_value -1 (PaddleOCR's cls model): onnxruntime and the
+    analysis read it as unknown, and so must TVM's importer, which refused `--static-shape x:2x8`
+    ("dim -1 is static, got 2"); the rewritten file declares it unknown."""
+    from attnres_compile.backends.tvm.importers import import_model
+
+    path = _chain_model(tmp_path / "paddle.onnx", feature=8)
+    model = onnx.load(str(path))
+    for value in (model.graph.input[0], model.graph.output[0]):
+        value.type.tensor_type.shape.dim[0].dim_value = -1
+    onnx.save(model, str(path))
+    assert import_model(path, {"x": (2, 8)}).inputs == ["x"]
+    result = rewrite_onnx(path, tmp_path / "out.onnx", input_shapes={"x": (2, 8)})
+    assert [row["verdict"] for row in result.report["verification"]] == ["pass"]
+    declared = onnx.load(str(tmp_path / "out.onnx")).graph.input[0].type.tensor_type.shape.dim
+    assert [d.HasField("dim_value") for d in declared] == [False, True]
+    assert import_model(tmp_path / "out.onnx", {"x": (2, 8)}).inputs == ["x"]
+
+
+def test_paddle_unknown_dims_take_input_shapes(tmp_path):
+    """PaddleOCR's cls model (rapidocr-onnxruntime) declares x as [-1, 3, "?", "?"]: each "?" is its own
+    unknown dim, so 48x192 is a valid size for verification inputs and for TVM's import ("--input-shape
+    gives ? two sizes: 48 and 192" and "dim -1 is static, got 1" before)."""
+    from attnres_compile.backends.tvm.importers import import_model
+
+    try:
+        path = importlib.metadata.distribution("rapidocr-onnxruntime").locate_file(
+            "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("rapidocr-onnxruntime is not installed: pip install --no-deps rapidocr-onnxruntime==1.4.4")
+    shapes = {"x": (1, 3, 48, 192)}
+    feeds = ort_backend.make_inputs(ort_backend.session(path), onnx.load(str(path)), shapes)
+    assert feeds["x"].shape == shapes["x"]
+    assert import_model(path, shapes).inputs == ["x"]
+
+
 def test_bad_files_are_classified(exported, tmp_path):
     with pytest.raises(InputError, match="no such file"):
         inspect_onnx(tmp_path / "missing.onnx")

@@ -20,11 +20,12 @@ from collections.abc import Iterable, Mapping
 import onnx
 
 from ..errors import ConfigError
+from . import onnx_io
 
 DEFAULT_BATCH = 2
 DEFAULT_DIM = 16
 SMALL_DIM = 1
-UNKNOWN = "?"  # a dim_param that names no size
+UNKNOWN = onnx_io.UNNAMED_DIM  # a dim_param that names no size
 EXAMPLE_DIMS = "attnres.example_dims"  # metadata key: {dim_param: size} of the inputs the file was exported with
 MAX_EXAMPLE_DIM = 1 << 20
 _PAST = re.compile(r"past|cache", re.IGNORECASE)

@@ -79,9 +79,24 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
         model = _convert_opset(model, p, opset)
     else:  # a file we wrote from a converted one: read as it is now, its conversion is history
         _drop_converted_mark(model)
+    _unknown_dims(model)
     if with_data:
         load_data(model, p)
     return model
+
+
+UNNAMED_DIM = "?"  # paddle2onnx's name for every unknown dim: not one symbol, each dim its own
+
+
+def _unknown_dims(model: onnx.ModelProto) -> None:
+    """Negative dim_values and dims named "?" (paddle2onnx writes both for dynamic dims) made unknown, as
+    onnxruntime reads them: TVM's importer took -1 for a static dim and the "?" of height and width for
+    one dim, refusing every --static-shape."""
+    for graph, _ in graphs_with_depth(model):
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            for dim in value.type.tensor_type.shape.dim:
+                if (dim.HasField("dim_value") and dim.dim_value < 0) or dim.dim_param == UNNAMED_DIM:
+                    dim.Clear()
 
 
 def _head(path: Path) -> bytes:

@@ -740,3 +740,24 @@ def test_grouped_convolutions_build_for_cuda():
     for name in ("Conv1d_groups", "Conv2d_groups", "Conv3d_groups", "Conv2d_depthwise_with_multiplier"):
         path = ONNX_DATA / "pytorch-converted" / f"test_{name}" / "model.onnx"
         build(import_model(path), target)
+
+
+def test_a_sliced_example_input_compiles(tmp_path):
+    """A sliced example (`ids[:, :10]` of [2, 16]: stride 16, as HF seq2seq examples cut decoder ids) gave the
+    exported program a stride symbol without a range, and TVM's importer failed: "vr must not be None for
+    symbol s55" (mBART). Examples are made contiguous before torch.export (dynamic_dims.dense)."""
+    from attnres_compile import rewrite
+    from attnres_compile.passes import dynamic_dims
+    from attnres_compile.pt2 import save
+    from samples import models
+
+    model, (ids,) = models.gpt_factory(layers=2)
+    example = (ids[:, :10],)
+    result = rewrite(model, example, AttnResConfig(variant="block", num_blocks=2))
+    spec = dynamic_dims.export_spec(dynamic_dims.parse(None), model, example, {})
+    save(dynamic_dims.export_program(result.graph_module, example, {}, spec, "dynamic batch,seq", []), tmp_path / "g.pt2")
+    manifest = compile_model(tmp_path / "g.pt2", tmp_path / "art", verify_outputs=False)
+    with torch.no_grad():
+        expected = model(ids[:, :7]).numpy()
+    actual = load(tmp_path / "art")({manifest["inputs"][0]["name"]: ids[:, :7].numpy()})
+    assert _close(expected, next(iter(actual.values()))) < 1e-5

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, first_line
 
@@ -170,6 +171,7 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sh
                    notes: list[str]) -> torch.export.ExportedProgram:
     """torch.export with `dynamic_shapes`; when that fails, once more with static shapes and a
     one-line note in `notes` (`what` names the dims asked for, e.g. "dynamic batch,seq")."""
+    args, kwargs = dense(args, kwargs)
     try:
         with quiet_loggers(EXPORT_LOGGERS):
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -181,6 +183,13 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sh
         notes.append(f"torch.export with {what} failed ({first_line(exc, 160)}); traced with static shapes: "
                      "the result takes only the example's shapes")
         return program
+
+
+def dense(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs with every non-contiguous tensor made contiguous (same values): torch.export gives a
+    sliced input's stride (`ids[:, :6]` of [2, 8]: stride 8) a symbol of its own with no range, and
+    torch's decompositions in TVM's importer then fail ("vr must not be None for symbol s55", mBART)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_contiguous() else t.contiguous(), (args, kwargs))
 
 
 @contextlib.contextmanager

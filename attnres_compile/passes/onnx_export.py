@@ -88,7 +88,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     `contiguous()` calls are recorded as clones first: the exporter's decomposition drops them
     and then cannot `view` the transposed attention output (T5, Swin).
     """
-    kwargs = kwargs or {}
+    args, kwargs = dynamic_dims.dense(args, kwargs or {})
     _read_torchlib_once()
     with contextlib.redirect_stdout(io.StringIO()), dynamic_dims.quiet_loggers(_LOGGERS), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # training-mode and deprecation notices of the exporter's internals

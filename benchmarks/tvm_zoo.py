@@ -237,10 +237,13 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
         reference = _ort(source, feeds)
         _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row, input_shapes=shapes)
     else:
-        from attnres_compile import rewrite
+        from attnres_compile import pt2, rewrite
+        from attnres_compile.passes import dynamic_dims
 
         result = rewrite(model, inputs, CONFIG)
-        source = torch.export.export(result.graph_module, (), {**tensors, **constants})
+        # as `rewrite -o X.pt2` does: constants (use_cache=False) bound, not inputs; example inputs contiguous
+        module, tensor_kwargs = pt2.bind_constants(result.graph_module, (), {**tensors, **constants}, like=model)
+        source = dynamic_dims.export_program(module, (), tensor_kwargs, None, "static shapes", [])
         with torch.no_grad():
             reference = [x.numpy() for x in torch.utils._pytree.tree_leaves(
                 result.graph_module(**tensors, **constants)) if isinstance(x, torch.Tensor)]

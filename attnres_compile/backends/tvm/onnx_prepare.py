@@ -141,10 +141,9 @@ def fix_input_dims(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
         if len(shape.dim) != len(dims):
             raise ConfigError(f"--static-shape {name}: {len(dims)} dims given, the input has rank {len(shape.dim)}")
         for dim, size in zip(shape.dim, dims):
-            # Paddle's exports write an unknown dim as -1 or "?", never one dim named "?" twice
-            if dim.HasField("dim_value") and 0 <= dim.dim_value != size:
+            if dim.HasField("dim_value") and dim.dim_value != size:
                 raise ConfigError(f"--static-shape {name}: dim {dim.dim_value} is static, got {size}")
-            if dim.dim_param not in ("", "?") and sizes.setdefault(dim.dim_param, size) != size:
+            if dim.HasField("dim_param") and sizes.setdefault(dim.dim_param, size) != size:
                 raise ConfigError(f"--static-shape gives {dim.dim_param} two sizes: {sizes[dim.dim_param]} and {size}")
             dim.Clear()
             dim.dim_value = size

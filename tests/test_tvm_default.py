@@ -257,10 +257,11 @@ def test_legacy_exports_compile_and_match(name, tmp_path, capfd):
     assert "pow(x, y)" not in err and "Fast mode" not in err  # pow is rewritten, take wraps (rewrites.py)
 
 
-def test_yolov8n_resize_imports_at_a_fixed_size():
+def test_yolov8n_resize_imports_at_a_fixed_size(tmp_path):
     """YOLOv8n (nudenet 3.4.2's 320n.onnx, symbolic image size): its upsampling Resize followed
     by a Concat lost every shape in TVM's importer; with the size fixed and folded it imports.
-    Without a size, the failure is one line naming the op and the way out."""
+    With a symbolic size it imports through the dims the file names (named_dims.py); a copy without
+    them fails in one line naming the op and the way out."""
     spec = importlib.util.find_spec("nudenet")
     if spec is None:
         pytest.skip("nudenet is not installed: pip install --no-deps nudenet==3.4.2")
@@ -269,8 +270,14 @@ def test_yolov8n_resize_imports_at_a_fixed_size():
     image = np.zeros((1, 3, 64, 64), np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"images": image})[0]
     assert [int(d) for d in imported.mod["main"].ret_ty.shape.values] == list(expected.shape)
+    out = import_model(path).mod["main"].ret_ty.shape.values
+    assert dim_text(out[2]) == ("((height - 1) // 8 + 1) * ((width - 1) // 8 + 1) + ((height - 1) // 16 + 1) * ((width - 1) "
+                           "// 16 + 1) + ((height - 1) // 32 + 1) * ((width - 1) // 32 + 1)"), out
+    unnamed = onnx.load(path)
+    unnamed.graph.ClearField("value_info")
+    onnx.save(unnamed, tmp_path / "unnamed.onnx")
     with pytest.raises(CompileError, match=r"cannot convert \w+ \(node .*--static-shape"):
-        import_model(path)
+        import_model(tmp_path / "unnamed.onnx")
 
 
 # ---------------------------------------------------------------- a rewritten model: artifact, profile, CLI

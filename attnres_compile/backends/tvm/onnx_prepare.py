@@ -20,8 +20,10 @@ XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), 
 beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
 arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
 SequenceInsert at a negative position (off by one), Tile by counts that are a shape (SigLIP's
-probe per image: refused by the stock loop; tile.py), and every converter failure re-raised as
-one CompileError line naming the ONNX op and node.
+probe per image: refused by the stock loop; tile.py), integer Div of a dim by a positive constant
+(floordiv, not the stock truncdiv TVM cannot equate with its own shape rules' floordiv), and every
+converter failure re-raised as one CompileError line naming the ONNX op and node. After each node,
+its outputs are held to the dims the file names for them (named_dims.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ...errors import CompileError, ConfigError, first_line
 from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE
 from ...passes.onnx_optimize import exact_no_ops
+from .named_dims import NamedDims
 from .tile import tile
 
 SMALL = 8192  # elements: onnxscript's limit for the inputs of the ops it folds
@@ -194,6 +197,9 @@ class ConverterFixes:
                 return self.bb.normalize(_expand_to_runtime_shape(self.bb, *inputs))
             if op_name == "Expand" and isinstance(inputs[1], tvm.ir.GenericConst) and _not_static(inputs[0]):
                 return self.bb.normalize(_expand_symbolic_to_constant(self.bb, *inputs))
+            quotient = _dim_quotient(*inputs) if op_name == "Div" and len(inputs) == 2 else None
+            if quotient is not None:
+                return relax.prim_value(quotient)
             if op_name in BINARY and len(inputs) == 2 and _array_beside_dim(*inputs):
                 inputs = [_dim_as_tensor(x, _const_dtype(inputs)) if tvm.ir.is_prim_expr(x) else x for x in inputs]
             dims = _reshape_dims(*inputs[:2], attrs, [self._nodes, self._params]) if op_name == "Reshape" else None
@@ -227,7 +233,17 @@ class ConverterFixes:
 
     def _construct_nodes(self, graph):
         with contextlib.redirect_stdout(io.StringIO()):  # the stock loop prints each failing node's inputs
-            return super()._construct_nodes(_Nodes(self._tiles_by_shape(graph.node)))
+            return super()._construct_nodes(_Nodes(self._held_to_names(graph, self._tiles_by_shape(graph.node))))
+
+    def _held_to_names(self, graph, nodes):
+        """The nodes as the stock loop takes them; after each, its outputs held to the dims the
+        file names for them (named_dims.py)."""
+        names = NamedDims(graph, self._inputs)
+        for node in nodes:
+            yield node
+            for output in node.output:
+                if output in self._nodes:
+                    self._nodes[output] = names.held(self.bb, output, self._nodes[output])
 
     def _tiles_by_shape(self, nodes):
         """The graph's nodes as the stock loop takes them, one at a time, but for each Tile whose
@@ -251,6 +267,25 @@ class _Nodes:
 
     def __init__(self, nodes):
         self.node = nodes
+
+
+def _dim_quotient(lhs, rhs) -> tvm.tirx.PrimExpr | None:
+    """floordiv(lhs, rhs) for a dim expression `lhs` that is provably >= 0 and a positive integer
+    constant `rhs`, where it equals ONNX's truncating integer Div; None otherwise. The stock
+    converter writes truncdiv, which TVM does not equate with the floordiv of its own shape rules:
+    wav2vec2's `s // 10 - 1` came out as both, and reshapes between them failed."""
+    if not tvm.ir.is_prim_expr(lhs) or not isinstance(rhs, tvm.ir.GenericConst):
+        return None
+    divisor = rhs.value.numpy()
+    dtype = str(getattr(lhs, "dtype", None) or lhs.ty)
+    if divisor.size != 1 or divisor.dtype.kind not in "iu" or divisor.item() <= 0 or not dtype.startswith("int"):
+        return None
+    analyzer = tvm.sym.Analyzer()
+    for var in tvm.tirx.analysis.undefined_vars(lhs):  # shape vars: sizes, never negative
+        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    if not analyzer.can_prove(lhs >= 0):
+        return None
+    return tvm.tirx.floordiv(lhs, tvm.tirx.const(divisor.item(), dtype))
 
 
 def _not_static(value) -> bool:

@@ -18,6 +18,7 @@ are symbolic. Routes, at the example inputs' shapes:
   through `compile_model` (a pretrained file's at its fixed shapes, `static_shapes`, as its `onnx`
   route; an HF model's with dynamic batch/sequence), against onnxruntime on that file;
 - `pt2` (HF only): the rewritten program (torch.export) through `compile_model`, against torch eager.
+onnxruntime runs each file as verification does (`reference_session`: Sigmoid computed exactly).
 
 Each (model, route) runs in a forked child (isolate.py) under `--timeout` seconds, so a crash or a
 hang is one row (exit 16 crash, 17 time limit, 18 memory) and the run goes on. A row: status (ok,
@@ -136,7 +137,8 @@ def _rel(expected: list[np.ndarray], actual: list[np.ndarray]) -> float:
 
 
 def _ort(path: Path, feeds: dict) -> list[np.ndarray]:
-    session = ort_backend.session(path)
+    """The model's outputs in onnxruntime as verification runs it (Sigmoid exact: backends/exact_sigmoid.py)."""
+    session = ort_backend.reference_session(path)
     names = {i.name for i in session.get_inputs()}
     return session.run(None, {k: v for k, v in feeds.items() if k in names})
 

@@ -280,6 +280,31 @@ def test_yolov8n_resize_imports_at_a_fixed_size(tmp_path):
         import_model(tmp_path / "unnamed.onnx")
 
 
+def test_a_float_range_over_a_dim_keeps_its_length(tmp_path):
+    """YOLOv8's anchor grid: `Range(0.0, Cast(float, Shape(x)[1]), 1.0)` added to x. The stock converter
+    reads the length at run time (`range_len_0`): here the sum has no shape and the build fails; in
+    YOLOv8n, whose file names the grid's length, TVM's memory planning failed on it ("has not been
+    computed"). As an integer arange cast to float it is `w` long."""
+    value = lambda n, d: onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, d)  # noqa: E731
+    const = onnx.numpy_helper.from_array
+    nodes = [onnx.helper.make_node("Shape", ["x"], ["shape"]),
+             onnx.helper.make_node("Gather", ["shape", "one"], ["w"], axis=0),
+             onnx.helper.make_node("Cast", ["w"], ["wf"], to=onnx.TensorProto.FLOAT),
+             onnx.helper.make_node("Range", ["zero", "wf", "step"], ["grid"]),
+             onnx.helper.make_node("Add", ["x", "grid"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "grid", [value("x", [2, "w"])], [value("y", [2, "w"])],
+                                   [const(np.array(1, np.int64), "one"), const(np.array(0.0, np.float32), "zero"),
+                                    const(np.array(1.0, np.float32), "step")])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "grid.onnx")
+    imported = import_model(tmp_path / "grid.onnx")
+    assert dim_text(imported.mod["main"].ret_ty.shape.values[1]) == "w"
+    vm = relax.VirtualMachine(build(imported, make_target("llvm")).executable, tvm.cpu())
+    session = ort.InferenceSession(str(tmp_path / "grid.onnx"), providers=["CPUExecutionProvider"])
+    for width in (3, 70):
+        x = np.random.default_rng(width).standard_normal((2, width)).astype(np.float32)
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), session.run(None, {"x": x})[0])
+
+
 # ---------------------------------------------------------------- a rewritten model: artifact, profile, CLI
 
 @pytest.fixture(scope="module")

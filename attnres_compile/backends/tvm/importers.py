@@ -71,6 +71,9 @@ class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
             bounds = [_int_scalar(x, [self._nodes, self._params]) for x in inputs]
             if all(b is not None for b in bounds):
                 return self.bb.normalize(relax.op.arange(*bounds, dtype=_dtype(inputs[0])))
+            whole = [_whole_scalar(x, [self._nodes, self._params]) for x in inputs]
+            if all(b is not None for b in whole):
+                return self.bb.normalize(relax.op.astype(relax.op.arange(*whole, dtype="int64"), _dtype(inputs[0])))
         return super()._convert_operator(op_name, inputs, attrs, opset)
 
 
@@ -87,6 +90,20 @@ def _int_scalar(value, params) -> int | tvm.tirx.PrimExpr | None:
         return int(array.item()) if array.size == 1 and array.dtype.kind in "iu" else None
     if tvm.ir.is_prim_expr(value) and _dtype(value).startswith("int"):
         return value
+    return None
+
+
+def _whole_scalar(value, params) -> int | tvm.tirx.PrimExpr | None:
+    """A float Range bound that is a whole number: a constant, or a dim cast to float (YOLOv8's
+    anchor grid, `arange(w, dtype=float)`), as an integer; None otherwise. Its range is the
+    integer range cast (exact below 2**24), and its length a dim expression, where the stock
+    converter reads the length at run time and TVM's memory planning then fails on it."""
+    value = onnx_frontend.get_constant(value, params)
+    if isinstance(value, tvm.ir.GenericConst):
+        array = value.value.numpy()
+        return int(array.item()) if array.size == 1 and float(array.item()).is_integer() else None
+    if isinstance(value, tvm.tirx.Cast) and _dtype(value.value).startswith("int"):
+        return value.value
     return None
 
 

@@ -33,7 +33,6 @@ class NamedDims:
                       if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
         self.dims: dict[str, tvm.tirx.PrimExpr] = {}
         self.analyzer = tvm.sym.Analyzer()
-        self.casts = 0
         self.inputs: set[tvm.tirx.Var] = set()  # the inputs' symbolic dims
         for name, value in inputs.items():  # their names, for reading the others
             ty = getattr(value, "ty", None)
@@ -43,21 +42,20 @@ class NamedDims:
                     if isinstance(n, str) and isinstance(d, tvm.tirx.Var):
                         self.dims[n] = d
 
-    def held(self, bb: relax.BlockBuilder | None, name: str, value):
+    def held(self, bb: relax.BlockBuilder, name: str, value):
         """`value` (the Relax value of ONNX value `name`) with the dims the file names for it: as
-        it is when TVM proves them equal or cannot tell, else a match_cast to them (with `bb`)."""
+        it is when TVM proves them equal or cannot tell, else a match_cast to them emitted in `bb`."""
         names, ty = self.names.get(name), getattr(value, "ty", None)
         if names is None or not isinstance(ty, relax.TensorType) or ty.ndim != len(names) or not names:
             return value
         have = list(ty.shape.values) if isinstance(ty.shape, relax.ShapeExpr) else [None] * len(names)
         if any(v not in self.inputs for d in have if d is not None for v in tvm.tirx.analysis.undefined_vars(d)):
-            return value  # a dim a converter read at run time (Range's range_len_0): TVM 0.27's memory
-            # planning then allocates before computing it ("has not been computed", YOLOv8's anchors)
+            return value  # a dim a converter reads at run time (the stock Range's range_len_0): TVM 0.27's
+            # memory planning allocates before computing it ("has not been computed": YOLOv8n's anchors)
         want = [self._dim(n, d) for n, d in zip(names, have)]
-        if bb is None or any(w is None for w in want) or all(
+        if any(w is None for w in want) or all(
                 d is not None and (w is d or self.analyzer.can_prove_equal(w, d)) for w, d in zip(want, have)):
             return value
-        self.casts += 1
         return bb.match_cast(value, relax.TensorType(want, ty.dtype))
 
     def _dim(self, name: Name, have):

@@ -12,6 +12,7 @@ import torch
 
 import attnres_compile as ac
 from attnres_compile.api import trace
+from attnres_compile.decoder import _cache_param
 from attnres_compile.errors import ConfigError
 from attnres_compile.passes import verify
 from samples import hf_models, hf_zoo, models
@@ -234,8 +235,9 @@ def test_kv_cache_input_is_not_grown_by_the_original_before_the_rewrite_runs(dyn
                          num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        cache = model(torch.randint(0, 100, (1, 8)), use_cache=True).past_key_values
-    inputs = {"input_ids": torch.randint(0, 100, (1, 1)), "past_key_values": cache, "use_cache": True}
+        out = model(torch.randint(0, 100, (1, 8)), use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values  # `cache` from transformers 5.25 on
+    inputs = {"input_ids": torch.randint(0, 100, (1, 1)), _cache_param(model): cache, "use_cache": True}
     rows = ac.rewrite(model, inputs).report["verification"]
     assert cache.get_seq_length() == 8
     assert rows[0]["output"] == "logits" and {r["verdict"] for r in rows} == {"pass"}, rows

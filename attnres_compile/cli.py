@@ -265,8 +265,9 @@ def _rewrite(args) -> int:
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
     failed = [r for r in report["verification"] or [] if r.get("ok") is False]
     if failed and args.scale == "paper":
-        print(f"note: paper scale differs from the original on {len(failed)} output(s); it is exact only up to the "
-              "norms' eps on PreNorm models (not an error)")
+        if not any("norms' eps" in n for n in report["notes"]):  # the API's report already carries it
+            print(f"note: paper scale differs from the original on {len(failed)} output(s); it is exact only up to the "
+                  "norms' eps on PreNorm models (not an error)")
     elif failed:
         from .passes.verify import describe
 

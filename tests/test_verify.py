@@ -58,6 +58,7 @@ def test_mobilenetv2_at_default_init_is_not_passed():
     paper = ac.rewrite(gm, inputs, ac.AttnResConfig(scale="paper"))
     assert {row["verdict"] for row in paper.report["verification"]} == {"fail"}
     assert min(row["min_rtol"] for row in paper.report["verification"]) > 0.1  # outputs changed by ~99%
+    assert any("norms' eps" in n for n in paper.report["notes"])  # same note as the CLI prints
     preserve = ac.rewrite(gm, inputs).report
     assert {row["verdict"] for row in preserve["verification"]} == {"too small"}
     assert "too small to tell" in str(preserve) and "✓" not in str(preserve)

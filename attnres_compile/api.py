@@ -182,8 +182,7 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
         traced.notes += notes
         failed = [r for r in verification or [] if r.get("ok") is False]
         if failed and config.scale == "paper":
-            traced.notes.append(f"paper scale differs from the original on {len(failed)} output(s); it is exact only up to "
-                                "the norms' eps on PreNorm models (not an error)")
+            traced.notes.append(verify.paper_scale_note(len(failed)))
     report = build(plan, view, config, traced.source, sites, verification, traced.notes, traced.dynamic)
     return RewriteResult(gm, report, modified=True)
 

@@ -181,6 +181,12 @@ def _against_truth(row: dict, ref64, got64, truth64, both) -> bool:
     return new_err <= TRUTH_FACTOR * orig_err
 
 
+def paper_scale_note(failed: int) -> str:
+    """Why a `scale="paper"` rewrite's check fails on `failed` outputs: the paper's scaling is exact only up to the norms' eps."""
+    return (f"paper scale differs from the original on {failed} output(s); it is exact only up to the norms' eps on "
+            "PreNorm models (not an error)")
+
+
 def describe(row: dict) -> str:
     """One line for a row: mark, output, errors, tolerance and the minimum rtol that would pass."""
     edge = _zero_rows_text(row)

@@ -65,6 +65,7 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config, di
             inputs = [_term(graph, group, sources, layout, cache) for group in groups]
             scale = float(len(inputs)) if config.scale == "preserve" else 1.0
             query = graph.get_attr(f"{HOLDER}.{name}.site{k}")
+            _copy_scope(site, query)
             node = graph.call_function(
                 torch.ops.attnres.depth_attention.default,
                 (inputs, query, float(config.eps), scale, chain.feature_axis),
@@ -113,6 +114,15 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
     for key in ("val", "tensor_meta"):
         if key in src.meta:
             dst.meta[key] = src.meta[key]
+    _copy_scope(src, dst)
+
+
+def _copy_scope(src: fx.Node, dst: fx.Node) -> None:
+    """Give `dst` the module scope of the site it belongs to, so module-aware tools (torch.export's
+    unflatten, the pipelining outliner, profilers) place the inserted node inside that block."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in src.meta:
+            dst.meta[key] = dict(src.meta[key]) if isinstance(src.meta[key], dict) else src.meta[key]
 
 
 def _erase_dead(graph: fx.Graph, adds: list[fx.Node]) -> None:

@@ -1,0 +1,7 @@
+"""Training a rewritten model past one process, on torch.distributed's own engines.
+
+The rewrite returns one flat GraphModule; the engines want modules (FSDP2's `fully_shard` per
+block, `torch.utils.checkpoint`), stages (`torch.distributed.pipelining.PipelineStage`) and
+sharding rules (DTensor). This package hands them those, and plans what crosses each pipeline
+hop; the schedules, collectives and optimizers stay the engines'.
+"""

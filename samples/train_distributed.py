@@ -1,12 +1,17 @@
-"""The rewritten GraphModule trained under torch.distributed: DDP and FSDP2 (`fully_shard`), gloo, CPU.
+"""The rewritten model trained under torch.distributed: DDP and FSDP2 (`fully_shard`), gloo, CPU.
 
 Every process builds the same seeded GPT, rewrites it to AttnRes (traced at the whole global
 batch: the rewritten module takes any batch size, like the original) and trains it on its shard
 of each global batch. `reference` trains the same rewritten model in one process on the whole
-global batches, so the losses and the final pseudo-queries must agree to float tolerance. FSDP2 shards the root module only: the fx graph reads every parameter directly
-(get_attr), so submodules are never called and per-block `fully_shard` would not gather them.
+global batches, so the losses and the final pseudo-queries must agree to float tolerance.
 
-    python -m samples.train_distributed --modes ddp fsdp --world 2 --steps 5
+Modes: `ddp` and `fsdp` wrap the flat GraphModule (FSDP2 on the root only: its graph reads every
+parameter through get_attr and calls no submodule). `fsdp_blocks`, `fsdp_offload` and
+`fsdp_checkpoint` train the same model as called blocks (attnres_compile.distributed.called_blocks):
+`fully_shard` per block and on the root, the last two with `CPUOffloadPolicy` and with every block
+checkpointed (sites recomputed, `SitePolicy(save_sites=False)`).
+
+    python -m samples.train_distributed --modes ddp fsdp fsdp_blocks --world 2 --steps 5
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
+from attnres_compile.distributed import SitePolicy, block_names, called_blocks, checkpoint_blocks
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=2, heads=2, seq=16, micro=4)
+MODES = ("ddp", "fsdp", "fsdp_blocks", "fsdp_offload", "fsdp_checkpoint")
 
 
 def setup(variant: str, steps: int, world: int, seed: int = 0):
@@ -68,22 +75,52 @@ def reference(variant: str = "full", steps: int = 5, world: int = 2, lr: float =
     return {"losses": losses, "queries": _queries(gm)}
 
 
-def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
-    """Train `gm` wrapped for `mode` on this rank's shards; {"losses" (averaged over ranks), "queries"}."""
-    if mode == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(gm)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+def _wrap(mode: str, gm, example: torch.Tensor, world: int) -> tuple[torch.nn.Module, dict]:
+    """`gm` wrapped for `mode`, and what the mode reports (blocks sharded, site recompute counts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
-        wrapped = fully_shard(gm, mesh=init_device_mesh("cpu", (world,)))
+    if mode == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(gm), {}
+    mesh = init_device_mesh("cpu", (world,))
+    if mode == "fsdp":
+        return fully_shard(gm, mesh=mesh), {}
+    module, info, policy = called_blocks(gm, (example,)), {}, None
+    if mode == "fsdp_checkpoint":
+        policy = SitePolicy(save_sites=False)
+        checkpoint_blocks(module, policy)
+        info["policy"] = policy
+    offload = CPUOffloadPolicy(pin_memory=False) if mode != "fsdp_blocks" else OffloadPolicy()
+    info["blocks"] = block_names(module)
+    for name in info["blocks"]:
+        fully_shard(module.get_submodule(name), mesh=mesh, offload_policy=offload)
+    fully_shard(module, mesh=mesh, offload_policy=offload)
+    # every parameter a sharded DTensor, each block's in its own FSDP group (gathered by that block's call)
+    info["sharded"] = all(isinstance(p, DTensor) and p.placements[0].is_shard() for p in module.parameters())
+    return module, info
+
+
+def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
+    """Train `gm` wrapped for `mode` on this rank's shards; {"losses" (averaged over ranks), "queries"}
+    and, for the called-block modes, the blocks sharded and the sites recomputed."""
+    wrapped, info = _wrap(mode, gm, batches[0][0], world)
     opt = torch.optim.Adam(wrapped.parameters(), lr=lr)
     losses = []
     for x, y in batches:
         loss = _step(wrapped, opt, x.chunk(world)[rank], y.chunk(world)[rank])
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
-    return {"losses": losses, "queries": _queries(gm)}
+    out = {"losses": losses, "queries": _queries(wrapped.module if mode == "ddp" else wrapped)}
+    if "blocks" in info:
+        out["blocks"], out["sharded"] = info["blocks"], info["sharded"]
+    if "policy" in info:
+        out["recomputed"], out["site_calls"] = info["policy"].recomputed, len(batches) * _sites(gm)
+    return out
+
+
+def _sites(gm) -> int:
+    return sum(getattr(n.target, "namespace", None) == "attnres" for n in gm.graph.nodes)
 
 
 def _worker(rank: int, world: int, modes: list[str], variant: str, steps: int, lr: float, rendezvous: str, out: str) -> None:
@@ -102,7 +139,7 @@ def _worker(rank: int, world: int, modes: list[str], variant: str, steps: int, l
         dist.destroy_process_group()
 
 
-def run(modes=("ddp", "fsdp"), world: int = 2, variant: str = "full", steps: int = 5, lr: float = 1e-2) -> dict:
+def run(modes=MODES, world: int = 2, variant: str = "full", steps: int = 5, lr: float = 1e-2) -> dict:
     """Train under each of `modes` with `world` gloo processes (spawned); {mode: {"losses", "queries"}} from rank 0."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -112,7 +149,7 @@ def run(modes=("ddp", "fsdp"), world: int = 2, variant: str = "full", steps: int
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--modes", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--variant", choices=["full", "block"], default="full")
     p.add_argument("--steps", type=int, default=5)

@@ -5,3 +5,9 @@ block, `torch.utils.checkpoint`), stages (`torch.distributed.pipelining.Pipeline
 sharding rules (DTensor). This package hands them those, and plans what crosses each pipeline
 hop; the schedules, collectives and optimizers stay the engines'.
 """
+
+from .blocks import block_names, called_blocks
+from .checkpointing import SitePolicy, checkpoint_blocks
+from .offload import OffloadHistory
+
+__all__ = ["OffloadHistory", "SitePolicy", "block_names", "called_blocks", "checkpoint_blocks"]

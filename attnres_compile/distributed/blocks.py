@@ -1,0 +1,101 @@
+"""The rewritten model as called blocks: the nn.Module that FSDP2 and checkpointing work on.
+
+The rewrite returns one flat GraphModule that reads every parameter through `get_attr` and never
+calls a submodule, so per-block `fully_shard` would never gather and `checkpoint` has nothing to
+wrap. The rewrite gives every node it inserts its site's `nn_module_stack` (passes/fx_rewrite.py),
+so torch.export records each depth-attention site inside the block that holds it, and
+`torch.export.unflatten` (the engine's own outliner) rebuilds the module tree: `blocks.3` is a
+called submodule that owns its parameters, under the same names as in the GraphModule. The
+pseudo-queries (`attnres.*`) stay at the root, which passes them to the blocks as inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from ..pytree_warning import silenced
+
+
+def called_blocks(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = None) -> torch.nn.Module:
+    """`gm` (a rewritten GraphModule) as a module whose blocks are called submodules.
+
+    `example_inputs` (a tuple, or one tensor) are inputs `gm` accepts; dims that are symbolic in
+    `gm` (e.g. a dynamic batch) stay dynamic. The result computes what `gm` computes (checked on
+    the example, bitwise) and has `gm`'s parameter and buffer names; it records `gm`'s mode
+    (dropout and batch norm as in `gm` when called).
+    """
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(kwargs or {})
+    try:
+        with silenced():
+            ep = torch.export.export(gm, args, kwargs, dynamic_shapes=_dynamic_shapes(gm, args, kwargs), strict=False)
+            module = torch.export.unflatten(ep)
+    except Exception as exc:  # noqa: BLE001 - the exporter's own reason goes into the one line
+        raise TraceError(f"could not outline the rewritten model's blocks: torch.export failed "
+                         f"({str(exc).splitlines()[0][:200]}); pass inputs the rewritten model accepts") from exc
+    _check_same(gm, module, args, kwargs)
+    return module
+
+
+def block_names(module: torch.nn.Module) -> list[str]:
+    """The blocks of `module` (from `called_blocks`), in call order: the called submodules holding
+    depth-attention sites, found by descending from the root while only one called child holds
+    them (an HF model's `model`, then its `layers.0` ... `layers.N`). The units to shard with
+    `fully_shard` or wrap in `checkpoint`."""
+    prefix, holders = "", _holders(module)
+    while len(holders) == 1 and _holders(module.get_submodule(prefix + holders[0])):
+        prefix += holders[0] + "."
+        holders = _holders(module.get_submodule(prefix[:-1]))
+    return [prefix + name for name in holders]
+
+
+def _holders(module: torch.nn.Module) -> list[str]:
+    """The call_module targets of `module`'s graph whose module holds a site, in call order."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return []
+    targets = dict.fromkeys(n.target for n in graph.nodes if n.op == "call_module")
+    return [t for t in targets if _holds_site(module.get_submodule(t))]
+
+
+def _holds_site(module: torch.nn.Module) -> bool:
+    """Whether a graph of `module` or of one of its submodules calls an attnres op."""
+    graphs = [g for g in (getattr(m, "graph", None) for m in module.modules()) if isinstance(g, fx.Graph)]
+    return any(getattr(n.target, "namespace", None) == "attnres" for g in graphs for n in g.nodes)
+
+
+def _dynamic_shapes(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict | None:
+    """torch.export `dynamic_shapes` keeping dynamic each input dim that is symbolic in `gm`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs).arguments
+    leaves, spec = pytree.tree_flatten(bound)
+    if len(leaves) != len(placeholders):
+        return None
+    dims = []
+    for leaf, node in zip(leaves, placeholders):
+        val = node.meta.get("val")
+        if isinstance(leaf, torch.Tensor) and isinstance(val, torch.Tensor):
+            dims.append({i: torch.export.Dim.AUTO for i, s in enumerate(val.shape) if isinstance(s, torch.SymInt)} or None)
+        else:
+            dims.append(None)
+    if all(d is None for d in dims):
+        return None
+    return pytree.tree_unflatten(dims, spec)
+
+
+def _check_same(gm: fx.GraphModule, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse an outlined module whose names or outputs differ from `gm`'s (a bug, not bad input)."""
+    if dict(gm.named_parameters()).keys() != dict(module.named_parameters()).keys():
+        missing = sorted(set(dict(gm.named_parameters())) ^ set(dict(module.named_parameters())))
+        raise TraceError(f"outlining changed parameter names ({', '.join(missing[:3])}); report this with the model")
+    with torch.no_grad():
+        want, got = pytree.tree_leaves(gm(*args, **kwargs)), pytree.tree_leaves(module(*args, **kwargs))
+    if len(want) != len(got) or any(isinstance(w, torch.Tensor) and not torch.equal(w, g) for w, g in zip(want, got)):
+        raise TraceError("the outlined blocks compute something other than the rewritten GraphModule; "
+                         "report this with the model")

@@ -9,5 +9,7 @@ hop; the schedules, collectives and optimizers stay the engines'.
 from .blocks import block_names, called_blocks
 from .checkpointing import SitePolicy, checkpoint_blocks
 from .offload import OffloadHistory
+from .pipeline import Carried, Hop, StagePlan, split_stages
 
-__all__ = ["OffloadHistory", "SitePolicy", "block_names", "called_blocks", "checkpoint_blocks"]
+__all__ = ["Carried", "Hop", "OffloadHistory", "SitePolicy", "StagePlan", "block_names", "called_blocks",
+           "checkpoint_blocks", "split_stages"]

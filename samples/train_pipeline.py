@@ -1,0 +1,175 @@
+"""A rewritten model trained with pipeline parallelism: torch.distributed.pipelining's manual
+`PipelineStage` and its schedules (GPipe, 1F1B, Interleaved1F1B, ZBV), gloo, CPU.
+
+Every process builds the same seeded GPT, rewrites it to AttnRes, and splits it with
+`attnres_compile.distributed.split_stages` into one stage per rank (GPipe, 1F1B) or two (the
+interleaved and V schedules: rank r holds stages r and r + world, or r and 2·world − 1 − r). The
+schedule runs `steps` optimizer steps of `micro` micro-batches; `reference` trains the same
+rewritten model in one process on the same micro-batches (mean of their losses), so the
+per-micro-batch losses and the pseudo-query gradients must agree to float tolerance.
+
+    python -m samples.train_pipeline --schedules gpipe 1f1b interleaved zbv --world 2 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+
+from attnres_compile import AttnResConfig, rewrite
+from attnres_compile.distributed import split_stages
+from samples.models import GPT
+
+SIZE = dict(vocab=64, dim=32, layers=4, heads=2, seq=16, batch=8, micro=4)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+
+
+def setup(variant: str, steps: int, seed: int = 0):
+    """The rewritten model and `steps` batches (x, y) of SIZE["batch"] sequences, all seeded."""
+    torch.manual_seed(seed)
+    model = GPT(vocab=SIZE["vocab"], dim=SIZE["dim"], layers=SIZE["layers"], heads=SIZE["heads"], max_len=SIZE["seq"]).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, SIZE["vocab"], (steps, SIZE["batch"], SIZE["seq"] + 1), generator=gen)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    config = AttnResConfig(variant=variant, num_blocks=2 if variant == "block" else None)
+    return rewrite(model, (batches[0][0],), config).graph_module, batches
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _query_grads(modules) -> dict[str, list[float]]:
+    return {n: p.grad.flatten().tolist() for m in modules for n, p in m.named_parameters()
+            if n.startswith("attnres.") and p.grad is not None}
+
+
+def reference(variant: str = "block", steps: int = 3, lr: float = 1e-2) -> dict:
+    """One process: per step the micro-batch losses and the pseudo-query gradients of their mean."""
+    gm, batches = setup(variant, steps)
+    opt = torch.optim.SGD(gm.parameters(), lr=lr)
+    losses, grads = [], []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        mb = [loss_fn(gm(a), b) for a, b in zip(x.chunk(SIZE["micro"]), y.chunk(SIZE["micro"]))]
+        (sum(mb) / len(mb)).backward()
+        losses.append([v.item() for v in mb])
+        grads.append(_query_grads([gm]))
+        opt.step()
+    return {"losses": losses, "grads": grads}
+
+
+def _stage_ids(schedule: str, rank: int, world: int) -> list[int]:
+    if schedule in ("gpipe", "1f1b"):
+        return [rank]
+    return [rank, rank + world] if schedule == "interleaved" else [rank, 2 * world - 1 - rank]
+
+
+def _schedule(schedule: str, stages, micro: int):
+    from torch.distributed import pipelining as pp
+
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
+           "zbv": pp.ScheduleZBVZeroBubble}[schedule]
+    return cls(stages[0] if len(stages) == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
+
+
+def _counting_stage():
+    """PipelineStage that adds up the bytes of the forward sends it posts (what crosses the hop)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountingStage(PipelineStage):
+        sent = 0
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            return ops
+
+    return CountingStage
+
+
+def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world: int) -> dict:
+    stage_cls = _counting_stage()
+    gm, batches = setup(variant, steps)
+    ids = _stage_ids(schedule, rank, world)
+    count = world * (1 if schedule in ("gpipe", "1f1b") else 2)
+    micro_batch = batches[0][0].chunk(SIZE["micro"])[0]
+    modules, plan = split_stages(gm, (micro_batch,), num_stages=count)
+    mine = [modules[i] for i in ids]
+    stages = [stage_cls(modules[i], i, count, torch.device("cpu")) for i in ids]
+    sched = _schedule(schedule, stages, SIZE["micro"])
+    opt = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=lr)
+    losses, grads = [], []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        out: list[torch.Tensor] = []
+        first, last = 0 in ids, count - 1 in ids
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=out if last else None)
+        losses.append([v.item() for v in out] if last else None)
+        grads.append(_query_grads(mine))
+        opt.step()
+    # forward bytes each stage sent per micro-batch (a stage whose next stage is on its own rank sends none)
+    sent = {i: st.sent / (steps * SIZE["micro"]) for i, st in zip(ids, stages)}
+    return {"losses": losses, "grads": grads, "plan": plan.to_dict(), "sent": sent}
+
+
+def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: int, lr: float, rendezvous: str,
+            out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        results = {s: _train(s, variant, steps, lr, rank, world) for s in schedules}
+        Path(f"{out}.{rank}").write_text(json.dumps(results))
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int = 3, lr: float = 1e-2) -> dict:
+    """Train under each schedule with `world` gloo processes; per schedule the losses (from the rank
+    holding the last stage), the pseudo-query gradients of all ranks merged, and rank 0's plan."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.spawn(_worker, args=(world, list(schedules), variant, steps, lr, os.path.join(tmp, "rendezvous"), out),
+                 nprocs=world)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    merged = {}
+    for s in schedules:
+        losses = next(r[s]["losses"] for r in ranks if r[s]["losses"][0] is not None)
+        grads = [{k: v for r in ranks for k, v in r[s]["grads"][i].items()} for i in range(steps)]
+        sent = {int(k): v for r in ranks for k, v in r[s]["sent"].items()}
+        merged[s] = {"losses": losses, "grads": grads, "plan": ranks[0][s]["plan"], "sent": sent}
+    return merged
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--variant", choices=["full", "block"], default="block")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    ref = reference(args.variant, args.steps)
+    results = run(args.schedules, args.world, args.variant, args.steps)
+    print(f"{'schedule':<12}{'max |loss diff|':>16}{'max |query grad diff|':>22}  forward bytes sent per micro-batch by stage (plan)")
+    for s, r in results.items():
+        dl = max(abs(a - b) for sa, sb in zip(r["losses"], ref["losses"]) for a, b in zip(sa, sb))
+        dg = max(abs(a - b) for ga, gb in zip(r["grads"], ref["grads"]) for k in gb for a, b in zip(ga[k], gb[k]))
+        hops = {h["index"]: h["bytes"] for h in r["plan"]["hops"]}
+        sent = " ".join(f"{i}:{int(b)}({hops.get(i, 0)})" for i, b in sorted(r["sent"].items()))
+        print(f"{s:<12}{dl:>16.2e}{dg:>22.2e}  {sent}")
+    return {"reference": ref, **results}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Pipeline stages (distributed/pipeline.py): one process first (the stages chained are the model, the
+plan counts what crosses each hop), then torch.distributed.pipelining's schedules on gloo.
+
+Each schedule trains the stages on 2 processes and must give the one-process per-micro-batch
+losses and pseudo-query gradients (samples/train_pipeline.py); the forward bytes each stage posts
+to its sends must equal the plan's bytes for that hop.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from attnres_compile import AttnResConfig, rewrite
+from attnres_compile.distributed import split_stages
+from attnres_compile.errors import ConfigError
+from samples import train_pipeline
+from samples.hf_models import gpt2_factory, llama_factory
+from samples.models import GPT
+
+
+def _gpt(variant):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=32, layers=4, heads=2, max_len=16).eval()
+    x = torch.randint(0, 64, (4, 16))
+    config = AttnResConfig(variant=variant, num_blocks=2 if variant == "block" else None)
+    return rewrite(model, (x,), config).graph_module, x
+
+
+def _chain(stages, *inputs):
+    out = inputs
+    for stage in stages:
+        out = stage(*out)
+        out = out if isinstance(out, tuple) else (out,)
+    return out[0]
+
+
+@pytest.mark.parametrize("variant", ["block", "full"])
+def test_stages_chained_are_the_model(variant):
+    gm, x = _gpt(variant)
+    mb = x[:2]
+    stages, plan = split_stages(gm, (mb,), num_stages=4)
+    assert plan.stages == [[f"blocks.{i}"] for i in range(4)]
+    assert torch.equal(_chain(stages, mb), gm(mb))
+    names = [set(dict(s.named_parameters())) for s in stages]
+    assert set().union(*names) == set(dict(gm.named_parameters()))
+    assert sum(map(len, names)) == len(dict(gm.named_parameters()))  # each parameter in one stage
+    # gradients flow back through the relays to the stage that made each value
+    F.cross_entropy(_chain(stages, mb).flatten(0, 1), mb.flatten()).backward()
+    gm.zero_grad()
+    F.cross_entropy(gm(mb).flatten(0, 1), mb.flatten()).backward()
+    grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for n, p in gm.named_parameters():
+        assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item()), n
+
+
+def test_plan_counts_what_each_hop_carries():
+    block, x = _gpt("block")
+    full, _ = _gpt("full")
+    mb = x[:2]
+    _, bplan = split_stages(block, (mb,), num_stages=4)
+    _, fplan = split_stages(full, (mb,), num_stages=4)
+    width = 2 * 16 * 32 * 4  # one [2, 16, 32] float32 tensor
+    for plan in (bplan, fplan):
+        for hop in plan.hops:
+            assert hop.bytes == sum(v.bytes for v in hop.values) == width * len(hop.values)
+            assert sum(v.kind == "stream" for v in hop.values) == 1
+        assert plan.tokens == 32 and plan.bytes_per_token(0) == plan.hops[0].bytes / 32
+    history = lambda plan: [sum(v.kind == "history" for v in h.values) for h in plan.hops]  # noqa: E731
+    assert history(fplan) == [3, 5, 7]  # Full: the embedding and every sublayer output so far
+    assert max(history(bplan)) <= 3  # Block(2): the block sums and the current partial sum
+    assert any(v.relayed for h in bplan.hops for v in h.values)
+    assert "hop" in bplan.table() and len(bplan.table().splitlines()) == 4
+
+
+def test_explicit_cuts_and_hf_llama_layers():
+    model, inputs = llama_factory(layers=4)
+    gm = rewrite(model, inputs, AttnResConfig(variant="block", num_blocks=2)).graph_module
+    stages, plan = split_stages(gm, (), inputs, cuts=["model.layers.1", "model.layers.3"])
+    assert plan.stages == [["model.layers.0"], ["model.layers.1", "model.layers.2"], ["model.layers.3"]]
+    assert plan.inputs[:2] == ["input_ids", "attention_mask"]
+    assert any(v.kind == "other" for v in plan.hops[0].values)  # the mask and rotary tables are carried too
+    want = gm(**inputs)
+    want = want.logits if hasattr(want, "logits") else want[0]
+    assert torch.equal(_chain(stages, inputs["input_ids"], inputs["attention_mask"]), want)
+
+
+def test_refusals_name_the_problem():
+    gm, x = _gpt("full")
+    with pytest.raises(ConfigError, match=r"carry 5 history tensors .* variant='block'"):
+        split_stages(gm, (x,), num_stages=4, max_carried=4)
+    with pytest.raises(ConfigError, match="not a block"):
+        split_stages(gm, (x,), cuts=["blocks.9"])
+    with pytest.raises(ConfigError, match="use 2 to 4 stages"):
+        split_stages(gm, (x,), num_stages=5)
+    with pytest.raises(ConfigError, match="not both"):
+        split_stages(gm, (x,))
+    model, inputs = gpt2_factory(layers=2)  # GPT-2 ties its head to the token embedding
+    tied = rewrite(model, inputs, AttnResConfig(variant="full")).graph_module
+    with pytest.raises(ConfigError, match="tied weights"):
+        split_stages(tied, (), inputs, num_stages=2)
+
+
+needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+
+
+@needs_gloo
+@pytest.mark.parametrize("schedules", [("gpipe", "1f1b"), ("interleaved", "zbv")])
+def test_schedules_train_as_one_process(schedules):
+    ref = train_pipeline.reference("block", steps=2)
+    results = train_pipeline.run(schedules, world=2, variant="block", steps=2)
+    for name, r in results.items():
+        for got, want in zip(r["losses"], ref["losses"]):
+            assert got == pytest.approx(want, abs=1e-6), name
+        for got, want in zip(r["grads"], ref["grads"]):
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k] == pytest.approx(want[k], abs=1e-6), (name, k)
+        hops = {h["index"]: h["bytes"] for h in r["plan"]["hops"]}
+        for stage, sent in r["sent"].items():
+            # a hop to a stage on the same rank (ZBV's middle) is handed over locally, with no send
+            assert sent in ((hops.get(stage, 0),) if name != "zbv" or stage != 1 else (0,)), (name, stage)
+    assert any(abs(v) > 1e-4 for g in ref["grads"] for q in g.values() for v in q)  # the queries learn

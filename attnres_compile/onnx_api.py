@@ -40,7 +40,12 @@ def _notes(model, path: Path) -> list[str]:
     producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "unknown producer"
     old = onnx_io.converted_from(model)
     opset = f"opset {old}, converted to {default_opset(model)} on reading" if old else f"opset {default_opset(model)}"
-    return [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
+    notes = [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
+    ort_ops = onnx_io.ort_only_ops(model)
+    if ort_ops:
+        notes.append(f"default-domain op(s) that onnx does not define and onnxruntime runs: {', '.join(ort_ops)} "
+                     "(checked against onnxruntime's schemas)")
+    return notes
 
 
 def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,

@@ -52,8 +52,12 @@ class Rule:
 
     def check(self, node: onnx.NodeProto, opset: int) -> str | None:
         """Why `node` stays fused, or None when this rule unfuses it."""
+        if not node.output or not node.output[0]:
+            return "no output"
         if len(node.input) < 3 or not all(node.input[:3]):
             return "input, skip or gamma missing"
+        if len(node.input) > self.bias + 1:
+            return f"{len(node.input)} inputs, the op has {self.bias + 1}"
         if any(node.output[1:3]):
             return "its mean or inv_std_var output is used (training statistics)"
         if self.norm(opset) is None:
@@ -124,7 +128,7 @@ def unfuse(model: onnx.ModelProto, opset: int) -> Unfused:
         if rule is None:
             nodes.append(node)
         elif reason is not None:
-            result.kept.append((node.name or node.output[0], reason))
+            result.kept.append((node.name or node.op_type, reason))
             nodes.append(node)
         else:
             nodes += rule.replace(node, opset, fresh)

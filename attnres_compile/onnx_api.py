@@ -23,6 +23,7 @@ from .passes import onnx_io, verify
 from .passes.chain_analysis import analyze
 from .passes.onnx_function import default_opset
 from .passes.onnx_rewrite import apply_plan
+from .passes.onnx_unfuse_skip_norm import Unfused, unfuse
 from .passes.onnx_view import view_from_onnx
 from .plan_checks import as_config, has_work, plan_notes, split_inputs
 from .report import Report, build
@@ -40,7 +41,12 @@ def _notes(model, path: Path) -> list[str]:
     producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "unknown producer"
     old = onnx_io.converted_from(model)
     opset = f"opset {old}, converted to {default_opset(model)} on reading" if old else f"opset {default_opset(model)}"
-    return [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
+    notes = [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
+    ort_ops = onnx_io.ort_only_ops(model)
+    if ort_ops:
+        notes.append(f"default-domain op(s) that onnx does not define and onnxruntime runs: {', '.join(ort_ops)} "
+                     "(checked against onnxruntime's schemas)")
+    return notes
 
 
 def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
@@ -50,9 +56,21 @@ def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
     config = as_config(config)
     path = Path(path)
     model = onnx_io.load(path, with_data=False)
+    notes = _notes(model, path)
+    unfused = _unfuse(model, notes)
     view = _view(model, input_shapes)
     plan = analyze(view, config)
-    return build(plan, view, config, "onnx", notes=_notes(model, path) + _analysis_notes(plan, view, input_shapes))
+    report = build(plan, view, config, "onnx", notes=notes + _analysis_notes(plan, view, input_shapes))
+    report.data["unfused"] = unfused.counts
+    return report
+
+
+def _unfuse(model, notes: list[str]) -> Unfused:
+    """onnxruntime's fused residual norms (Skip*LayerNormalization) unfused in `model` before the analysis,
+    so their sums are residual adds (passes/onnx_unfuse_skip_norm.py); what was done joins `notes`."""
+    unfused = unfuse(model, default_opset(model))
+    notes += unfused.notes()
+    return unfused
 
 
 def _view(model, input_shapes: dict[str, tuple[int, ...]] | None):
@@ -94,12 +112,16 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
     outputs.check(outputs.onnx_outputs(output), onnx_io.input_files(model, path), force)
+    notes = _notes(model, path)
     with progress.stage(f"analysing {path.name}"):
+        unfused = _unfuse(model, notes)
         view = _view(model, input_shapes)
         plan = analyze(view, config)
-    notes = _notes(model, path) + _analysis_notes(plan, view, input_shapes)
+    notes += _analysis_notes(plan, view, input_shapes)
     if not has_work(plan, config):
-        return OnnxRewriteResult(build(plan, view, config, "onnx", notes=notes + ["no file written"]))
+        report = build(plan, view, config, "onnx", notes=notes + ["no file written"])
+        report.data["unfused"] = unfused.counts
+        return OnnxRewriteResult(report)
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
@@ -119,6 +141,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                     consequence="the rewritten model was not written")
             notes += run_notes
     report = build(plan, view, config, "onnx", sites, verification, notes)
+    report.data["unfused"] = unfused.counts
     if verify_outputs:
         report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
     return OnnxRewriteResult(report, stage.written)

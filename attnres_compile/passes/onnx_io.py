@@ -5,7 +5,9 @@ the ir_version field, byte 0x08), converts opsets older than the rewrite writes 
 converter, noted in the model's metadata), checks the external data before reading it:
 external data must lie inside the model's folder (an absolute location, `..` or a symlink
 that leads out is refused before the file is touched) and hold exactly the tensor's bytes;
-embedded tensors must have a known data type and exactly the bytes their shape needs.
+embedded tensors must have a known data type and exactly the bytes their shape needs. onnx's
+checker checks the default-domain ops onnxruntime defines itself (SimplifiedLayerNormalization, in
+every onnxruntime-genai file) against onnxruntime's schemas (onnx_ort_ops.py, `ort_only_ops`).
 `staged` / `save` write the model (and its `<name>.data` when weights go external) through
 outputs.staged: into a staging folder beside the output, renamed into place (weights first,
 under a name of their own while an older output's weights exist) only when everything done
@@ -28,6 +30,7 @@ from ..errors import (CorruptModelError, ExternalDataError, NotOnnxError, Output
                       first_line)
 from ..file_kind import check_file, describe
 from .onnx_function import MIN_OPSET, default_opset
+from .onnx_ort_ops import known_to_checker, ort_only
 
 ONNX_MAGIC = b"\x08"          # field 1 (ir_version, varint) comes first in every serialized ModelProto
 EXTERNAL_LIMIT = 1 << 30      # weights above this many bytes are always written as external data
@@ -70,7 +73,8 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
                                 "levels are supported")
     check_external_data(model, p.parent, p)
     try:  # by path: the checker resolves external data against the model's folder, not the cwd
-        onnx.checker.check_model(str(p))
+        with known_to_checker(ort_only_ops(model)):
+            onnx.checker.check_model(str(p))
     except Exception as exc:  # noqa: BLE001
         raise CorruptModelError(f"{p}: invalid ONNX model ({first_line(exc)})") from None
     check_types(model, p)
@@ -86,6 +90,13 @@ def load(path: str | os.PathLike, with_data: bool = True) -> onnx.ModelProto:
 
 
 UNNAMED_DIM = "?"  # paddle2onnx's name for every unknown dim: not one symbol, each dim its own
+
+
+def ort_only_ops(model: onnx.ModelProto) -> list[str]:
+    """The default-domain ops of `model` (anywhere: subgraphs, functions) that onnx has no schema for and
+    onnxruntime runs (onnx_ort_ops.py): the checker checks them against onnxruntime's schemas."""
+    nodes = [n for graph in _graphs(model) for n in graph.node] + [n for fn in model.functions for n in fn.node]
+    return ort_only({n.op_type for n in nodes if n.domain in ("", "ai.onnx")})
 
 
 def _unknown_dims(model: onnx.ModelProto) -> None:

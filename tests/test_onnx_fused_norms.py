@@ -1,0 +1,317 @@
+"""onnxruntime's own ONNX files: default-domain ops onnx lacks, and residual adds fused into Skip*LayerNormalization.
+
+Real files from the real producers: onnxruntime-genai's model builder on a tiny saved Llama
+(SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, GroupQueryAttention) and
+`onnxruntime.transformers.optimizer` on torch.onnx exports of tiny GPT-2 and BERT
+(SkipLayerNormalization with the bias folded in). Each must load, its fused norms unfused
+(passes/onnx_unfuse_skip_norm.py) must compute what the fused file computes in onnxruntime,
+the links must be found, and `rewrite` must pass its own verification and match the original
+in an independent onnxruntime run. Hand-built graphs check each rule against onnxruntime's
+kernels (bias, beta, default epsilon, both RMS norms) and the checker's refusals.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from attnres_compile import AttnResConfig
+from attnres_compile.cli import main
+from attnres_compile.errors import CorruptModelError
+from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
+from attnres_compile.passes import onnx_io
+from attnres_compile.passes.onnx_unfuse_skip_norm import unfuse
+
+HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 2
+DIMS = {"batch_size": 1, "batch": 2,  # GroupQueryAttention: batch 1 when a past is given
+        "sequence_length": 5, "seq": 5, "past_sequence_length": 3,
+        "total_sequence_length": 8, "kv_cache_dim": HIDDEN // HEADS}
+
+
+def _feeds(session: ort.InferenceSession, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs for `session` at DIMS: token ids below 100, all-ones masks, normal floats."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else DIMS[d] for d in i.shape]
+        if "mask" in i.name:
+            feeds[i.name] = np.ones(shape, np.int64)
+        elif i.type == "tensor(int64)":
+            feeds[i.name] = rng.integers(0, 100, shape, dtype=np.int64)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _run(model: onnx.ModelProto | str, feeds=None) -> tuple[list[np.ndarray], dict]:
+    source = model if isinstance(model, str) else model.SerializeToString()
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    feeds = feeds if feeds is not None else _feeds(session)
+    return session.run(None, feeds), feeds
+
+
+def _assert_close(actual: list[np.ndarray], expected: list[np.ndarray], rtol: float = 1e-5) -> float:
+    """Every output within rtol of the largest magnitude of its reference; the worst max abs / scale."""
+    worst = 0.0
+    for a, e in zip(actual, expected, strict=True):
+        scale = max(float(np.abs(e).max()), 1e-30)
+        error = float(np.abs(a - e).max()) / scale
+        assert error <= rtol, (error, scale)
+        worst = max(worst, error)
+    return worst
+
+
+def _unfused_equals_original(path) -> dict[str, int]:
+    """The file at `path` unfused computes, in onnxruntime, what it computes fused; returns the counts."""
+    model = onnx_io.load(path)
+    counts = unfuse(model, onnx_io.default_opset(model)).counts
+    assert not any(n.op_type.startswith("Skip") for n in model.graph.node)
+    expected, feeds = _run(str(path))
+    actual, _ = _run(model, feeds)
+    _assert_close(actual, expected)
+    return counts
+
+
+def _rewrite_equals_original(path, out, config: AttnResConfig | None = None):
+    result = rewrite_onnx(path, out, config)
+    rows = result.report["verification"]
+    assert rows and all(r["ok"] for r in rows), rows
+    expected, feeds = _run(str(path))
+    actual, _ = _run(str(out), feeds)
+    _assert_close(actual, expected)
+    assert not any(n.op_type.startswith("Skip") for n in onnx.load(str(out), load_external_data=False).graph.node)
+    return result.report
+
+
+# the real producers
+
+
+@pytest.fixture(scope="module")
+def genai_llama(tmp_path_factory) -> str:
+    """onnxruntime-genai's builder (fp32, cpu) on a Llama saved with save_pretrained from a config."""
+    pytest.importorskip("onnxruntime_genai")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("genai")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config).eval()
+    _randomize(llama)
+    llama.save_pretrained(folder / "hf")
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}  # the builder reads a tokenizer beside the weights
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(folder / "hf")
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder / "hf"),
+                    "-o", str(folder / "out"), "-p", "fp32", "-e", "cpu"], check=True, capture_output=True,
+                   timeout=300, cwd=folder)
+    return str(folder / "out" / "model.onnx")
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Biases and norm weights drawn at random: HF initialises them to 0 and 1, which would hide a bias or
+    gamma the unfusing drops (and onnxruntime's optimizer merges equal initializers)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower() or "ln_" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=generator))
+
+
+def _ort_optimized(kind: str, folder) -> str:
+    """A tiny HF GPT-2 or BERT exported with torch.onnx (legacy exporter) and fused by onnxruntime's optimizer."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from samples import hf_models
+
+    model, inputs = hf_models.gpt2_factory() if kind == "gpt2" else hf_models.bert_factory()
+    _randomize(model)
+    if kind == "gpt2":
+        module = hf_models.CausalLMLogits(model).eval()
+    else:
+        class Hidden(torch.nn.Module):
+            def __init__(self, bert):
+                super().__init__()
+                self.bert = bert
+
+            def forward(self, input_ids, attention_mask):
+                return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        module = Hidden(model).eval()
+    names = ["input_ids", "attention_mask"]
+    exported, fused = folder / f"{kind}.onnx", folder / f"{kind}_opt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (inputs["input_ids"], inputs["attention_mask"]), str(exported), dynamo=False,
+                          opset_version=17, input_names=names, output_names=["out"],
+                          dynamic_axes={n: {0: "batch", 1: "seq"} for n in names})
+    optimized = optimize_model(str(exported), model_type=kind, num_heads=2, hidden_size=32)
+    assert optimized.get_fused_operator_statistics()["SkipLayerNormalization"] == 4
+    optimized.save_model_to_file(str(fused))
+    return str(fused)
+
+
+@pytest.fixture(scope="module")
+def ort_gpt2(tmp_path_factory) -> str:
+    return _ort_optimized("gpt2", tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def ort_bert(tmp_path_factory) -> str:
+    return _ort_optimized("bert", tmp_path_factory.mktemp("bert"))
+
+
+@pytest.mark.slow
+def test_genai_llama_loads_unfuses_and_rewrites(genai_llama, tmp_path, capsys):
+    """4 SkipSimplifiedLayerNormalization (2 per layer, the last one the final norm) are the 4 residual adds of
+    one chain; the file loads although onnx's checker has no SimplifiedLayerNormalization."""
+    model = onnx.load(genai_llama, load_external_data=False)
+    assert {"SimplifiedLayerNormalization", "GroupQueryAttention"} <= {n.op_type for n in model.graph.node}
+    assert _unfused_equals_original(genai_llama) == {"SkipSimplifiedLayerNormalization": 2 * LAYERS}
+    assert not onnx.defs.has("SimplifiedLayerNormalization")  # registered for the check only
+    report = inspect_onnx(genai_llama)
+    assert report["unfused"] == {"SkipSimplifiedLayerNormalization": 2 * LAYERS}
+    assert report["summary"]["links"] == 2 * LAYERS and len(report["chains"]) == 1
+    notes = " ".join(report["notes"])
+    assert "onnxruntime runs: SimplifiedLayerNormalization" in notes and "unfused 4 SkipSimplified" in notes
+    assert main(["inspect", genai_llama]) == 0
+    assert "4 in 4 residual links" in capsys.readouterr().out
+    report = _rewrite_equals_original(genai_llama, tmp_path / "attnres.onnx")
+    assert report["chains"][0]["status"] == "rewritten" and report["summary"]["sites_rewritten"] == 2 * LAYERS
+
+
+@pytest.mark.slow
+def test_ort_optimized_gpt2_rewrites(ort_gpt2, tmp_path):
+    """GPT-2 fused by onnxruntime's optimizer: 4 SkipLayerNormalization (two with the projection bias) give
+    the pre-norm chain of 4 links back."""
+    assert _unfused_equals_original(ort_gpt2) == {"SkipLayerNormalization": 4}
+    report = _rewrite_equals_original(ort_gpt2, tmp_path / "attnres.onnx")
+    assert report["unfused"] == {"SkipLayerNormalization": 4}
+    assert report["summary"]["links"] == 4 and [c["status"] for c in report["chains"]] == ["rewritten"]
+
+
+@pytest.mark.slow
+def test_ort_optimized_bert_finds_post_norm_links(ort_bert, tmp_path):
+    """BERT (post-norm) fused: 4 links, each its own chain (the stream goes through LayerNorm); min_chain=1
+    rewrites them exactly."""
+    assert _unfused_equals_original(ort_bert) == {"SkipLayerNormalization": 4}
+    report = inspect_onnx(ort_bert)
+    assert report["summary"]["links"] == 4 and [c["links"] for c in report["chains"]] == [1] * 4
+    report = _rewrite_equals_original(ort_bert, tmp_path / "attnres.onnx", AttnResConfig(min_chain=1))
+    assert [c["status"] for c in report["chains"]] == ["rewritten"] * 4
+
+
+# each rule against onnxruntime's kernel, on hand-built graphs
+
+N = 8
+
+
+def _fused(op: str, opset: int, bias: bool, beta: bool = True, epsilon: float | None = None,
+           outputs: tuple[str, ...] = ("y", "", "", "sum")) -> onnx.ModelProto:
+    """x, s -> op(x, s, gamma[, beta][, bias]) -> (y, sum); `sum` read by a Mul so output 3 has a consumer."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal(N).astype(np.float32), n) for n in ("gamma", "beta", "bias")]
+    inputs = ["x", "s", "gamma"]
+    if op == "SkipLayerNormalization":
+        inputs += ["beta" if beta else "", "bias" if bias else ""]
+    elif bias:
+        inputs += ["bias"]
+    attrs = {} if epsilon is None else {"epsilon": epsilon}
+    nodes = [helper.make_node(op, inputs, list(outputs), domain="com.microsoft", **attrs)]
+    graph_outputs = ["y"]
+    if outputs[3]:
+        nodes.append(helper.make_node("Mul", ["sum", "sum"], ["sum2"]))
+        graph_outputs.append("sum2")
+    graph_outputs += [o for o in outputs[1:3] if o]
+    value = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "t", N]) for n in ("x", "s")]
+    graph = helper.make_graph(nodes, "g", value, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                 for o in graph_outputs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _inputs(scale: float = 1.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(2)
+    return {n: (scale * rng.standard_normal((2, 3, N))).astype(np.float32) for n in ("x", "s")}
+
+
+@pytest.mark.parametrize("op,opset,norm", [("SkipLayerNormalization", 17, "LayerNormalization"),
+                                           ("SkipSimplifiedLayerNormalization", 22, "SimplifiedLayerNormalization"),
+                                           ("SkipSimplifiedLayerNormalization", 23, "RMSNormalization")])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rule_matches_onnxruntime_kernel(op, opset, norm, bias):
+    """Output and input_skip_bias_sum as onnxruntime's fused kernel computes them; the bias added to `input`."""
+    fused = _fused(op, opset, bias, epsilon=1e-6)
+    unfused = onnx.ModelProto()
+    unfused.CopyFrom(fused)
+    assert unfuse(unfused, opset).counts == {op: 1}
+    ops = [n.op_type for n in unfused.graph.node]
+    assert ops == ["Add"] * (1 + bias) + [norm, "Mul"]
+    if bias:
+        assert list(unfused.graph.node[0].input) == ["x", "bias"]
+    expected, feeds = _run(fused, _inputs())
+    _assert_close(_run(unfused, feeds)[0], expected)
+
+
+@pytest.mark.parametrize("op", ["SkipLayerNormalization", "SkipSimplifiedLayerNormalization"])
+def test_default_epsilon_is_onnxruntime_s(op):
+    """Without an epsilon attribute onnxruntime uses 1e-12, not LayerNormalization's 1e-5: on rows of
+    variance ~1e-8 the difference is of order 1."""
+    fused = _fused(op, 17, bias=False, beta=False)
+    unfused = onnx.ModelProto()
+    unfused.CopyFrom(fused)
+    unfuse(unfused, 17)
+    expected, feeds = _run(fused, _inputs(1e-4))
+    _assert_close(_run(unfused, feeds)[0], expected)
+
+
+def test_kept_fused_with_reason():
+    """A node whose training statistics are read stays fused, named with its reason; an opset without
+    LayerNormalization keeps SkipLayerNormalization."""
+    model = _fused("SkipLayerNormalization", 17, bias=False, outputs=("y", "mean", "", "sum"))
+    result = unfuse(model, 17)
+    assert result.counts == {} and "mean or inv_std_var" in result.kept[0][1]
+    assert "kept as they are" in " ".join(result.notes())
+    result = unfuse(_fused("SkipLayerNormalization", 16, bias=False), 16)
+    assert result.counts == {} and "opset 16 has no LayerNormalization" in result.kept[0][1]
+
+
+# the checker: only ops onnxruntime runs are let through, and checked against its schema
+
+
+def _default_domain_op(tmp_path, op: str, **attrs) -> str:
+    node = helper.make_node(op, ["x", "w"], ["y"], axis=-1, epsilon=1e-6, **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, N])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, N])],
+                              [numpy_helper.from_array(np.ones(N, np.float32), "w")])
+    path = tmp_path / f"{op}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)]), str(path))
+    return str(path)
+
+
+def test_ort_default_domain_op_loads_with_note(tmp_path):
+    path = _default_domain_op(tmp_path, "SimplifiedLayerNormalization")
+    assert onnx_io.ort_only_ops(onnx_io.load(path)) == ["SimplifiedLayerNormalization"]
+    assert any("onnxruntime runs: SimplifiedLayerNormalization" in n for n in inspect_onnx(path)["notes"])
+
+
+def test_unknown_or_malformed_default_domain_ops_stay_refused(tmp_path, capsys):
+    """An op neither onnx nor onnxruntime defines, and onnxruntime's op with an attribute its schema does
+    not have: exit 9, one line."""
+    for path, what in ((_default_domain_op(tmp_path, "NoSuchNormalization"), "No Op registered for NoSuch"),
+                       (_default_domain_op(tmp_path, "SimplifiedLayerNormalization", bogus=1), "bogus")):
+        with pytest.raises(CorruptModelError, match=what):
+            onnx_io.load(path)
+        assert main(["inspect", path]) == 9
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("attnres-compile: error:") and "invalid ONNX model" in err and "\n" not in err
+    assert not onnx.defs.has("SimplifiedLayerNormalization")

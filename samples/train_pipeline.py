@@ -9,6 +9,7 @@ rewritten model in one process on the same micro-batches (mean of their losses),
 per-micro-batch losses and the pseudo-query gradients must agree to float tolerance.
 
     python -m samples.train_pipeline --schedules gpipe 1f1b interleaved zbv --world 2 --steps 3
+    python -m samples.train_pipeline --schedules 1f1b --world 4 --dp 2     # PP x FSDP2: 2 stages x 2 ranks
 """
 
 from __future__ import annotations
@@ -49,18 +50,21 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _query_grads(modules) -> dict[str, list[float]]:
-    return {n: p.grad.flatten().tolist() for m in modules for n, p in m.named_parameters()
-            if n.startswith("attnres.") and p.grad is not None}
+    """The pseudo-query gradients (gathered in full from FSDP2 shards: every data-parallel rank calls this)."""
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten().tolist()
+            for m in modules for n, p in m.named_parameters() if n.startswith("attnres.") and p.grad is not None}
 
 
-def reference(variant: str = "block", steps: int = 3, lr: float = 1e-2) -> dict:
-    """One process: per step the micro-batch losses and the pseudo-query gradients of their mean."""
+def reference(variant: str = "block", steps: int = 3, lr: float = 1e-2, dp: int = 1) -> dict:
+    """One process: per step the micro-batch losses and the pseudo-query gradients of their mean
+    (`dp` data-parallel shards of each batch, each cut into SIZE["micro"] micro-batches)."""
     gm, batches = setup(variant, steps)
     opt = torch.optim.SGD(gm.parameters(), lr=lr)
     losses, grads = [], []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
-        mb = [loss_fn(gm(a), b) for a, b in zip(x.chunk(SIZE["micro"]), y.chunk(SIZE["micro"]))]
+        mb = [loss_fn(gm(a), b) for xs, ys in zip(x.chunk(dp), y.chunk(dp))
+              for a, b in zip(xs.chunk(SIZE["micro"]), ys.chunk(SIZE["micro"]))]
         (sum(mb) / len(mb)).backward()
         losses.append([v.item() for v in mb])
         grads.append(_query_grads([gm]))
@@ -97,15 +101,28 @@ def _counting_stage():
     return CountingStage
 
 
-def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world: int) -> dict:
+def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world: int, dp: int) -> dict:
+    """This rank's part of pipeline training: its stages (sharded over `dp` data-parallel ranks with
+    FSDP2 when dp > 1, on a (pp, dp) device mesh) and its share of every batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     stage_cls = _counting_stage()
     gm, batches = setup(variant, steps)
-    ids = _stage_ids(schedule, rank, world)
-    count = world * (1 if schedule in ("gpipe", "1f1b") else 2)
+    pp_size, pp_rank, dp_rank, group = world // dp, rank, 0, None
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        pp_rank, dp_rank, group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
+    batches = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in batches]
+    ids = _stage_ids(schedule, pp_rank, pp_size)
+    count = pp_size * (1 if schedule in ("gpipe", "1f1b") else 2)
     micro_batch = batches[0][0].chunk(SIZE["micro"])[0]
     modules, plan = split_stages(gm, (micro_batch,), num_stages=count)
     mine = [modules[i] for i in ids]
-    stages = [stage_cls(modules[i], i, count, torch.device("cpu")) for i in ids]
+    if dp > 1:
+        for module in mine:
+            fully_shard(module, mesh=mesh["dp"])
+    stages = [stage_cls(modules[i], i, count, torch.device("cpu"), group=group) for i in ids]
     sched = _schedule(schedule, stages, SIZE["micro"])
     opt = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=lr)
     losses, grads = [], []
@@ -119,15 +136,15 @@ def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world:
         opt.step()
     # forward bytes each stage sent per micro-batch (a stage whose next stage is on its own rank sends none)
     sent = {i: st.sent / (steps * SIZE["micro"]) for i, st in zip(ids, stages)}
-    return {"losses": losses, "grads": grads, "plan": plan.to_dict(), "sent": sent}
+    return {"losses": losses, "grads": grads, "plan": plan.to_dict(), "sent": sent, "dp_rank": dp_rank}
 
 
-def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: int, lr: float, rendezvous: str,
-            out: str) -> None:
+def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: int, lr: float, dp: int,
+            rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        results = {s: _train(s, variant, steps, lr, rank, world) for s in schedules}
+        results = {s: _train(s, variant, steps, lr, rank, world, dp) for s in schedules}
         Path(f"{out}.{rank}").write_text(json.dumps(results))
         gc.collect()
         dist.barrier()
@@ -135,17 +152,20 @@ def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: in
         dist.destroy_process_group()
 
 
-def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int = 3, lr: float = 1e-2) -> dict:
-    """Train under each schedule with `world` gloo processes; per schedule the losses (from the rank
-    holding the last stage), the pseudo-query gradients of all ranks merged, and rank 0's plan."""
+def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int = 3, lr: float = 1e-2,
+        dp: int = 1) -> dict:
+    """Train under each schedule with `world` gloo processes (world // dp pipeline ranks × `dp`
+    FSDP2 ranks); per schedule the micro-batch losses (from the ranks holding the last stage, in
+    data-parallel order), the pseudo-query gradients of all ranks merged, and rank 0's plan."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(world, list(schedules), variant, steps, lr, os.path.join(tmp, "rendezvous"), out),
+        mp.spawn(_worker, args=(world, list(schedules), variant, steps, lr, dp, os.path.join(tmp, "rendezvous"), out),
                  nprocs=world)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     merged = {}
     for s in schedules:
-        losses = next(r[s]["losses"] for r in ranks if r[s]["losses"][0] is not None)
+        last = sorted((r[s]["dp_rank"], r[s]["losses"]) for r in ranks if r[s]["losses"][0] is not None)
+        losses = [[v for _, rank_losses in last for v in rank_losses[i]] for i in range(steps)]
         grads = [{k: v for r in ranks for k, v in r[s]["grads"][i].items()} for i in range(steps)]
         sent = {int(k): v for r in ranks for k, v in r[s]["sent"].items()}
         merged[s] = {"losses": losses, "grads": grads, "plan": ranks[0][s]["plan"], "sent": sent}
@@ -158,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--variant", choices=["full", "block"], default="block")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dp", type=int, default=1, help="FSDP2 data-parallel ranks per stage (world = stages x dp)")
     args = p.parse_args(argv)
-    ref = reference(args.variant, args.steps)
-    results = run(args.schedules, args.world, args.variant, args.steps)
+    ref = reference(args.variant, args.steps, dp=args.dp)
+    results = run(args.schedules, args.world, args.variant, args.steps, dp=args.dp)
     print(f"{'schedule':<12}{'max |loss diff|':>16}{'max |query grad diff|':>22}  forward bytes sent per micro-batch by stage (plan)")
     for s, r in results.items():
         dl = max(abs(a - b) for sa, sb in zip(r["losses"], ref["losses"]) for a, b in zip(sa, sb))

@@ -121,3 +121,18 @@ def test_schedules_train_as_one_process(schedules):
             # a hop to a stage on the same rank (ZBV's middle) is handed over locally, with no send
             assert sent in ((hops.get(stage, 0),) if name != "zbv" or stage != 1 else (0,)), (name, stage)
     assert any(abs(v) > 1e-4 for g in ref["grads"] for q in g.values() for v in q)  # the queries learn
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_pipeline_times_fsdp2_trains_as_one_process():
+    """2 stages × 2 FSDP2 ranks (4 processes, a (pp, dp) mesh): each data-parallel half of the batch
+    runs its own 1F1B pipeline; losses and gathered query gradients equal one process's."""
+    ref = train_pipeline.reference("block", steps=2, dp=2)
+    r = train_pipeline.run(("1f1b",), world=4, variant="block", steps=2, dp=2)["1f1b"]
+    for got, want in zip(r["losses"], ref["losses"]):
+        assert got == pytest.approx(want, abs=1e-6)
+    for got, want in zip(r["grads"], ref["grads"]):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], abs=1e-6), k

@@ -7,11 +7,20 @@ written file and its function nodes, which the two-phase form keeps O(L) (the pe
 defined one function per site, 1.14 million function nodes and 39 MB at 500 links).
 Prints JSON then tables.
     python benchmarks/bench_rewrite_scale.py
+
+With --kernels, what depth costs the fused kernels instead: a deep PreNorm GPT (30 layers, 60
+sublayers, width 576, SmolLM2's depth and width) rewritten with Full and Block(8) AttnRes and
+verified (which runs the fused forward), then one training step (the fused backward), each in a
+fresh process with an empty kernel cache (ATTNRES_KERNEL_CACHE in a temporary folder): seconds and
+the kernels compiled. Then the per-call cost of the fused kernels' chained path for a long
+source list (kernels/fused.py, CHAIN_ABOVE) against the one-kernel-per-count form it replaces.
+    python benchmarks/bench_rewrite_scale.py --kernels [--out FILE]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -50,6 +59,30 @@ def onnx_full(links: int) -> dict:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
 
 
+def cold_rewrite(variant: str) -> dict:
+    """Full or Block(8) AttnRes on the deep GPT with an empty kernel cache, in this process (run it
+    in a fresh one): the verified rewrite's seconds, one training step's, the kernels compiled."""
+    from samples.models import GPT, _tokens
+
+    from attnres_compile.kernels import cache as kernel_cache
+
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["ATTNRES_KERNEL_CACHE"] = folder
+        torch.manual_seed(0)
+        model, (idx,) = GPT(dim=576, layers=30, heads=9).eval(), _tokens()
+        cfg = ac.AttnResConfig(variant="block", num_blocks=8) if variant == "block8" else ac.AttnResConfig()
+        t = time.perf_counter()
+        result = ac.rewrite(model, (idx,), cfg)
+        rewrite_s = time.perf_counter() - t
+        assert all(row.get("ok") is not False for row in result.report.data["verification"]), result.report
+        forward_kernels = len(kernel_cache._MEMORY)
+        t = time.perf_counter()
+        result.graph_module(idx).float().square().mean().backward()
+        step_s = time.perf_counter() - t
+        return {"variant": variant, "rewrite_s": round(rewrite_s, 1), "forward_kernels": forward_kernels,
+                "train_step_s": round(step_s, 1), "kernels": len(kernel_cache._MEMORY)}
+
+
 def main() -> None:
     x = torch.randn(2, 4)
     rows = []
@@ -72,5 +105,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--onnx"]:
         print(json.dumps(onnx_full(int(sys.argv[2]))))
+    elif sys.argv[1:2] == ["--cold"]:
+        print(json.dumps(cold_rewrite(sys.argv[2])))
     else:
         main()

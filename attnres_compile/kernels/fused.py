@@ -8,6 +8,13 @@ other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from c
 kernel call: the tensors go to the kernel as they are (its row dims are symbolic, no reshape),
 made contiguous only if they are not.
 
+A call over more than CHAIN_ABOVE sources does not get a kernel of its own count (one per count
+compiled a 60-sublayer Full model's 60 forward and 60 backward kernels, the backward's seconds
+each): the forward is the phase-1 partial chain (`partial`) for its one query, then scale * acc / l;
+the backward recomputes that state and runs `backward_chunk` kernels over chunks of at most
+PARTIAL_CHUNK sources, summing their query gradients. A few kernels then serve every depth, for
+reading the sources twice in the backward and the chain's float32 state once per link.
+
 Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
 keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU
 count (the pool cannot grow later), TVM_BIND_THREADS to 0 (no pinning of a torch process's
@@ -36,6 +43,7 @@ _local = threading.local()
 _ffi = None  # tvm_ffi with TVM's runtime loaded; False if TVM is not usable
 _forked = False  # in a child forked after TVM's pool started: its workers are gone
 BYTES_PER_THREAD = 2**20  # a CPU call's data per TVM thread, at least (see _threads)
+CHAIN_ABOVE = 16  # sources above which forward and backward are chains of PARTIAL_CHUNK-source kernels
 
 
 def _after_fork() -> None:
@@ -121,6 +129,12 @@ def _dense(args: list) -> list:
 def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
     """The fused forward's output, or None if it does not apply."""
     s0 = sources[0]
+    if len(sources) > CHAIN_ABOVE:
+        state = partial(sources, query[None], eps, dim)
+        if state is None:
+            return None
+        _, l, acc = state  # out = acc * (scale / l), as the one-count kernel rounds it
+        return acc[0].mul_(torch.full_like(l[0], scale).div_(l[0]).unsqueeze(-1)).to(s0.dtype)
     threads = _threads(len(sources) + 1, s0)  # a one-thread call gets the kernel without a parallel loop
     fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.size(-1), dim, eps, scale, threads))
     if fn is False:
@@ -133,6 +147,8 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
 def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float, scale: float,
              dim: int):
     """(source gradients, query gradient) from the fused backward, or None if it does not apply."""
+    if len(sources) > CHAIN_ABOVE:
+        return _backward_chunks(sources, query, grad, eps, scale, dim)
     s0 = sources[0]
     threads = _threads(2 * len(sources) + 1, s0)  # the CPU kernel keeps a partial query gradient per thread
     fn = _lookup(("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
@@ -142,6 +158,30 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
     grad_query = query.new_empty(query.shape, dtype=torch.float32)
     _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
     return grads, grad_query.to(query.dtype)
+
+
+def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float,
+                     scale: float, dim: int):
+    """`backward` over a long source list: the softmax state (m, l, acc) from the partial chain,
+    ubar = g.acc / l per row (the p-weighted mean of u_k = g.s_k), then a backward_chunk kernel
+    per PARTIAL_CHUNK sources (and one for the rest), whose query gradient shares are summed."""
+    s0, count = sources[0], len(sources)
+    bounds = [*range(0, count, kernel_cache.PARTIAL_CHUNK), count]
+    chunks = list(zip(bounds, bounds[1:]))
+    threads = _threads(2 * kernel_cache.PARTIAL_CHUNK + 1, s0)
+    fns = [_lookup(("backward_chunk", end - start, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale,
+                    threads)) for start, end in chunks]
+    state = None if any(fn is False for fn in fns) else partial(sources, query[None], eps, dim)
+    if state is None:
+        return None
+    m, l, acc = (t[0] for t in state)
+    g = grad.to(s0.dtype).contiguous()
+    ubar = acc.mul_(g).sum(-1).div_(l)
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    shares = query.new_empty((len(chunks), query.shape[0]), dtype=torch.float32)
+    for fn, (start, end), dw in zip(fns, chunks, shares):
+        _run(fn, s0.device, [*sources[start:end], query, g, m, l, ubar, *grads[start:end], dw], threads)
+    return grads, shares.sum(0).to(query.dtype)
 
 
 def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim: int):

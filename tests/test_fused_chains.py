@@ -72,23 +72,24 @@ def test_chained_op_gradient_matches_float64():
 
 
 def test_kernels_built_do_not_grow_with_the_source_count(one_thread):
-    """Forward and backward at every count 20..61 build the partial chain's links and the
-    backward's chunks (of 8 and of each remainder): the kernels of 20..27 serve all the rest."""
+    """Forward and backward at every count 20..61, with the preserve mode's scale (the count),
+    build the partial chain's links, the merge of the last link and the backward's chunks (of 8
+    and of each remainder): the kernels of 20..27 serve all the rest."""
     fused._KERNELS.clear()
 
     def kinds(counts) -> set:
         for count in counts:
             sources, w, grad = _case(count, (2, 3, 16), torch.float32)
-            assert fused.forward(sources, w, 1e-6, 1.0, -1) is not None
-            assert fused.backward(sources, w, grad, 1e-6, 1.0, -1) is not None
+            assert fused.forward(sources, w, 1e-6, float(count), -1) is not None
+            assert fused.backward(sources, w, grad, 1e-6, float(count), -1) is not None
         return {k[:2] for k, fn in fused._KERNELS.items() if fn is not False}
 
     first = kinds(range(20, 28))
     assert kinds(range(28, 62)) == first
     rest = set(range(1, CHUNK))
     allowed = {("partial", CHUNK), *(("partial_link", n) for n in (*rest, CHUNK)),
-               *(("backward_chunk", n) for n in (*rest, CHUNK))}
-    assert first <= allowed and len(first) <= 2 * CHUNK + 1
+               *(("merge_indexed", n) for n in (*rest, CHUNK)), *(("backward_chunk", n) for n in (*rest, CHUNK))}
+    assert first <= allowed and len(first) <= 3 * CHUNK + 1
 
 
 def test_chained_calls_fall_back_where_the_kernels_do_not_apply():

@@ -419,7 +419,8 @@ def depth_attention_backward_func(
     the same for a chunk of a longer source list whose softmax is given per row (float32 [rows..]):
     m its max logit, l = sum_j exp(z_j - m) and ubar = sum_j p_j u_j over all the sources, so
     p_k = exp(z_k - m) / l, and dw is this chunk's share. A few such kernels (chunks of at most
-    PARTIAL_CHUNK sources) serve every source count, where the whole form is one per count."""
+    PARTIAL_CHUNK sources) serve every source count, where the whole form is one per count; and
+    every scale, at scale 1 given l / c (c enters only as c p_k: fused.py's _backward_chunks)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     c = float(S) if scale is None else float(scale)

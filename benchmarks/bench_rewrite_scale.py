@@ -138,20 +138,22 @@ def kernels_main(out: str | None) -> None:
     """The --kernels run: cold rewrites in fresh processes, then per-call times in this one."""
     cold = [json.loads(subprocess.run([sys.executable, __file__, "--cold", variant], capture_output=True, text=True,
                                       check=True).stdout) for variant in ("full", "block8")]
-    calls = [per_call(40, torch.float32), per_call(40, torch.bfloat16)]
+    from attnres_compile.kernels.fused import CHAIN_ABOVE
+
+    calls = [per_call(40, torch.float32), per_call(40, torch.bfloat16), per_call(CHAIN_ABOVE + 1, torch.float32)]
     result = {"model": "samples.models.GPT(dim=576, layers=30, heads=9), tokens [2, 16]", "cold": cold,
               "per_call": calls}
     text = json.dumps(result, indent=2)
     lines = [f"{'variant':>8} {'rewrite s':>10} {'kernels':>8} {'train step s':>13} {'kernels':>8}"]
     lines += [f"{r['variant']:>8} {r['rewrite_s']:>10} {r['forward_kernels']:>8} {r['train_step_s']:>13} {r['kernels']:>8}"
               for r in cold]
-    lines += ["", "per call, 40 sources of [2048, 576]: chained / per-count kernel (median, interval), "
+    lines += ["", "per call, sources of [2048, 576]: chained / per-count kernel (median, interval), "
               "1 thread process CPU time, 2 threads wall"]
     for r in calls:
         for direction in ("forward", "backward"):
             for n in (1, 2):
                 ratio, again = r[f"{direction}_{n}t_chained_ratio"], r[f"{direction}_{n}t_per_count_again_ratio"]
-                lines.append(f"{r['dtype']:>9} {direction:>8} {n}t  per-count {r[f'{direction}_{n}t_per_count_ms']:8.2f} ms"
+                lines.append(f"{r['count']:>3} {r['dtype']:>9} {direction:>8} {n}t  per-count {r[f'{direction}_{n}t_per_count_ms']:8.2f} ms"
                              f"  chained {r[f'{direction}_{n}t_chained_ms']:8.2f} ms  x{ratio[0]:.3f} ({ratio[1]:.3f}"
                              f" .. {ratio[2]:.3f})  identical copy x{again[0]:.3f}")
     print(text)

@@ -84,6 +84,28 @@ def cold_rewrite(variant: str) -> dict:
                 "train_step_s": round(step_s, 1), "kernels": len(kernel_cache._MEMORY)}
 
 
+def traffic(count: int, itemsize: int) -> dict:
+    """Bytes per row and feature each path moves (reads + writes; the per-row scalars left out), as
+    kernels/fused.py runs them: the per-count kernels read every source once (the backward also g)
+    and write the output (the backward: every source gradient); the chained forward's links write
+    the float32 state (acc) and each link after the first reads it, the merge reads it and the last
+    sources; the chained backward runs the chain over all sources, reads acc and g for ubar (in
+    place, and then reads acc again, for low-precision g), then its chunks read their sources and g
+    and write the gradients. Returns the ratios chained / per-count."""
+    from attnres_compile.kernels.cache import PARTIAL_CHUNK, partial_links
+
+    def chain(n: int) -> int:
+        links = len(partial_links([0], n)) - 1
+        return n * itemsize + links * 4 + (links - 1) * 4
+
+    split = partial_links([0], count)[-2]
+    forward = chain(split) + 4 + (count - split) * itemsize + itemsize
+    ubar = 4 + itemsize if itemsize == 4 else 4 + itemsize + 4 + 4
+    backward = chain(count) + ubar + 2 * count * itemsize + -(-count // PARTIAL_CHUNK) * itemsize
+    return {"forward": round(forward / ((count + 1) * itemsize), 3),
+            "backward": round(backward / ((2 * count + 1) * itemsize), 3)}
+
+
 def per_call(count: int, dtype: torch.dtype, rows: int = 2048, size: int = 576, rounds: int = 7) -> dict:
     """ms per call of the fused forward and backward over `count` sources of [rows, size], the
     chained path (count > CHAIN_ABOVE) against the kernel of its own count (CHAIN_ABOVE lifted),
@@ -109,7 +131,8 @@ def per_call(count: int, dtype: torch.dtype, rows: int = 2048, size: int = 576, 
                 fused.CHAIN_ABOVE = chain_above
         return run
 
-    row = {"count": count, "dtype": str(dtype).removeprefix("torch."), "rows": rows, "size": size}
+    row = {"count": count, "dtype": str(dtype).removeprefix("torch."), "rows": rows, "size": size,
+           "traffic_ratio": traffic(count, sources[0].element_size())}
     threads = torch.get_num_threads()
     try:
         for direction in ("forward", "backward"):
@@ -148,14 +171,15 @@ def kernels_main(out: str | None) -> None:
     lines += [f"{r['variant']:>8} {r['rewrite_s']:>10} {r['forward_kernels']:>8} {r['train_step_s']:>13} {r['kernels']:>8}"
               for r in cold]
     lines += ["", "per call, sources of [2048, 576]: chained / per-count kernel (median, interval), "
-              "1 thread process CPU time, 2 threads wall"]
+              "1 thread process CPU time, 2 threads wall; traffic: the bytes each moves, chained / per-count"]
     for r in calls:
         for direction in ("forward", "backward"):
             for n in (1, 2):
                 ratio, again = r[f"{direction}_{n}t_chained_ratio"], r[f"{direction}_{n}t_per_count_again_ratio"]
                 lines.append(f"{r['count']:>3} {r['dtype']:>9} {direction:>8} {n}t  per-count {r[f'{direction}_{n}t_per_count_ms']:8.2f} ms"
                              f"  chained {r[f'{direction}_{n}t_chained_ms']:8.2f} ms  x{ratio[0]:.3f} ({ratio[1]:.3f}"
-                             f" .. {ratio[2]:.3f})  identical copy x{again[0]:.3f}")
+                             f" .. {ratio[2]:.3f})  identical copy x{again[0]:.3f}"
+                             f"  traffic x{r['traffic_ratio'][direction]:.2f}")
     print(text)
     print("\n" + "\n".join(lines))
     if out:

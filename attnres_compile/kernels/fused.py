@@ -13,9 +13,11 @@ compiled a 60-sublayer Full model's 60 forward and 60 backward kernels, the back
 each): the forward is the phase-1 partial chain (`partial`) over all but its last (at most
 PARTIAL_CHUNK) sources for its one query, then an indexed merge of those, which takes the scale as
 an argument; the backward recomputes the softmax state by the chain and runs `backward_chunk`
-kernels over chunks of at most PARTIAL_CHUNK sources, summing their query gradients. About twenty
-kernels then serve every depth and scale, for reading the chain's float32 state once per link,
-and the sources twice in the backward.
+kernels over chunks of at most PARTIAL_CHUNK sources, summing their query gradients. At most 25
+kernels (per dtype, rank, feature size, eps and thread count: links, merges and chunks of 1 to
+PARTIAL_CHUNK sources) then serve every depth and scale, for writing and reading the chain's
+float32 state once per link, and reading the sources twice in the backward (forward ~1.2x the
+per-count kernel's bytes in float32, backward ~1.7x: benchmarks/bench_rewrite_scale.py --kernels).
 
 Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
 keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU

@@ -64,6 +64,7 @@ def _compiled(kind: str, *args):
         "partial": depth_attention_partial_func,
         "merge": depth_attention_merge_func,
         "backward": depth_attention_backward_func,
+        "backward_chunk": functools.partial(depth_attention_backward_func, chunk=True),
     }[kind]
     return build(make(*args), host_target(2))
 
@@ -134,6 +135,36 @@ def test_backward_matches_reference(num_sources, size, rows, dtype):
         _assert_close(dw, ref_dw, "float32")
     else:
         assert not np.any(dw)
+
+
+@pytest.mark.parametrize("rows, dtype", [(130, "float32"), ((3, 17), "float32"), (33, "bfloat16")])
+def test_backward_chunk_matches_its_share_of_the_whole_backward(rows, dtype):
+    """Sources 3..7 of 11, given the softmax state of all 11 (m, l, ubar, float64 here): their
+    gradients and their share of dw, against the whole float64 backward; the scale folded into l
+    (l / c and the kernel's scale 1, as fused.py calls it) gives the same as the scale itself."""
+    rng = np.random.default_rng(11)
+    srcs, w = _sources(rng, 11, rows, 64, dtype), _query(rng, 64) * 4
+    g = _sources(rng, 1, rows, 64, dtype)[0]
+    v = np.stack([s.astype(np.float64) for s in srcs])
+    rinv = 1 / np.sqrt((v**2).mean(-1) + 1e-6)
+    z = np.einsum("d,s...d->s...", w.astype(np.float64), v) * rinv
+    m = z.max(0)
+    e = np.exp(z - m)
+    l = e.sum(0)
+    ubar = (e * np.einsum("...d,s...d->s...", g.astype(np.float64), v)).sum(0) / l
+    ref_grads, _ = backward_reference(srcs, w, g, 1e-6, 11.0)
+    chunk = slice(3, 8)
+    ref_dw = ((11.0 * e / l * (np.einsum("...d,s...d->s...", g.astype(np.float64), v) - ubar) * rinv)[chunk][..., None]
+              * v[chunk]).reshape(-1, 64).sum(0)
+    for scale, given_l in ((11.0, l), (1.0, l / 11.0)):
+        outs = [np.zeros_like(s) for s in srcs[chunk]] + [np.zeros(64, np.float32)]
+        module = _compiled("backward_chunk", 5, 64, dtype, 1e-6, scale, srcs[0].ndim)
+        stats = [a.astype(np.float32) for a in (m, given_l, ubar)]
+        *grads, dw = [t.numpy() for t in _run(module, *srcs[chunk], w, g, *stats, *outs)[5 + 5:]]
+        for got, ref in zip(grads, ref_grads[chunk]):
+            assert got.dtype == NP_DTYPES[dtype]
+            _assert_close(got, ref, dtype)
+        _assert_close(dw, ref_dw, "float32")
 
 
 def test_rank3_forward_matches_reference():
@@ -345,7 +376,8 @@ def test_cuda_builds_and_compiles_with_nvcc(dtype):
 
     target = tvm.target.Target(CUDA)
     funcs = [depth_attention_func(9, 1024, dtype), depth_attention_func(3, 77, dtype, rank=3),
-             depth_attention_backward_func(3, 77, dtype, rank=3)]
+             depth_attention_backward_func(3, 77, dtype, rank=3),
+             depth_attention_backward_func(3, 77, dtype, rank=3, chunk=True)]
     if dtype == "float32":
         funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype),
                   depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3),

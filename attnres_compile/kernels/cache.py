@@ -1,6 +1,6 @@
 """Compiled depth-attention kernels for the PyTorch op: built on first use, kept in memory and on disk.
 
-A kernel is one of tensorir.py's functions (forward, backward, partial, merge) for one (arity,
+A kernel is one of tensorir.py's functions (forward, backward, backward_chunk, partial, merge) for one (arity,
 rank, feature size, dtype, eps, scale), scheduled and compiled for one target. The disk cache is
 a folder (ATTNRES_KERNEL_CACHE, an absolute path, else $XDG_CACHE_HOME/attnres-compile/kernels,
 else ~/.cache/attnres-compile/kernels), in a subfolder per TVM version and target, one entry per
@@ -33,20 +33,24 @@ from .store import Folder, Untrusted, location
 class Spec(NamedTuple):
     """What a compiled kernel is specialised on."""
 
-    kind: str  # "forward" | "backward" | "partial" | "partial_link" (continuing a state) | "merge"
-    count: int  # sources (forward, backward), completed blocks (partial, partial_link), extra sources (merge)
+    kind: str  # "forward" | "backward" | "backward_chunk" (of a long backward) | "partial" | "partial_link"
+    # (continuing a state) | "merge" | "merge_indexed" (the scale and query index arguments)
+    count: int  # sources (forward, backward, backward_chunk), completed blocks (partial, partial_link),
+    # extra sources (merge, merge_indexed)
     rank: int
     size: int  # feature size D
     dtype: str
     eps: float
-    scale: float  # forward, backward, merge; for partial and partial_link: the number of queries
+    scale: float  # forward, backward, backward_chunk, merge; for partial, partial_link, merge_indexed: the number
+    # of queries
     device: str  # "cpu" | "cuda"
-    threads: int  # the backward's row chunks on the CPU (its partial query gradients); else 1
+    threads: int  # the backward's (and backward_chunk's) row chunks on the CPU (partial query gradients); else 1
 
 
 FUNCTION = {"forward": "depth_attention", "backward": "depth_attention_backward",
+            "backward_chunk": "depth_attention_backward_chunk",
             "partial": "depth_attention_partial", "partial_link": "depth_attention_partial",
-            "merge": "depth_attention_merge"}
+            "merge": "depth_attention_merge", "merge_indexed": "depth_attention_merge"}
 PARTIAL_CHUNK = 8  # history sources per compiled partial kernel: a longer history is a chain (partial_links)
 
 
@@ -145,11 +149,15 @@ def _func(spec: Spec):
 
     if spec.kind == "forward":
         return tensorir.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
-    if spec.kind == "backward":
-        return tensorir.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
+    if spec.kind in ("backward", "backward_chunk"):
+        return tensorir.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank,
+                                                      spec.kind == "backward_chunk")
     if spec.kind in ("partial", "partial_link"):
         return tensorir.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
                                                    spec.rank, spec.kind == "partial_link")
+    if spec.kind == "merge_indexed":
+        return tensorir.depth_attention_merge_indexed_func(int(spec.scale), spec.count, spec.size, spec.dtype, spec.eps,
+                                                           spec.rank)
     return tensorir.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
 
 

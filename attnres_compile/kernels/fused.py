@@ -8,6 +8,17 @@ other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from c
 kernel call: the tensors go to the kernel as they are (its row dims are symbolic, no reshape),
 made contiguous only if they are not.
 
+A call over more than CHAIN_ABOVE sources does not get a kernel of its own count (one per count
+compiled a 60-sublayer Full model's 60 forward and 60 backward kernels, the backward's seconds
+each): the forward is the phase-1 partial chain (`partial`) over all but its last (at most
+PARTIAL_CHUNK) sources for its one query, then an indexed merge of those, which takes the scale as
+an argument; the backward recomputes the softmax state by the chain and runs `backward_chunk`
+kernels over chunks of at most PARTIAL_CHUNK sources, summing their query gradients. At most 25
+kernels (per dtype, rank, feature size, eps and thread count: links, merges and chunks of 1 to
+PARTIAL_CHUNK sources) then serve every depth and scale, for writing and reading the chain's
+float32 state once per link, and reading the sources twice in the backward (forward ~1.2x the
+per-count kernel's bytes in float32, backward ~1.7x: benchmarks/bench_rewrite_scale.py --kernels).
+
 Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
 keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU
 count (the pool cannot grow later), TVM_BIND_THREADS to 0 (no pinning of a torch process's
@@ -36,6 +47,7 @@ _local = threading.local()
 _ffi = None  # tvm_ffi with TVM's runtime loaded; False if TVM is not usable
 _forked = False  # in a child forked after TVM's pool started: its workers are gone
 BYTES_PER_THREAD = 2**20  # a CPU call's data per TVM thread, at least (see _threads)
+CHAIN_ABOVE = 16  # sources above which forward and backward are chains of PARTIAL_CHUNK-source kernels
 
 
 def _after_fork() -> None:
@@ -115,12 +127,15 @@ def _run(fn, device: torch.device, args: list, threads: int) -> None:
 
 
 def _dense(args: list) -> list:
-    return [t.contiguous() if t.dim() > 1 or t.dtype == torch.float32 else t.float().contiguous() for t in args]
+    return [t if not isinstance(t, torch.Tensor) else t.contiguous() if t.dim() > 1 or t.dtype == torch.float32
+            else t.float().contiguous() for t in args]
 
 
 def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
     """The fused forward's output, or None if it does not apply."""
     s0 = sources[0]
+    if len(sources) > CHAIN_ABOVE:
+        return _forward_chain(sources, query, eps, scale, dim)
     threads = _threads(len(sources) + 1, s0)  # a one-thread call gets the kernel without a parallel loop
     fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.size(-1), dim, eps, scale, threads))
     if fn is False:
@@ -133,6 +148,8 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
 def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float, scale: float,
              dim: int):
     """(source gradients, query gradient) from the fused backward, or None if it does not apply."""
+    if len(sources) > CHAIN_ABOVE:
+        return _backward_chunks(sources, query, grad, eps, scale, dim)
     s0 = sources[0]
     threads = _threads(2 * len(sources) + 1, s0)  # the CPU kernel keeps a partial query gradient per thread
     fn = _lookup(("backward", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
@@ -142,6 +159,48 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
     grad_query = query.new_empty(query.shape, dtype=torch.float32)
     _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
     return grads, grad_query.to(query.dtype)
+
+
+def _forward_chain(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
+    """`forward` over a long source list: the partial chain over the sources before the last link
+    (kernel_cache.partial_links), then the indexed merge of the rest into that state, out = scale * acc / l."""
+    s0, split = sources[0], kernel_cache.partial_links([0], len(sources))[-2]
+    threads = _threads(len(sources) - split + 2, s0)
+    fn = _lookup(("merge_indexed", len(sources) - split, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0,
+                  threads))
+    state = None if fn is False else partial(sources[:split], query[None], eps, dim)
+    if state is None:
+        return None
+    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0.device, [*state, *sources[split:], query, 0, float(scale), out], threads)
+    return out
+
+
+def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float,
+                     scale: float, dim: int):
+    """`backward` over a long source list: the softmax state (m, l, acc) from the partial chain,
+    ubar = g.acc / l per row (the p-weighted mean of u_k = g.s_k), then a backward_chunk kernel
+    per PARTIAL_CHUNK sources (and one for the rest), whose query gradient shares are summed.
+    The kernels are built for scale 1 and given l / scale: their p_k = exp(z_k - m) / l is then
+    scale * p_k, which is all the scale enters, so one kernel serves every scale."""
+    s0, count = sources[0], len(sources)
+    bounds = [*range(0, count, kernel_cache.PARTIAL_CHUNK), count]
+    chunks = list(zip(bounds, bounds[1:]))
+    threads = _threads(2 * kernel_cache.PARTIAL_CHUNK + 1, s0)
+    fns = [_lookup(("backward_chunk", end - start, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0,
+                    threads)) for start, end in chunks]
+    state = None if any(fn is False for fn in fns) else partial(sources, query[None], eps, dim)
+    if state is None:
+        return None
+    m, l, acc = (t[0] for t in state)
+    g = grad.to(s0.dtype).contiguous()
+    ubar = (torch.linalg.vecdot(acc, g) if g.dtype == acc.dtype else acc.mul_(g).sum(-1)).div_(l)
+    l = l.div(scale)
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    shares = query.new_empty((len(chunks), query.shape[0]), dtype=torch.float32)
+    for fn, (start, end), dw in zip(fns, chunks, shares):
+        _run(fn, s0.device, [*sources[start:end], query, g, m, l, ubar, *grads[start:end], dw], threads)
+    return grads, shares.sum(0).to(query.dtype)
 
 
 def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim: int):

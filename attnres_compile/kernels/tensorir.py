@@ -403,6 +403,7 @@ def depth_attention_backward_func(
     eps: float = 1e-6,
     scale: float | None = None,
     rank: int = 2,
+    chunk: bool = False,
 ) -> tirx.PrimFunc:
     """Fused backward `depth_attention_backward(s0, ..., s{S-1}, w, g, ds0, ..., ds{S-1}, dw)`.
 
@@ -412,16 +413,24 @@ def depth_attention_backward_func(
         dw   = sum over rows of sum_k dz_k r_k s_k        (float32, [D])
     One pass per row reduces sum(s^2), w.s and g.s of every source (from one load), the row's
     scalars follow, then one pass writes every ds_k and one adds the row's share of dw; the
-    schedules give each thread its own partial dw (a reduction over rows), summed at the end."""
+    schedules give each thread its own partial dw (a reduction over rows), summed at the end.
+
+    With `chunk`, `depth_attention_backward_chunk(s0, ..., w, g, m, l, ubar, ds0, ..., dw)` is
+    the same for a chunk of a longer source list whose softmax is given per row (float32 [rows..]):
+    m its max logit, l = sum_j exp(z_j - m) and ubar = sum_j p_j u_j over all the sources, so
+    p_k = exp(z_k - m) / l, and dw is this chunk's share. A few such kernels (chunks of at most
+    PARTIAL_CHUNK sources) serve every source count, where the whole form is one per count; and
+    every scale, at scale 1 given l / c (c enters only as c p_k: fused.py's _backward_chunks)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     c = float(S) if scale is None else float(scale)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
-            T.func_name("depth_attention_backward")
+            T.func_name("depth_attention_backward_chunk" if chunk else "depth_attention_backward")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
             g = _param("g", (*rows, D), dtype)
+            given = [_param(name, rows, F32) for name in ("m", "l", "ubar")] if chunk else None
             grads = [_param(f"ds{i}", (*rows, D), dtype) for i in range(S)]
             dw = _param("dw", (D,), F32)
             with T.sblock("root"):
@@ -430,10 +439,15 @@ def depth_attention_backward_func(
                 cg, ca, cb = (_alloc(name, *rows, S) for name in ("cg", "ca", "cb"))
                 with _row_block(rows, "softmax_bwd") as vr:
                     zr = [_logit(ss, dot, vr, D, eps) for ss, dot, _ in stats]
-                    _, e, total, _ = _softmax([z for z, _ in zr])
-                    inv = T.Bind(T.float32(1) / total)
-                    p = [T.Bind(x * inv) for x in e]
-                    ubar = T.Bind(_weighted([(pk, u[vr]) for pk, (_, _, u) in zip(p, stats)]))
+                    if chunk:
+                        m, inv = given[0][vr], T.Bind(T.float32(1) / given[1][vr])
+                        p = [T.Bind(T.exp(z - m) * inv) for z, _ in zr]
+                        ubar = given[2][vr]
+                    else:
+                        _, e, total, _ = _softmax([z for z, _ in zr])
+                        inv = T.Bind(T.float32(1) / total)
+                        p = [T.Bind(x * inv) for x in e]
+                        ubar = T.Bind(_weighted([(pk, u[vr]) for pk, (_, _, u) in zip(p, stats)]))
                     for k, ((z, rinv), pk, (_, _, u)) in enumerate(zip(zr, p, stats)):
                         dz = T.Bind(T.float32(c) * pk * (u[vr] - ubar))
                         T.buffer_store(cg, T.float32(c) * pk, [*vr, k])

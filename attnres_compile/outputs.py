@@ -223,11 +223,13 @@ def _alive(pid: int) -> bool:
 class Stage:
     """`path`: where to write the output, inside the staging `folder`; other files written into
     `folder` are committed beside it (first). `onnx_data`: the output's older weights files
-    (data_files) are removed once it is in place. `written`: the files committed."""
+    (data_files) are removed once it is in place, and so are `orphans` (files only the replaced
+    output read, e.g. optimum's `model.onnx_data`). `written`: the files committed."""
 
     out: Path
     folder: Path
     onnx_data: bool = False
+    orphans: list[Path] = field(default_factory=list)
     written: list[Path] = field(default_factory=list)
 
     @property
@@ -274,7 +276,7 @@ def staged(output: str | os.PathLike, outcome: str = NOTHING_DONE) -> Iterator[S
                     committed.append(out.parent / name)
                 _fsync_dir(out.parent)
                 stage.written = [committed[-1], *committed[:-1]] if committed else []
-                for old in data_files(out) if stage.onnx_data else []:
+                for old in [*(data_files(out) if stage.onnx_data else []), *stage.orphans]:
                     if old not in committed:
                         with contextlib.suppress(OSError):
                             old.unlink()

@@ -22,7 +22,7 @@ from attnres_compile.errors import (CorruptModelError, DynamicFeatureAxisError, 
                                     NoResidualChainError, NotOnnxError, OutputPathError, UnsupportedOpsetError)
 from attnres_compile.onnx_api import export_onnx, inspect_onnx, rewrite_onnx
 from attnres_compile.op import depth_attention
-from attnres_compile.passes import onnx_export
+from attnres_compile.passes import onnx_export, onnx_io
 from attnres_compile.passes.onnx_function import MERGE, OP_TYPE, PARTIAL, attach_functions, site_node
 from attnres_compile.passes.onnx_grouping import sites as onnx_sites
 from samples import hf_models, models
@@ -444,6 +444,22 @@ def test_output_never_replaces_an_input_file(exported, tmp_path):
     result = rewrite_onnx(tmp_path / "renamed.onnx", tmp_path / "renamed.onnx", force=True)
     assert all(r["ok"] for r in result.report["verification"])  # checked against the original, before the rename
     assert len(_sites(onnx.load(str(tmp_path / "renamed.onnx")))) == 8
+
+
+def test_in_place_rewrite_removes_the_weights_only_the_old_graph_read(exported, tmp_path):
+    """optimum names weights `model.onnx_data`: the in-place rewrite writes its own and removes that
+    file, unless another model of the folder reads it too (then it stays)."""
+    for folder, twin in ((tmp_path / "alone", False), (tmp_path / "shared", True)):
+        folder.mkdir()
+        model = onnx.load(str(exported("gpt", "dynamo")))  # save_model moves its tensors out: a fresh copy each
+        onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx_data")
+        if twin:
+            (folder / "twin.onnx").write_bytes((folder / "model.onnx").read_bytes())
+        rewrite_onnx(folder / "model.onnx", folder / "model.onnx", force=True)
+        assert (folder / "model.onnx_data").exists() == twin, folder
+        assert len(_sites(onnx.load(str(folder / "model.onnx")))) == 8
+        assert onnx_io.input_files(onnx.load(str(folder / "model.onnx"), load_external_data=False),
+                                   folder / "model.onnx")[1:] != [folder / "model.onnx_data"]
 
 
 def _graph(path: Path, nodes, inputs, outputs, opset: int = 17) -> Path:

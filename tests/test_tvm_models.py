@@ -484,6 +484,27 @@ def test_cli_compile_and_run(tmp_path, capsys):
         load(tmp_path / "static")({"x": x[:2]})  # --static-shape fixed x to 3x16
 
 
+def test_the_check_bound_grows_with_residual_depth(tmp_path, monkeypatch):
+    """A deep model's bound is RTOL·sqrt(depth / 8) (rounding adds up along the stream: a correct
+    30-layer decoder was 1.3e-4 off onnxruntime), said in a note; a build off by 1e-3 of the
+    scale still fails at depth 32, and the original (plain adds) counts its links."""
+    assert tvm_check.tolerance(8).rtol == tvm_check.RTOL == tvm_check.tolerance(2).rtol
+    assert tvm_check.tolerance(60).rtol == pytest.approx(1e-4 * (60 / 8) ** 0.5)
+    nodes, gains = _gained_relus("x", tuple(f"h{k}" for k in range(1, 33)))
+    graph = helper.make_graph(nodes + [helper.make_node("Identity", ["h32"], ["y"])], "deep",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])], initializer=gains)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "deep.onnx"))
+    rewrite_onnx(tmp_path / "deep.onnx", tmp_path / "deep_attnres.onnx")
+    assert tvm_check.onnx_depth(tmp_path / "deep.onnx") == tvm_check.onnx_depth(tmp_path / "deep_attnres.onnx") == 32
+    manifest = compile_model(tmp_path / "deep_attnres.onnx", tmp_path / "art")
+    assert any("grown with the model's 32 residual steps" in n for n in manifest["verification"]["notes"])
+    honest = tvm_check.run
+    monkeypatch.setattr(tvm_check, "run", lambda *a: [y + 1e-3 * np.abs(y).max() for y in honest(*a)])
+    with pytest.raises(VerificationError, match="2e-04 allowed"):
+        compile_model(tmp_path / "deep_attnres.onnx", tmp_path / "bad")
+
+
 def test_compile_checks_the_build_against_its_source(tmp_path, capsys, monkeypatch):
     """`compile` runs the build against onnxruntime on generated inputs (rows in the manifest and
     printed); a build that differs (here: its outputs shifted by 1e-3 of their scale, as a

@@ -16,6 +16,7 @@ there succeeded, so a failed run leaves no partial file and no mismatched model/
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -389,9 +390,29 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return sum(t.ByteSize() for t in _tensors(model))
 
 
+@contextlib.contextmanager
 def staged(output: str | os.PathLike):
-    """outputs.staged for an ONNX output: write with `write(model, stage.path, external, data_name(stage))`."""
-    return outputs.staged(output)
+    """outputs.staged for an ONNX output: write with `write(model, stage.path, external, data_name(stage))`.
+    The weights files of the graph it replaces that no other model in the folder reads (optimum's
+    `model.onnx_data`, any name) are removed once the new graph is in place."""
+    with outputs.staged(output) as stage:
+        stage.orphans = orphaned_weights(Path(output))
+        yield stage
+
+
+def orphaned_weights(output: Path) -> list[Path]:
+    """The external data files of the ONNX model now at `output` (regular files of its folder) that no
+    other ONNX file of the folder names: they go when `output` is replaced."""
+    if not output.is_file() or output.is_symlink():
+        return []
+    folder = output.parent.resolve()
+    mine = {p for p in files_of(output)[1:] if p.resolve().parent == folder and p.is_file() and not p.is_symlink()}
+    if not mine:
+        return []
+    for other in folder.iterdir():
+        if other.suffix == ".onnx" and other.name != output.name and other.is_file():
+            mine -= {folder / p.name for p in files_of(other)[1:]}
+    return sorted(folder / p.name for p in mine)
 
 
 def data_name(stage: outputs.Stage) -> str:

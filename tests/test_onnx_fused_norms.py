@@ -12,9 +12,11 @@ kernels (bias, beta, default epsilon, both RMS norms) and the checker's refusals
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from attnres_compile import AttnResConfig
 from attnres_compile.cli import main
-from attnres_compile.errors import CorruptModelError
+from attnres_compile.errors import AttnResError, CorruptModelError
 from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
 from attnres_compile.passes import onnx_io
 from attnres_compile.passes.onnx_unfuse_skip_norm import unfuse
@@ -315,3 +317,33 @@ def test_unknown_or_malformed_default_domain_ops_stay_refused(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("attnres-compile: error:") and "invalid ONNX model" in err and "\n" not in err
     assert not onnx.defs.has("SimplifiedLayerNormalization")
+
+
+def _genai_tokens(folder, prompt: list[list[int]], new: int = 16) -> list[list[int]]:
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt[0]) + new, do_sample=False, batch_size=len(prompt))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompt, dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [[int(t) for t in generator.get_sequence(i)] for i in range(len(prompt))]
+
+
+@pytest.mark.slow
+def test_genai_folder_in_genai_folder_out(genai_llama, tmp_path):
+    """A rewrite into another folder carries the genai config (decoder file renamed) and the tokenizer
+    files; og.Generator on the new folder gives the original folder's greedy tokens, batch 1 and 2."""
+    out = tmp_path / "attnres" / "decoder.onnx"
+    result = rewrite_onnx(genai_llama, out)
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert {"genai_config.json", "tokenizer.json", "decoder.onnx"} <= set(names) and "model.onnx" not in names
+    assert json.loads((out.parent / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "decoder.onnx"
+    assert any("onnxruntime-genai folder" in n for n in result.report["notes"])
+    original = Path(genai_llama).parent
+    for prompt in ([[5, 17, 42, 8, 99, 3]], [[5, 17, 42, 8, 99, 3], [7, 7, 21, 60, 2, 11]]):
+        want = _genai_tokens(original, prompt)
+        assert _genai_tokens(out.parent, prompt) == want and all(len(w) == 22 for w in want)
+    with pytest.raises(AttnResError, match="exists: pass --force"):
+        rewrite_onnx(genai_llama, out)

@@ -1,0 +1,180 @@
+"""The depth-attention ops take DTensor inputs (attnres_compile/distributed/dtensor.py): 2 gloo CPU
+processes distribute the same seeded sources and query, run the ops forward and backward, and the
+gathered results (`full_tensor()`) match the single-process op; sharding the feature axis is
+refused in one line.
+
+One spawn runs every case (a child's start, torch and the package imported, costs seconds) and
+rank 0 hands back, per case, the placements it saw and the largest difference from the
+reference relative to the reference's largest magnitude. The eager reference computes the local
+rows in the children and the reference alike (the fused TVM kernels would be built per child).
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+
+WORLD = 2
+SHAPE = (2, 6, 8)  # [batch, sequence, features]
+EPS, SCALE = 1e-6, 1.5
+
+
+def _inputs(shape=SHAPE, dim=-1, n=3):
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(shape, generator=g) for _ in range(n)]
+    query = torch.randn(shape[dim], generator=g)
+    grad = torch.randn(shape, generator=g)
+    return sources, query, grad
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _names(t) -> list[str]:
+    return [str(p) for p in t.placements]
+
+
+def _forward_backward(mesh, source_placements, dim=-1, shape=SHAPE) -> dict:
+    """The op and its gradients on DTensors placed as `source_placements` (one per source), against one process."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    sources, query, grad = _inputs(shape, dim, len(source_placements))
+    ref_sources = [s.clone().requires_grad_() for s in sources]
+    ref_query = query.clone().requires_grad_()
+    ref = torch.ops.attnres.depth_attention(ref_sources, ref_query, EPS, SCALE, dim)
+    ref_grads = torch.autograd.grad(ref, [*ref_sources, ref_query], grad)
+
+    d_sources = [distribute_tensor(s, mesh, [p]).requires_grad_() for s, p in zip(sources, source_placements)]
+    d_query = distribute_tensor(query, mesh, [Replicate()]).requires_grad_()
+    out = torch.ops.attnres.depth_attention(d_sources, d_query, EPS, SCALE, dim)
+    d_grad = distribute_tensor(grad, mesh, out.placements)
+    grads = torch.autograd.grad(out, [*d_sources, d_query], d_grad)
+    return {"out": _names(out), "source_grads": [_names(g) for g in grads[:-1]], "query_grad": _names(grads[-1]),
+            "out_diff": _rel(out.full_tensor(), ref),
+            "source_grad_diff": max(_rel(g.full_tensor(), r) for g, r in zip(grads[:-1], ref_grads[:-1])),
+            "query_grad_diff": _rel(grads[-1].full_tensor(), ref_grads[-1])}
+
+
+def _refusal(mesh, source_placement, query_placement) -> str:
+    """The error of the op on sources placed as `source_placement` and the query as `query_placement`."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from attnres_compile.errors import ShardingError
+
+    sources, query, _ = _inputs()
+    d_sources = [distribute_tensor(s, mesh, [source_placement]) for s in sources]
+    d_query = distribute_tensor(query, mesh, [query_placement])
+    try:
+        torch.ops.attnres.depth_attention(d_sources, d_query, EPS, SCALE, -1)
+    except ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def _two_phase(mesh) -> dict:
+    """The partial/merge pair on sequence-sharded sources against one process."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    history, query, _ = _inputs(n=4)
+    extra = history[2:]
+    history = history[:2]
+    queries = torch.stack([query, query.flip(0)])
+    m, l, acc = torch.ops.attnres.depth_attention_partial(history, queries, EPS, -1)
+    ref = torch.ops.attnres.depth_attention_merge(m, l, acc, 1, extra, queries[1], EPS, SCALE, -1)
+
+    def shard(ts):
+        return [distribute_tensor(t, mesh, [Shard(1)]) for t in ts]
+
+    d_queries = distribute_tensor(queries, mesh, [Replicate()])
+    state = torch.ops.attnres.depth_attention_partial(shard(history), d_queries, EPS, -1)
+    out = torch.ops.attnres.depth_attention_merge(*state, 1, shard(extra), d_queries[1], EPS, SCALE, -1)
+    return {"state": [_names(t) for t in state], "out": _names(out),
+            "state_diff": max(_rel(t.full_tensor(), r) for t, r in zip(state, (m, l, acc))),
+            "out_diff": _rel(out.full_tensor(), ref)}
+
+
+def _cases(mesh) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {
+        "sequence": _forward_backward(mesh, [Shard(1)] * 3),
+        "batch": _forward_backward(mesh, [Shard(0)] * 3),
+        "replicate": _forward_backward(mesh, [Replicate()] * 3),
+        "mixed": _forward_backward(mesh, [Shard(1), Replicate(), Shard(0)]),
+        "feature_axis_first": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
+        "two_phase": _two_phase(mesh),
+        "refuse_feature": _refusal(mesh, Shard(2), Replicate()),
+        "refuse_query": _refusal(mesh, Shard(1), Shard(0)),
+    }
+
+
+def _worker(rank: int, rendezvous: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import attnres_compile.distributed  # noqa: F401  (registers the DTensor rules)
+    from attnres_compile import op
+
+    torch.set_num_threads(1)
+    op.set_kernel("eager")
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        results = _cases(init_device_mesh("cpu", (WORLD,)))
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        return json.loads(Path(out).read_text())
+
+
+TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize("case, placement, query_grad", [
+    ("sequence", "S(1)", "P(sum)"), ("batch", "S(0)", "P(sum)"), ("replicate", "R", "R"),
+    ("feature_axis_first", "S(2)", "P(sum)")])
+def test_placements_follow_the_sources_and_values_match_one_process(results, case, placement, query_grad):
+    r = results[case]
+    assert r["out"] == [placement]
+    assert r["source_grads"] == [[placement]] * len(r["source_grads"])
+    assert r["query_grad"] == [query_grad]
+    for key in ("out_diff", "source_grad_diff", "query_grad_diff"):
+        assert r[key] <= TOLERANCE, (case, key, r[key])
+
+
+def test_mixed_placements_are_redistributed_to_one_shard(results):
+    r = results["mixed"]  # sources S(1), R, S(0): DTensor's costs choose the shard, the backward follows it
+    assert r["out"] in (["S(0)"], ["S(1)"])
+    assert r["source_grads"] == [r["out"]] * 3
+    assert r["query_grad"] == ["P(sum)"]
+    for key in ("out_diff", "source_grad_diff", "query_grad_diff"):
+        assert r[key] <= TOLERANCE, key
+
+
+def test_two_phase_pair_shards_its_state_with_the_rows(results):
+    r = results["two_phase"]
+    assert r["state"] == [["S(2)"]] * 3  # [B, batch, sequence(, features)]: the sequence is state axis 2
+    assert r["out"] == ["S(1)"]
+    assert r["state_diff"] <= TOLERANCE and r["out_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("case, what", [("refuse_feature", "sources sharded on the feature axis"),
+                                        ("refuse_query", "query sharded")])
+def test_sharding_the_feature_axis_is_refused_in_one_line(results, case, what):
+    message = results[case]
+    assert what in message and "shard the sources on the sequence" in message and "\n" not in message

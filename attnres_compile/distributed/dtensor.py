@@ -7,19 +7,20 @@ over the feature axis, within the row. So a shard of the rows is computed on its
     -> the output as the sources; in the backward the source gradients as the sources and the
        query gradient Partial() (each rank's rows' share, summed by the engine), Replicate where
        the sources are.
-Sources with other placements (Partial, a shard that differs between sources) are redistributed
-to the first source's shard or to Replicate, the query to Replicate (DTensor's redistribution).
+Sources with other placements (Partial, shards that differ between sources) are redistributed
+to one row shard or to Replicate, the query to Replicate: in the forward DTensor's costs choose,
+the backward follows the forward (the output gradient's shard).
 The feature axis sharded (a source's Shard(dim), or the query's Shard(0)) would need the norms,
 dots and sums reduced over the shard group; it is refused with `ShardingError`, which names
 the fix: shard the sequence axis, or replicate.
 
 The forward and the two-phase pair (`depth_attention_partial`, `depth_attention_merge`) use
-torch's public `register_sharding`. The backward cannot: it returns (Tensor[], Tensor), and
-both strategy paths of DTensor's sharding propagator build a flat output spec for a tuple of
-tensors only (`OpSchema.return_type_tuple_tensor_like` is false when the first return is a
-list, so the propagator gives the op no output spec), while the dispatcher wraps a list output
-only in a nested spec. The backward therefore has a propagation rule (`register_prop_rule`,
-the registry torch's own ops use), which returns its output spec, nested, itself.
+torch's public `register_sharding`. The backward cannot, nor the op-strategy registry under it:
+for a (Tensor[], Tensor) return the propagator builds no output spec
+(`OpSchema.return_type_tuple_tensor_like` holds only when the first return is a Tensor), and
+the dispatcher then fails with "output spec does not match with output! Expected list/tuple,
+got None". The backward therefore has a propagation rule (`register_prop_rule`, the registry
+torch's own ops use), which returns the output spec itself, nested as the outputs are.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _refuse_feature_shards(specs, feature: int, query) -> None:
     """ShardingError where a source shards the feature axis or the query is sharded at all."""
     for spec in specs:
         if any(p.is_shard(feature) for p in spec.placements):
-            _refuse(f"sources sharded on the feature axis ({_placements(spec)}, feature axis {feature})")
+            _refuse(f"sources sharded on their feature axis {feature} (placements {_placements(spec)})")
     if any(p.is_shard() for p in query.placements):
-        _refuse(f"query sharded ({_placements(query)}; it spans the feature axis)")
+        _refuse(f"a sharded query (placements {_placements(query)}): it spans the feature axis")
 
 
 def _refuse(what: str):
@@ -67,7 +68,7 @@ def _refuse(what: str):
 
 
 def _placements(spec) -> str:
-    return "(" + ", ".join(map(str, spec.placements)) + ")"
+    return ", ".join(map(str, spec.placements))
 
 
 def _feature(spec, dim: int) -> int:
@@ -111,7 +112,7 @@ def _merge_shardings(m, l, acc, index, extra, query, eps, scale, dim):
     feature = _feature(extra[0], dim)
     _refuse_feature_shards(extra, feature, query)
     if any(p.is_shard(acc.ndim - 1) for p in acc.placements):
-        _refuse(f"a two-phase state sharded on the feature axis ({_placements(acc)})")
+        _refuse(f"a two-phase state sharded on its feature axis (placements {_placements(acc)})")
     n = len(extra)
     options = [([Replicate()], [Replicate()] * 3 + [None, *[Replicate()] * n, Replicate(), None, None, None])]
     for d in _row_dims(extra[0].ndim, feature):

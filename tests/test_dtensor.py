@@ -1,7 +1,8 @@
 """The depth-attention ops take DTensor inputs (attnres_compile/distributed/dtensor.py): 2 gloo CPU
 processes distribute the same seeded sources and query, run the ops forward and backward, and the
 gathered results (`full_tensor()`) match the single-process op; sharding the feature axis is
-refused in one line.
+refused in one line. A rewritten tiny GPT runs on sequence-sharded token ids, every site on
+sequence-sharded sources, with the logits and pseudo-query gradients of one process.
 
 One spawn runs every case (a child's start, torch and the package imported, costs seconds) and
 rank 0 hands back, per case, the placements it saw and the largest difference from the
@@ -9,6 +10,7 @@ reference relative to the reference's largest magnitude. The eager reference com
 rows in the children and the reference alike (the fused TVM kernels would be built per child).
 """
 
+import copy
 import json
 import os
 import tempfile
@@ -18,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import fx
+from torch.nn import functional as F
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
@@ -101,6 +105,58 @@ def _two_phase(mesh) -> dict:
             "out_diff": _rel(out.full_tensor(), ref)}
 
 
+class _Gathered(fx.Interpreter):
+    """Runs a GraphModule on DTensors, recording the placements at each depth-attention site.
+    torch 2.13's DTensor has no rule for CPU attention (aten._scaled_dot_product_flash_attention_for_cpu),
+    so attention runs on the gathered sequence and its output is sharded back, as sequence
+    (context) parallelism would; every other op, the sites' included, runs through DTensor."""
+
+    def __init__(self, gm, mesh):
+        super().__init__(gm)
+        self.mesh, self.sites = mesh, []
+
+    def call_function(self, target, args, kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if target is torch.ops.aten.scaled_dot_product_attention.default:
+            placements = args[0].placements
+            q, k, v = (a.redistribute(self.mesh, [Replicate()]).to_local() for a in args[:3])
+            y = target(q, k, v, *args[3:], **kwargs)
+            return DTensor.from_local(y, self.mesh, [Replicate()]).redistribute(self.mesh, placements)
+        if target is torch.ops.attnres.depth_attention.default:
+            self.sites.append([_names(t) for t in (*args[0], args[1])])
+        return super().call_function(target, args, kwargs)
+
+
+def _gpt(mesh) -> dict:
+    """A rewritten tiny GPT on sequence-sharded token ids (parameters replicated) against one process:
+    the logits and the pseudo-queries' gradients."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from attnres_compile import AttnResConfig, rewrite
+    from samples.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=32, layers=2, heads=2, max_len=16).eval()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    gm = rewrite(model, (x,), AttnResConfig()).graph_module
+    ref = copy.deepcopy(gm)
+    ref_logits = ref(x)
+    F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
+
+    run = _Gathered(distribute_module(gm, mesh), mesh)  # every parameter replicated
+    with implicit_replication():  # the graph's own plain tensors (positions from arange) as replicated
+        logits = run.run(distribute_tensor(x, mesh, [Shard(1)]))
+        F.cross_entropy(logits.flatten(0, 1), distribute_tensor(y, mesh, [Shard(1)]).flatten()).backward()
+    queries = {n: p.grad for n, p in gm.named_parameters() if n.startswith("attnres.")}
+    want = dict(ref.named_parameters())
+    return {"sites": run.sites, "logits": _names(logits), "logits_diff": _rel(logits.full_tensor(), ref_logits),
+            "query_grads": sorted({str(_names(q)) for q in queries.values()}), "queries": len(queries),
+            "query_grad_diff": max(_rel(q.full_tensor(), want[n].grad) for n, q in queries.items())}
+
+
 def _cases(mesh) -> dict:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -109,8 +165,9 @@ def _cases(mesh) -> dict:
         "batch": _forward_backward(mesh, [Shard(0)] * 3),
         "replicate": _forward_backward(mesh, [Replicate()] * 3),
         "mixed": _forward_backward(mesh, [Shard(1), Replicate(), Shard(0)]),
-        "feature_axis_first": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
+        "feature_axis_middle": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
         "two_phase": _two_phase(mesh),
+        "gpt": _gpt(mesh),
         "refuse_feature": _refusal(mesh, Shard(2), Replicate()),
         "refuse_query": _refusal(mesh, Shard(1), Shard(0)),
     }
@@ -147,7 +204,7 @@ TOLERANCE = 1e-6
 
 @pytest.mark.parametrize("case, placement, query_grad", [
     ("sequence", "S(1)", "P(sum)"), ("batch", "S(0)", "P(sum)"), ("replicate", "R", "R"),
-    ("feature_axis_first", "S(2)", "P(sum)")])
+    ("feature_axis_middle", "S(2)", "P(sum)")])
 def test_placements_follow_the_sources_and_values_match_one_process(results, case, placement, query_grad):
     r = results[case]
     assert r["out"] == [placement]
@@ -178,3 +235,11 @@ def test_two_phase_pair_shards_its_state_with_the_rows(results):
 def test_sharding_the_feature_axis_is_refused_in_one_line(results, case, what):
     message = results[case]
     assert what in message and "shard the sources on the sequence" in message and "\n" not in message
+
+
+def test_rewritten_gpt_runs_sequence_sharded(results):
+    r = results["gpt"]
+    assert len(r["sites"]) == r["queries"] >= 4
+    assert all(site == [["S(1)"]] * (len(site) - 1) + [["R"]] for site in r["sites"])  # sources S(1), query R
+    assert r["logits"] == ["S(1)"] and r["query_grads"] == [str(["P(sum)"])]
+    assert r["logits_diff"] <= TOLERANCE and r["query_grad_diff"] <= TOLERANCE, r

@@ -59,7 +59,7 @@ def _refuse_feature_shards(specs, feature: int, query) -> None:
         if any(p.is_shard(feature) for p in spec.placements):
             _refuse(f"sources sharded on their feature axis {feature} (placements {_placements(spec)})")
     if any(p.is_shard() for p in query.placements):
-        _refuse(f"a sharded query (placements {_placements(query)}): it spans the feature axis")
+        _refuse(f"a sharded query (placements {_placements(query)}; the query spans the feature axis)")
 
 
 def _refuse(what: str):

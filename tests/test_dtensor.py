@@ -108,8 +108,9 @@ def _two_phase(mesh) -> dict:
 class _Gathered(fx.Interpreter):
     """Runs a GraphModule on DTensors, recording the placements at each depth-attention site.
     torch 2.13's DTensor has no rule for CPU attention (aten._scaled_dot_product_flash_attention_for_cpu),
-    so attention runs on the gathered sequence and its output is sharded back, as sequence
-    (context) parallelism would; every other op, the sites' included, runs through DTensor."""
+    so attention runs on gathered inputs and its output is placed back as its query was, as
+    sequence (context) parallelism would; torch.export's metadata assertions check the local
+    tensors. Every other op, the sites' included, runs through DTensor."""
 
     def __init__(self, gm, mesh):
         super().__init__(gm)
@@ -123,16 +124,41 @@ class _Gathered(fx.Interpreter):
             q, k, v = (a.redistribute(self.mesh, [Replicate()]).to_local() for a in args[:3])
             y = target(q, k, v, *args[3:], **kwargs)
             return DTensor.from_local(y, self.mesh, [Replicate()]).redistribute(self.mesh, placements)
+        if target is torch.ops.aten._assert_tensor_metadata.default:
+            return target(*[a.to_local() if isinstance(a, DTensor) else a for a in args], **kwargs)
         if target is torch.ops.attnres.depth_attention.default:
             self.sites.append([_names(t) for t in (*args[0], args[1])])
         return super().call_function(target, args, kwargs)
 
 
-def _gpt(mesh) -> dict:
-    """A rewritten tiny GPT on sequence-sharded token ids (parameters replicated) against one process:
-    the logits and the pseudo-queries' gradients."""
-    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _train_step(gm, mesh, partition, inputs, dinputs, target, dtarget) -> dict:
+    """One loss and backward of `gm` on `inputs` in one process and, its parameters placed by
+    `partition` (distribute_module's partition_fn), on `dinputs`: the logits and the pseudo-queries'
+    gradients, gathered, against the process's."""
+    from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.experimental import implicit_replication
+
+    ref = copy.deepcopy(gm)
+    ref_logits = _logits(ref(*inputs))
+    F.cross_entropy(ref_logits.flatten(0, 1), target.flatten()).backward()
+    run = _Gathered(distribute_module(gm, mesh, partition), mesh)
+    with implicit_replication():  # the graph's own plain tensors (positions from arange, masks) as replicated
+        logits = _logits(run.run(*dinputs))
+        F.cross_entropy(logits.flatten(0, 1), dtarget.flatten()).backward()
+    queries = {n: p.grad for n, p in gm.named_parameters() if n.startswith("attnres.")}
+    want = dict(ref.named_parameters())
+    return {"sites": run.sites, "logits": _names(logits), "logits_diff": _rel(logits.full_tensor(), ref_logits),
+            "query_grads": sorted({str(_names(q)) for q in queries.values()}), "queries": len(queries),
+            "query_grad_diff": max(_rel(q.full_tensor(), want[n].grad) for n, q in queries.items())}
+
+
+def _gpt(mesh) -> dict:
+    """A rewritten tiny GPT, parameters replicated, on sequence-sharded token ids."""
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from attnres_compile import AttnResConfig, rewrite
     from samples.models import GPT
@@ -142,19 +168,38 @@ def _gpt(mesh) -> dict:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
     gm = rewrite(model, (x,), AttnResConfig()).graph_module
-    ref = copy.deepcopy(gm)
-    ref_logits = ref(x)
-    F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
+    shard = [Shard(1)]
+    return _train_step(gm, mesh, None, (x,), (distribute_tensor(x, mesh, shard),), y, distribute_tensor(y, mesh, shard))
 
-    run = _Gathered(distribute_module(gm, mesh), mesh)  # every parameter replicated
-    with implicit_replication():  # the graph's own plain tensors (positions from arange) as replicated
-        logits = run.run(distribute_tensor(x, mesh, [Shard(1)]))
-        F.cross_entropy(logits.flatten(0, 1), distribute_tensor(y, mesh, [Shard(1)]).flatten()).backward()
-    queries = {n: p.grad for n, p in gm.named_parameters() if n.startswith("attnres.")}
-    want = dict(ref.named_parameters())
-    return {"sites": run.sites, "logits": _names(logits), "logits_diff": _rel(logits.full_tensor(), ref_logits),
-            "query_grads": sorted({str(_names(q)) for q in queries.values()}), "queries": len(queries),
-            "query_grad_diff": max(_rel(q.full_tensor(), want[n].grad) for n, q in queries.items())}
+
+_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Megatron-style tensor parallelism
+_ROWS = ("o_proj", "down_proj")
+
+
+def _tensor_parallel(name, module, mesh):
+    """Column-wise q/k/v/gate/up (weights Shard(0)), row-wise o/down (Shard(1)), the rest replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for key, p in list(module.named_parameters(recurse=False)):
+        path = f"{name}.{key}"
+        placement = Shard(0) if any(c in path for c in _COLUMNS) else Shard(1) if any(r in path for r in _ROWS) else Replicate()
+        module.register_parameter(key, torch.nn.Parameter(distribute_tensor(p.data, mesh, [placement])))
+
+
+def _llama_tp(mesh) -> dict:
+    """A rewritten tiny HF Llama, tensor-parallel: its sites read the row-wise layers' Partial sums."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from attnres_compile import rewrite
+    from samples import hf_models
+
+    model, inputs = hf_models.llama_factory()
+    gm = rewrite(model, inputs).graph_module
+    x, mask = inputs["input_ids"], inputs["attention_mask"]
+    y = x.roll(-1, 1)
+    replicate = [Replicate()]
+    return _train_step(gm, mesh, _tensor_parallel, (x, mask, False), (distribute_tensor(x, mesh, replicate), mask, False),
+                       y, distribute_tensor(y, mesh, replicate))
 
 
 def _cases(mesh) -> dict:
@@ -168,6 +213,7 @@ def _cases(mesh) -> dict:
         "feature_axis_middle": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
         "two_phase": _two_phase(mesh),
         "gpt": _gpt(mesh),
+        "llama_tp": _llama_tp(mesh),
         "refuse_feature": _refusal(mesh, Shard(2), Replicate()),
         "refuse_query": _refusal(mesh, Shard(1), Shard(0)),
     }
@@ -242,4 +288,12 @@ def test_rewritten_gpt_runs_sequence_sharded(results):
     assert len(r["sites"]) == r["queries"] >= 4
     assert all(site == [["S(1)"]] * (len(site) - 1) + [["R"]] for site in r["sites"])  # sources S(1), query R
     assert r["logits"] == ["S(1)"] and r["query_grads"] == [str(["P(sum)"])]
+    assert r["logits_diff"] <= TOLERANCE and r["query_grad_diff"] <= TOLERANCE, r
+
+
+def test_rewritten_llama_runs_tensor_parallel(results):
+    r = results["llama_tp"]
+    assert len(r["sites"]) == r["queries"] >= 4
+    assert all(["P(sum)"] in site for site in r["sites"][1:])  # the attention and MLP outputs, summed later
+    assert r["query_grads"] == [str(["P(sum)"])]
     assert r["logits_diff"] <= TOLERANCE and r["query_grad_diff"] <= TOLERANCE, r

@@ -67,6 +67,20 @@ def _forward_backward(mesh, source_placements, dim=-1, shape=SHAPE) -> dict:
             "query_grad_diff": _rel(grads[-1].full_tensor(), ref_grads[-1])}
 
 
+def _backward_feature_sharded_grad(mesh) -> dict:
+    """The backward op on sequence-sharded sources with an output gradient sharded on the feature axis."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    sources, query, grad = _inputs()
+    ref_grads, ref_query_grad = torch.ops.attnres.depth_attention_backward(sources, query, grad, EPS, SCALE, -1)
+    grads, query_grad = torch.ops.attnres.depth_attention_backward(
+        [distribute_tensor(s, mesh, [Shard(1)]) for s in sources], distribute_tensor(query, mesh, [Replicate()]),
+        distribute_tensor(grad, mesh, [Shard(2)]), EPS, SCALE, -1)
+    return {"source_grads": [_names(g) for g in grads], "query_grad": _names(query_grad),
+            "source_grad_diff": max(_rel(g.full_tensor(), r) for g, r in zip(grads, ref_grads)),
+            "query_grad_diff": _rel(query_grad.full_tensor(), ref_query_grad)}
+
+
 def _refusal(mesh, source_placement, query_placement) -> str:
     """The error of the op on sources placed as `source_placement` and the query as `query_placement`."""
     from torch.distributed.tensor import distribute_tensor
@@ -211,6 +225,7 @@ def _cases(mesh) -> dict:
         "replicate": _forward_backward(mesh, [Replicate()] * 3),
         "mixed": _forward_backward(mesh, [Shard(1), Replicate(), Shard(0)]),
         "feature_axis_middle": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
+        "feature_sharded_grad": _backward_feature_sharded_grad(mesh),
         "two_phase": _two_phase(mesh),
         "gpt": _gpt(mesh),
         "llama_tp": _llama_tp(mesh),
@@ -267,6 +282,12 @@ def test_mixed_placements_are_redistributed_to_one_shard(results):
     assert r["query_grad"] == ["P(sum)"]
     for key in ("out_diff", "source_grad_diff", "query_grad_diff"):
         assert r[key] <= TOLERANCE, key
+
+
+def test_backward_redistributes_a_feature_sharded_gradient_to_the_sources_rows(results):
+    r = results["feature_sharded_grad"]
+    assert r["source_grads"] == [["S(1)"]] * 3 and r["query_grad"] == ["P(sum)"]
+    assert r["source_grad_diff"] <= TOLERANCE and r["query_grad_diff"] <= TOLERANCE, r
 
 
 def test_two_phase_pair_shards_its_state_with_the_rows(results):

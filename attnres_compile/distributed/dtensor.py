@@ -123,27 +123,28 @@ def _merge_shardings(m, l, acc, index, extra, query, eps, scale, dim):
 
 def _backward_rule(schema: OpSchema) -> OutputSharding:
     """Each mesh axis keeps the gradient's shard of a row axis (the forward's choice, the output's
-    placement), else the first source's, else replicates; the other inputs are redistributed to it
+    placement), else the first source's, else replicates; the inputs are redistributed to that
     (a gradient sharded on the feature axis too: the sources are not)."""
     sources, query, grad, eps, scale, dim = schema.args_schema
     feature = _feature(sources[0], dim)
     _refuse_feature_shards(sources, feature, query)
     mesh = sources[0].mesh
-    rows = tuple(g if type(g) is Shard else s if type(s) is Shard else Replicate()
+
+    def row_shard(p) -> bool:
+        return type(p) is Shard and p.dim != feature
+
+    rows = tuple(g if row_shard(g) else s if row_shard(s) else Replicate()
                  for g, s in zip(grad.placements, sources[0].placements))
     query_grad = tuple(Partial() if p.is_shard() else Replicate() for p in rows)
-    replicated = (Replicate(),) * mesh.ndim
-
-    def like(spec, placements):
-        return DTensorSpec(mesh, placements, tensor_meta=spec.tensor_meta)
-
-    wanted = ([like(s, rows) for s in sources], like(query, replicated), like(grad, rows))
-    given = (list(sources), query, grad)
-    moves = any(w.placements != g.placements for w, g in zip([*wanted[0], *wanted[1:]], [*given[0], *given[1:]]))
+    given = [*sources, query, grad]
+    wanted = [DTensorSpec(mesh, rows, tensor_meta=s.tensor_meta) for s in sources]
+    wanted += [DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=query.tensor_meta),
+               DTensorSpec(mesh, rows, tensor_meta=grad.tensor_meta)]
+    moves = any(w.placements != g.placements for w, g in zip(wanted, given))
+    suggestion = OpSchema(schema.op, (wanted[:-2], *wanted[-2:], eps, scale, dim), {}) if moves else None
     outputs = (tuple(DTensorSpec(mesh, rows, tensor_meta=_contiguous(s.tensor_meta)) for s in sources),
                DTensorSpec(mesh, query_grad))  # the query gradient's meta comes from the fake kernel
-    return OutputSharding(outputs, OpSchema(schema.op, (*wanted, eps, scale, dim), {}) if moves else None,
-                          needs_redistribute=moves)
+    return OutputSharding(outputs, suggestion, needs_redistribute=moves)
 
 
 def _contiguous(meta: TensorMeta) -> TensorMeta:

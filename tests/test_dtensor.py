@@ -47,7 +47,8 @@ def _names(t) -> list[str]:
 
 
 def _forward_backward(mesh, source_placements, dim=-1, shape=SHAPE) -> dict:
-    """The op and its gradients on DTensors placed as `source_placements` (one per source), against one process."""
+    """The op and its gradients on DTensors placed as `source_placements` (one per source, a list
+    on a 2-D mesh), against one process."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     sources, query, grad = _inputs(shape, dim, len(source_placements))
@@ -56,8 +57,9 @@ def _forward_backward(mesh, source_placements, dim=-1, shape=SHAPE) -> dict:
     ref = torch.ops.attnres.depth_attention(ref_sources, ref_query, EPS, SCALE, dim)
     ref_grads = torch.autograd.grad(ref, [*ref_sources, ref_query], grad)
 
-    d_sources = [distribute_tensor(s, mesh, [p]).requires_grad_() for s, p in zip(sources, source_placements)]
-    d_query = distribute_tensor(query, mesh, [Replicate()]).requires_grad_()
+    d_sources = [distribute_tensor(s, mesh, p if isinstance(p, list) else [p]).requires_grad_()
+                 for s, p in zip(sources, source_placements)]
+    d_query = distribute_tensor(query, mesh, [Replicate()] * mesh.ndim).requires_grad_()
     out = torch.ops.attnres.depth_attention(d_sources, d_query, EPS, SCALE, dim)
     d_grad = distribute_tensor(grad, mesh, out.placements)
     grads = torch.autograd.grad(out, [*d_sources, d_query], d_grad)
@@ -217,6 +219,7 @@ def _llama_tp(mesh) -> dict:
 
 
 def _cases(mesh) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
     return {
@@ -225,6 +228,7 @@ def _cases(mesh) -> dict:
         "replicate": _forward_backward(mesh, [Replicate()] * 3),
         "mixed": _forward_backward(mesh, [Shard(1), Replicate(), Shard(0)]),
         "feature_axis_middle": _forward_backward(mesh, [Shard(2)] * 2, dim=1, shape=(2, 8, 6)),
+        "mesh_2d": _forward_backward(init_device_mesh("cpu", (1, WORLD)), [[Shard(0), Shard(1)]] * 3),
         "feature_sharded_grad": _backward_feature_sharded_grad(mesh),
         "two_phase": _two_phase(mesh),
         "gpt": _gpt(mesh),
@@ -273,6 +277,14 @@ def test_placements_follow_the_sources_and_values_match_one_process(results, cas
     assert r["query_grad"] == [query_grad]
     for key in ("out_diff", "source_grad_diff", "query_grad_diff"):
         assert r[key] <= TOLERANCE, (case, key, r[key])
+
+
+def test_2d_mesh_batch_and_sequence_shards(results):
+    r = results["mesh_2d"]  # mesh (1, 2): batch over its first axis, sequence over its second
+    assert r["out"] == ["S(0)", "S(1)"] and r["source_grads"] == [["S(0)", "S(1)"]] * 3
+    assert r["query_grad"] == ["P(sum)", "P(sum)"]
+    for key in ("out_diff", "source_grad_diff", "query_grad_diff"):
+        assert r[key] <= TOLERANCE, key
 
 
 def test_mixed_placements_are_redistributed_to_one_shard(results):

@@ -20,6 +20,12 @@ class ConfigError(AttnResError, ValueError):
     exit_code = 2
 
 
+class ShardingError(ConfigError, NotImplementedError):
+    """A DTensor placement the depth-attention ops cannot compute on (the feature axis sharded).
+    Also a NotImplementedError: DTensor's dispatcher passes those on as they are, where it
+    rewraps any other error of a sharding rule in a RuntimeError of several lines."""
+
+
 class TraceError(AttnResError):
     """The model could not be traced (the tracer's own reason is included)."""
 

@@ -2,14 +2,18 @@
 
 The rewrite returns one flat GraphModule; the engines want modules (FSDP2's `fully_shard` per
 block, `torch.utils.checkpoint`), stages (`torch.distributed.pipelining.PipelineStage`) and
-sharding rules (DTensor). This package hands them those, and plans what crosses each pipeline
-hop; the schedules, collectives and optimizers stay the engines'.
+sharding rules (DTensor: `dtensor.py`, registered when this package is imported). This package
+hands them those, and plans what crosses each pipeline hop; the schedules, collectives and
+optimizers stay the engines'.
 """
 
 from .blocks import block_names, called_blocks
 from .checkpointing import SitePolicy, checkpoint_blocks
+from .dtensor import register_dtensor_rules
 from .offload import OffloadHistory
 from .pipeline import Carried, Hop, StagePlan, split_stages
 
 __all__ = ["Carried", "Hop", "OffloadHistory", "SitePolicy", "StagePlan", "block_names", "called_blocks",
-           "checkpoint_blocks", "split_stages"]
+           "checkpoint_blocks", "register_dtensor_rules", "split_stages"]
+
+register_dtensor_rules()

@@ -12,9 +12,10 @@ SequenceInsert: onnx_prepare.py); this is where such a model stops instead of be
 The bound grows with the model's residual depth L (residual links plus AttnRes sites):
 RTOL·sqrt(L / DEPTH_FREE) past DEPTH_FREE steps. Rounding differences (kernel summation order,
 fast-math exp) enter the residual stream at every step and add up like a random walk: a
-30-layer decoder (60 steps; SmolLM2-135M with past) built correctly was 1.3e-4 off onnxruntime,
-the original decoder 1.06e-4, on random inputs, against 1e-4 flat; its bound is now 2.7e-4,
-while a wrong build is off by whole percents.
+30-layer decoder (60 steps; SmolLM2-135M with past) built correctly was reported 1.3e-4 off
+onnxruntime, the original decoder 1.06e-4, on random inputs, against 1e-4 flat (exit 7); its bound
+is now 2.7e-4 (tests/test_smollm2.py's run: worst output 3.1e-5), while a wrong build is off by
+whole percents.
 
 The onnxruntime reference computes Sigmoid exactly (backends/exact_sigmoid.py, as `rewrite`'s
 verification does): onnxruntime's own is accurate to ~1e-7 absolute only, and on PP-OCRv4 det's

@@ -152,6 +152,58 @@ def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: in
         dist.destroy_process_group()
 
 
+def traced_frontend(variant: str = "block"):
+    """torch's own traced frontend on the same model, the way a user would try first: the rewritten
+    graph with `pipe_split` markers where split_stages would cut, through `pipelining.pipeline`.
+    Returns the Pipe; its stages read block sums straight from stage 0 (skip connections)."""
+    from torch.distributed import pipelining as pp
+
+    from attnres_compile.distributed import pipeline as stages_module
+
+    gm, batches = setup(variant, 1)
+    micro_batch = batches[0][0].chunk(SIZE["micro"])[0]
+    static = stages_module._static(gm, (micro_batch,), {})
+    nodes = [n for n in static.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    blocks, block_of = stages_module._blocks(nodes)
+    first = {}
+    for node in nodes:
+        if node in block_of:
+            first.setdefault(block_of[node], node)
+    for block in blocks[1:]:
+        with static.graph.inserting_before(first[block]):
+            static.graph.call_function(torch.ops.pippy._pipe_split.default, ())
+    static.recompile()
+    return pp.pipeline(static, mb_args=(micro_batch,)), batches
+
+
+def _traced_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        pipe, batches = traced_frontend()
+        schedule = Schedule1F1B(pipe.build_stage(rank, torch.device("cpu")), n_microbatches=SIZE["micro"],
+                                loss_fn=loss_fn)
+        x, y = batches[0]
+        try:
+            schedule.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - what torch raises is the result
+            error = f"{type(exc).__name__}: {exc}"
+        Path(f"{out}.{rank}").write_text(json.dumps(error))
+    finally:
+        dist.destroy_process_group()
+
+
+def traced_frontend_errors(world: int = 4) -> list[str | None]:
+    """Each rank's error when 1F1B runs torch's traced-frontend stages of the model (`world` stages)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.spawn(_traced_worker, args=(world, os.path.join(tmp, "rendezvous"), out), nprocs=world)
+        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+
+
 def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int = 3, lr: float = 1e-2,
         dp: int = 1) -> dict:
     """Train under each schedule with `world` gloo processes (world // dp pipeline ranks × `dp`

@@ -136,3 +136,18 @@ def test_pipeline_times_fsdp2_trains_as_one_process():
         assert got.keys() == want.keys()
         for k in want:
             assert got[k] == pytest.approx(want[k], abs=1e-6), k
+
+
+@needs_gloo
+def test_torch_traced_frontend_fails_without_the_relays():
+    """Why split_stages relays: torch's own traced frontend, cut at the same blocks, feeds stage 0's
+    block sum straight to stages 2 and 3 (skip connections), and its 1F1B backward refuses them."""
+    pipe, _ = train_pipeline.traced_frontend()
+    graph = pipe.split_gm.graph
+    stage = {n: int(n.target.rsplit("_", 1)[1]) for n in graph.nodes if n.op == "call_module"}  # submod_pp_<i>
+    made_by = {n: stage[n.args[0]] for n in graph.nodes if n.op == "call_function" and n.args and n.args[0] in stage}
+    skips = {(made_by[a], stage[n]) for n in stage for a in n.all_input_nodes
+             if a in made_by and stage[n] > made_by[a] + 1}
+    assert (0, 2) in skips and (0, 3) in skips
+    errors = train_pipeline.traced_frontend_errors(world=4)
+    assert any(e and "Backward of skip connections not supported yet" in e for e in errors), errors

@@ -40,6 +40,12 @@ _OP = torch.ops.attnres.depth_attention.default
 _BACKWARD = torch.ops.attnres.depth_attention_backward.default
 depth_attention = _OP  # depth_attention(sources, query, eps, scale, dim)
 
+
+def is_attnres_op(target) -> bool:
+    """Whether `target` (an fx node's, or a dispatched op) is one of the attnres ops: the site op, its
+    backward, or the two-phase pair (op_two_phase.py)."""
+    return getattr(target, "namespace", None) == "attnres"
+
 _mode = os.environ.get("ATTNRES_KERNEL") or "auto"  # unset or empty: auto
 _fused = None  # kernels/fused.py for modes auto/tvm once resolved; False: the eager reference only
 

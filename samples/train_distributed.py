@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import SitePolicy, block_names, called_blocks, checkpoint_blocks
+from attnres_compile.op import is_attnres_op
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=2, heads=2, seq=16, micro=4)
@@ -120,7 +121,7 @@ def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
 
 
 def _sites(gm) -> int:
-    return sum(getattr(n.target, "namespace", None) == "attnres" for n in gm.graph.nodes)
+    return sum(is_attnres_op(n.target) for n in gm.graph.nodes)
 
 
 def _worker(rank: int, world: int, modes: list[str], variant: str, steps: int, lr: float, rendezvous: str, out: str) -> None:

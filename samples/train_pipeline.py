@@ -165,12 +165,9 @@ def traced_frontend(variant: str = "block"):
     static = stages_module._static(gm, (micro_batch,), {})
     nodes = [n for n in static.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     blocks, block_of = stages_module._blocks(nodes)
-    first = {}
-    for node in nodes:
-        if node in block_of:
-            first.setdefault(block_of[node], node)
+    first = stages_module.block_starts(nodes, block_of)
     for block in blocks[1:]:
-        with static.graph.inserting_before(first[block]):
+        with static.graph.inserting_before(nodes[first[block]]):
             static.graph.call_function(torch.ops.pippy._pipe_split.default, ())
     static.recompile()
     return pp.pipeline(static, mb_args=(micro_batch,)), batches

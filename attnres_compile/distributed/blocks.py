@@ -19,6 +19,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
+from ..op import is_attnres_op
 from ..pytree_warning import silenced
 
 
@@ -67,7 +68,7 @@ def _holders(module: torch.nn.Module) -> list[str]:
 def _holds_site(module: torch.nn.Module) -> bool:
     """Whether a graph of `module` or of one of its submodules calls an attnres op."""
     graphs = [g for g in (getattr(m, "graph", None) for m in module.modules()) if isinstance(g, fx.Graph)]
-    return any(getattr(n.target, "namespace", None) == "attnres" for g in graphs for n in g.nodes)
+    return any(is_attnres_op(n.target) for g in graphs for n in g.nodes)
 
 
 def _dynamic_shapes(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict | None:

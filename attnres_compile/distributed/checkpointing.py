@@ -18,6 +18,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..op import is_attnres_op
 from .blocks import block_names
 
 
@@ -33,7 +34,7 @@ class SitePolicy:
         self.recomputed = 0
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if getattr(op, "namespace", None) != "attnres":
+        if not is_attnres_op(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
         self.saved += self.save_sites and not ctx.is_recompute
         return CheckpointPolicy.MUST_SAVE if self.save_sites else CheckpointPolicy.PREFER_RECOMPUTE
@@ -60,7 +61,7 @@ class _SiteCounter(TorchDispatchMode):
         self.policy = policy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.policy.recomputed += getattr(func, "namespace", None) == "attnres"
+        self.policy.recomputed += is_attnres_op(func)
         return func(*args, **(kwargs or {}))
 
 

@@ -25,6 +25,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, TraceError
+from ..op import is_attnres_op
 from ..pytree_warning import silenced
 
 aten = torch.ops.aten
@@ -106,16 +107,17 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     blocks, block_of = _blocks(nodes)
     starts = _cut_blocks(blocks, num_stages, cuts)
-    stage_of = _assign(nodes, block_of, starts)
+    first = block_starts(nodes, block_of)
+    stage_of = _assign(nodes, first, starts)
     count = len(starts) + 1
     _refuse_shared_parameters(static, stage_of)
     carried = _carried(graph, stage_of, count)
-    history = {s for n in nodes if getattr(n.target, "namespace", None) == "attnres" for s in n.args[0]}
+    history = {s for n in nodes if is_attnres_op(n.target) for s in n.args[0]}
     _refuse_long_history(carried, history, max_carried)
     placeholders = _tensor_inputs(graph)
     stages = [_stage_module(static, graph, placeholders, stage_of, carried, s, count) for s in range(count)]
     plan = StagePlan(
-        stages=[[b for b in blocks if sum(blocks.index(c) <= blocks.index(b) for c in starts) == s] for s in range(count)],
+        stages=[[b for b in blocks if stage_of[nodes[first[b]]] == s] for s in range(count)],
         hops=[Hop(h, [_describe(v, history, stage_of, h) for v in carried[h]]) for h in range(count - 1)],
         inputs=[n.name for n in placeholders],
         tokens=next((v.numel() for v in (p.meta.get("val") for p in placeholders)
@@ -157,7 +159,7 @@ def _blocks(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, str]]:
     """The blocks (module scopes holding sites, at the first scope depth where sites differ) in
     graph order, and the block of each node inside one."""
     stacks = {n: [path for path, _ in n.meta.get("nn_module_stack", {}).values()] for n in nodes}
-    sites = [stacks[n] for n in nodes if getattr(n.target, "namespace", None) == "attnres"]
+    sites = [stacks[n] for n in nodes if is_attnres_op(n.target)]
     depth = next((d for d in range(max(map(len, sites), default=0))
                   if len({s[d] if len(s) > d else None for s in sites}) > 1), None)
     if depth is None:
@@ -187,13 +189,18 @@ def _cut_blocks(blocks: list[str], num_stages: int | None, cuts: list[str] | Non
     return [blocks[round(i * len(blocks) / num_stages)] for i in range(1, num_stages)]
 
 
-def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str], starts: list[str]) -> dict[fx.Node, int]:
-    """Stage of every compute node: the number of stage-starting blocks whose first node comes at
-    or before it (graph order is execution order, so no stage reads a later one)."""
-    first = {}
+def block_starts(nodes: list[fx.Node], block_of: dict[fx.Node, str]) -> dict[str, int]:
+    """The index in `nodes` of each block's first node (where a stage beginning with it is cut)."""
+    first: dict[str, int] = {}
     for i, n in enumerate(nodes):
         if n in block_of:
             first.setdefault(block_of[n], i)
+    return first
+
+
+def _assign(nodes: list[fx.Node], first: dict[str, int], starts: list[str]) -> dict[fx.Node, int]:
+    """Stage of every compute node: the number of stage-starting blocks whose first node comes at
+    or before it (graph order is execution order, so no stage reads a later one)."""
     bounds = [first[b] for b in starts]
     return {n: sum(i >= b for b in bounds) for i, n in enumerate(nodes)}
 
@@ -288,7 +295,7 @@ def _describe(node: fx.Node, history: set[fx.Node], stage_of: dict[fx.Node, int]
         kind = "input"
     elif node in history:
         kind = "history"
-    elif getattr(node.target, "namespace", None) == "attnres":
+    elif is_attnres_op(node.target):
         kind = "stream"
     else:
         kind = "other"

@@ -30,8 +30,7 @@ def sidecars(model_path: Path, output: Path) -> list[tuple[Path, Path]]:
     folder = model_path.parent
     if not is_genai_folder(folder) or folder.resolve() == output.parent.resolve():
         return []
-    models = [p for p in folder.iterdir() if p.suffix == ".onnx" and p.is_file()]
-    data = {f.name for m in models for f in onnx_io.files_of(m)[1:]}
+    data = onnx_io.folder_data_names(folder)
     return [(p, output.parent / p.name) for p in sorted(folder.iterdir())
             if p.is_file() and not p.is_symlink() and p.suffix != ".onnx" and p.name not in data]
 

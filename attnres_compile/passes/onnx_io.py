@@ -406,13 +406,14 @@ def orphaned_weights(output: Path) -> list[Path]:
     if not output.is_file() or output.is_symlink():
         return []
     folder = output.parent.resolve()
-    mine = {p for p in files_of(output)[1:] if p.resolve().parent == folder and p.is_file() and not p.is_symlink()}
-    if not mine:
-        return []
-    for other in folder.iterdir():
-        if other.suffix == ".onnx" and other.name != output.name and other.is_file():
-            mine -= {folder / p.name for p in files_of(other)[1:]}
-    return sorted(folder / p.name for p in mine)
+    mine = {p.name for p in files_of(output)[1:] if p.resolve().parent == folder and p.is_file() and not p.is_symlink()}
+    return sorted(folder / name for name in mine - folder_data_names(folder, but=output.name)) if mine else []
+
+
+def folder_data_names(folder: Path, but: str | None = None) -> set[str]:
+    """The names of the external data files the ONNX models of `folder` (but the one named `but`) name."""
+    return {f.name for m in folder.iterdir() if m.suffix == ".onnx" and m.name != but and m.is_file()
+            for f in files_of(m)[1:]}
 
 
 def data_name(stage: outputs.Stage) -> str:

@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...errors import first_line
+from ...op import is_attnres_op
 from ...passes import verify
 from .importers import ImportedModel
 
@@ -66,7 +67,7 @@ def onnx_depth(path: Path) -> int:
 
 def program_depth(program: torch.export.ExportedProgram) -> int:
     """AttnRes sites of a program (a `.pt2` of ours); 0 for others, which get the flat bound."""
-    return sum(getattr(n.target, "namespace", None) == "attnres" for n in program.graph.nodes)
+    return sum(is_attnres_op(n.target) for n in program.graph.nodes)
 
 
 def check(model: Any, imported: ImportedModel, executable, device, input_shapes: dict | None,

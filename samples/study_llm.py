@@ -5,12 +5,13 @@ SmolLM2-135M-Instruct (samples/smollm2.py) is fine-tuned on real English (Python
 split by topic: every 10th topic in sorted order is held out; its first 16 sequences give the curves, its
 first 96 the final losses). Arms, every one from the same pretrained weights on the same batches of its seed:
 
-  continue     the original, fine-tuned the usual way (AdamW, one group)
-  block8       rewritten to Block AttnRes (N = 8, preserve: exact at the start), fine-tuned with the
-               recommended recipe (attnres_compile.training: queries apart, warm-up)
-  full         rewritten to Full AttnRes, the same recipe
-  block8-q1    Block N = 8 with the queries at the model's learning rate (after the same warm-up):
-               does letting the depth weights move faster help?
+  continue       the original, fine-tuned the usual way (AdamW, one group)
+  block8         rewritten to Block AttnRes (N = 8, preserve: exact at the start), the queries in their
+                 own group without weight decay at the model's learning rate, ramped from 0 over 20 steps
+                 (attnres_compile.training.param_groups(query_lr_scale=1) + query_warmup)
+  full           rewritten to Full AttnRes, the same
+  block8-recipe  Block N = 8 with the recommended recipe's query rate (0.01 x the model's: stable, and the
+                 depth weights barely move in a short fine-tune; docs/finetune.md)
 
 AdamW at a constant learning rate (no schedule besides the queries' warm-up), so `continue` run longer
 is the same run with more steps: it runs until the largest equal-compute point (its steps times the
@@ -40,11 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-ARMS = {  # name -> (variant, query_lr_scale); None: the original model
+ARMS = {  # name -> (variant, query_lr_scale); None: the original model / the recipe's default scale
     "continue": (None, None),
-    "block8": ("block", None),
-    "full": ("full", None),
-    "block8-q1": ("block", 1.0),
+    "block8": ("block", 1.0),
+    "full": ("full", 1.0),
+    "block8-recipe": ("block", None),
 }
 HELD_OUT_EVERY = 10  # every 10th topic (sorted by name) is held out
 EXTRA = 1.15  # `continue` runs this many times the steps, for equal-compute points
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/study_llm")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)

@@ -12,8 +12,8 @@ import numpy as np
 
 from samples.study_report import _atomic, compact_json, paired
 
-LABEL = {"continue": "original, fine-tuned", "block8": "-> Block N=8 (recipe)", "full": "-> Full (recipe)",
-         "block8-q1": "-> Block N=8 (queries at the model's LR)"}
+LABEL = {"continue": "original, fine-tuned", "block8": "-> Block N=8", "full": "-> Full",
+         "block8-recipe": "-> Block N=8, recipe's query LR"}
 
 
 def _seeds(runs: dict) -> list[str]:
@@ -86,8 +86,8 @@ def summary_markdown(results: dict, an: dict) -> str:
              f"(curves: the first {cfg['eval_rows']}).",
              f"- Fine-tuning: {cfg['steps']} steps of AdamW, constant LR {cfg['lr']:g}, weight decay "
              f"{cfg['weight_decay']:g}. Converted arms: rewritten with the preserve scale (exact at the start), "
-             "queries in their own group (`attnres_compile.training.param_groups`: 0.01 x LR, no decay; "
-             "`block8-q1`: 1 x LR) ramped from 0 over 20 steps (`query_warmup`).",
+             "queries in their own group without weight decay (`attnres_compile.training.param_groups`) at 1 x the LR "
+             "(`block8-recipe`: the recipe's 0.01 x), ramped from 0 over 20 steps (`query_warmup`).",
              f"- Seeds 0..{n - 1} (the batch order). Paired difference = arm minus the continued original, per seed; "
              f"95% paired t interval of the mean (n = {n}).",
              "- Equal compute: the continued original evaluated at the step where its CPU time equals the arm's "

@@ -27,21 +27,19 @@ The schedules, sends and backward passes stay torch's; only what a stage returns
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from .pipeline import StagePlan
-
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # torch places their stages in a V
 
 
-def seen_before(plan: StagePlan, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
-    """Per hop (stage h to h + 1), the names of the values it carries that the receiving stage's
-    rank already holds for the same micro-batch, so that a hop with the cache leaves them out.
+def seen_before(plan: Any, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
+    """Per hop of `plan` (a `StagePlan`; hop h goes from stage h to h + 1), the names of the values
+    it carries that the receiving stage's rank already holds for the same micro-batch, so that a
+    hop with the cache leaves them out.
 
     A value made by stage m (a model input: stage 0) is on the rank of every stage m … h that
     passes it on, so the receiver's rank holds it when it ran one of those stages. A hop between
@@ -80,7 +78,7 @@ def _check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
     return ranks
 
 
-def cache_layout(plan: StagePlan, stage_ranks: Sequence[int]) -> tuple[list[list[str]], list[dict[str, int]]]:
+def cache_layout(plan: Any, stage_ranks: Sequence[int]) -> tuple[list[list[str]], list[dict[str, int]]]:
     """Per stage, the values it reads from its rank's cache (in hop order), and the values it
     writes there with how many later stages on the rank read each: a value is written by the
     first stage on the receiving rank that held it, and read by every later stage on that rank

@@ -45,7 +45,7 @@ def seen_before(plan: Any, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
     passes it on, so the receiver's rank holds it when it ran one of those stages. A hop between
     two stages on one rank (ZBV's turn) leaves nothing out: torch hands it over in memory anyway.
     """
-    ranks = _check_ranks(stage_ranks, len(plan.stages))
+    ranks = check_ranks(stage_ranks, len(plan.stages))
     seen = []
     for hop in plan.hops:
         src, dst = ranks[hop.index], ranks[hop.index + 1]
@@ -70,7 +70,8 @@ def schedule_stage_ranks(schedule: Any, pp_size: int, num_stages: int) -> list[i
     return [mapping[s] for s in range(num_stages)]
 
 
-def _check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
+def check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
+    """`stage_ranks` as ints, or one line if it does not give a rank for each of `count` stages."""
     ranks = [int(r) for r in stage_ranks]
     if len(ranks) != count:
         raise ConfigError(f"stage_ranks has {len(ranks)} entries for {count} stages: give the rank of every stage "
@@ -83,7 +84,7 @@ def cache_layout(plan: Any, stage_ranks: Sequence[int]) -> tuple[list[list[str]]
     writes there with how many later stages on the rank read each: a value is written by the
     first stage on the receiving rank that held it, and read by every later stage on that rank
     whose hop left it out."""
-    ranks = _check_ranks(stage_ranks, len(plan.stages))
+    ranks = check_ranks(stage_ranks, len(plan.stages))
     reads: list[list[str]] = [[] for _ in ranks]
     writes: list[dict[str, int]] = [{} for _ in ranks]
     for hop, seen in zip(plan.hops, seen_before(plan, ranks)):

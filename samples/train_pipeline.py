@@ -82,7 +82,7 @@ def _schedule_class(schedule: str):
             "zbv": pp.ScheduleZBVZeroBubble}[schedule]
 
 
-def _counting_stage():
+def counting_stage():
     """PipelineStage that adds up the bytes of the forward sends it posts (what crosses the hop)."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -104,7 +104,7 @@ def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    stage_cls = _counting_stage()
+    stage_cls = counting_stage()
     gm, batches = setup(variant, steps)
     pp_size, pp_rank, dp_rank, group = world // dp, rank, 0, None
     if dp > 1:

@@ -68,7 +68,8 @@ class Hop:
 
     @property
     def sent_bytes(self) -> int:
-        """What it carries with the cache (the same without `stage_ranks`)."""
+        """What it carries with the cache (the same without `stage_ranks`, and on a hop between two
+        stages on one rank, which torch hands over in memory)."""
         return sum(v.bytes for v in self.values if not v.cached)
 
 
@@ -162,7 +163,7 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     )
     cache = None
     if stage_ranks is not None:
-        plan.stage_ranks = list(stage_ranks)
+        plan.stage_ranks = check_ranks(stage_ranks, count)
         for hop, seen in zip(plan.hops, seen_before(plan, plan.stage_ranks)):
             for v in hop.values:
                 v.cached = v.name in seen

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.distributed import split_stages, stage_cache
+from attnres_compile.distributed import schedule_stage_ranks, split_stages, stage_cache
 from attnres_compile.errors import ConfigError
 from samples import train_pipeline
 from samples.hf_models import gpt2_factory, llama_factory
@@ -74,6 +74,8 @@ def test_cached_stages_chained_are_the_model(monkeypatch):
         got = {n: p.grad for stage in stages for n, p in stage.named_parameters()}
         return out, max(((got[n] - w).abs().max() / w.abs().max()).item() for n, w in want.items())
 
+    assert schedule_stage_ranks("Interleaved1F1B", 2, 4) == [0, 1, 0, 1]  # torch's own placement
+    assert schedule_stage_ranks("ZBVZeroBubble", 2, 4) == [0, 1, 1, 0]
     for ranks, cached in (([0, 1, 0, 1], [[], ["add"], ["add", "add_3"]]), ([0, 1, 1, 0], [[], [], ["add"]])):
         stages, plan = split_stages(gm, (mb,), num_stages=4, stage_ranks=ranks)
         assert [[v.name for v in h.values if v.cached] for h in plan.hops] == cached

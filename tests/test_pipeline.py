@@ -3,7 +3,8 @@ plan counts what crosses each hop), then torch.distributed.pipelining's schedule
 
 Each schedule trains the stages on 2 processes and must give the one-process per-micro-batch
 losses and pseudo-query gradients (samples/train_pipeline.py); the forward bytes each stage posts
-to its sends must equal the plan's bytes for that hop.
+to its sends must equal the plan's bytes for that hop. With the rank-local cache (stage_ranks) the
+same, and a hop sends only what its receiving rank does not hold.
 """
 
 import pytest

@@ -12,8 +12,9 @@ from .checkpointing import SitePolicy, checkpoint_blocks
 from .dtensor import register_dtensor_rules
 from .offload import OffloadHistory
 from .pipeline import Carried, Hop, StagePlan, split_stages
+from .stage_cache import StageCache, schedule_stage_ranks, seen_before
 
-__all__ = ["Carried", "Hop", "OffloadHistory", "SitePolicy", "StagePlan", "block_names", "called_blocks",
-           "checkpoint_blocks", "register_dtensor_rules", "split_stages"]
+__all__ = ["Carried", "Hop", "OffloadHistory", "SitePolicy", "StageCache", "StagePlan", "block_names", "called_blocks",
+           "checkpoint_blocks", "register_dtensor_rules", "schedule_stage_ranks", "seen_before", "split_stages"]
 
 register_dtensor_rules()

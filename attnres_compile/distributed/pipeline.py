@@ -17,6 +17,8 @@ pipeline schedules do), so no symbolic size crosses a hop.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ConfigError, TraceError
 from ..op import is_attnres_op
 from ..pytree_warning import silenced
+from .stage_cache import StageCache, cache_layout, check_ranks, seen_before
 
 aten = torch.ops.aten
 MAX_CARRIED = 24  # history tensors one hop may carry before the split is refused (Full past this: use Block)
@@ -36,15 +39,19 @@ MAX_CARRIED = 24  # history tensors one hop may carry before the split is refuse
 class Carried:
     """One value crossing a hop: `kind` is "history" (a source of a site: a block sum, or a sublayer
     output in Full), "stream" (a site's output: the hidden state the next sublayer reads), "input"
-    (a model input) or "other" (masks, rotary tables); `relayed` when the stage before the hop only
-    passes it on."""
+    (a model input) or "other" (masks, rotary tables); `made`: the stage that made it (0 for an
+    input); `relayed` when the stage before the hop only passes it on; `cached` when the plan has
+    `stage_ranks` and the receiving stage reads it from its rank's cache instead (see
+    `stage_cache.seen_before`)."""
 
     name: str
     kind: str
     shape: tuple[int, ...]
     dtype: str
     bytes: int
+    made: int
     relayed: bool
+    cached: bool = False
 
 
 @dataclass
@@ -56,7 +63,14 @@ class Hop:
 
     @property
     def bytes(self) -> int:
+        """What the hop carries without the cache."""
         return sum(v.bytes for v in self.values)
+
+    @property
+    def sent_bytes(self) -> int:
+        """What it carries with the cache (the same without `stage_ranks`, and on a hop between two
+        stages on one rank, which torch hands over in memory)."""
+        return sum(v.bytes for v in self.values if not v.cached)
 
 
 @dataclass
@@ -67,30 +81,47 @@ class StagePlan:
     hops: list[Hop]
     inputs: list[str]
     tokens: int | None  # tokens per micro-batch (elements of the first integer input), None if none
+    stage_ranks: list[int] | None = None  # the rank of each stage, when the stages use the rank-local cache
     notes: list[str] = field(default_factory=list)
 
-    def bytes_per_token(self, hop: int) -> float | None:
-        return self.hops[hop].bytes / self.tokens if self.tokens else None
+    def bytes_per_token(self, hop: int, cached: bool = False) -> float | None:
+        """Bytes per token hop `hop` carries, without the cache or (`cached`) with it."""
+        h = self.hops[hop]
+        return (h.sent_bytes if cached else h.bytes) / self.tokens if self.tokens else None
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for hop, d in zip(self.hops, out["hops"]):
             d["bytes"], d["bytes_per_token"] = hop.bytes, self.bytes_per_token(hop.index)
+            d["sent_bytes"], d["sent_bytes_per_token"] = hop.sent_bytes, self.bytes_per_token(hop.index, cached=True)
         return out
 
     def table(self) -> str:
-        """One line per hop: values by kind, bytes per micro-batch and per token."""
-        lines = [f"{'hop':>5} {'history':>8} {'stream':>7} {'other':>6} {'bytes':>10} {'B/token':>9}"]
+        """One line per hop: values by kind, bytes per micro-batch and per token; with `stage_ranks`,
+        also the ranks of the hop, the values its receiver reads from its rank's cache, and what
+        the hop then carries ("local": the two stages share a rank and torch sends nothing)."""
+        cache = self.stage_ranks is not None
+        head = f"{'hop':>5} {'history':>8} {'stream':>7} {'other':>6} {'bytes':>10} {'B/token':>9}"
+        lines = [head + (f" {'ranks':>6} {'cached':>7} {'sent bytes':>11} {'B/token':>9}" if cache else "")]
         for hop in self.hops:
             kinds = [sum(v.kind == k for v in hop.values) for k in ("history", "stream")]
-            per = self.bytes_per_token(hop.index)
-            lines.append(f"{hop.index}->{hop.index + 1:<2} {kinds[0]:>8} {kinds[1]:>7} {len(hop.values) - sum(kinds):>6} "
-                         f"{hop.bytes:>10} {per if per is None else round(per):>9}")
+            line = (f"{hop.index}->{hop.index + 1:<2} {kinds[0]:>8} {kinds[1]:>7} {len(hop.values) - sum(kinds):>6} "
+                    f"{hop.bytes:>10} {_rounded(self.bytes_per_token(hop.index)):>9}")
+            if cache:
+                src, dst = self.stage_ranks[hop.index], self.stage_ranks[hop.index + 1]
+                sent = ("local", "-") if src == dst else (hop.sent_bytes, _rounded(self.bytes_per_token(hop.index, True)))
+                line += f" {f'{src}->{dst}':>6} {sum(v.cached for v in hop.values):>7} {sent[0]:>11} {sent[1]:>9}"
+            lines.append(line)
         return "\n".join(lines)
 
 
+def _rounded(x: float | None) -> int | None:
+    return x if x is None else round(x)
+
+
 def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = None, num_stages: int | None = None,
-                 cuts: list[str] | None = None, max_carried: int = MAX_CARRIED) -> tuple[list[fx.GraphModule], StagePlan]:
+                 cuts: list[str] | None = None, max_carried: int = MAX_CARRIED,
+                 stage_ranks: Sequence[int] | None = None) -> tuple[list[fx.GraphModule], StagePlan]:
     """Stage modules of `gm` (a rewritten GraphModule) and their plan.
 
     `example_inputs`/`kwargs`: one micro-batch (the stages are built at its shapes). Give
@@ -100,7 +131,16 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     alone, else a tuple); every other stage returns what its hop carries. Non-tensor inputs are
     fixed at the example's values. Parameters keep their
     names in the stage that uses them; one used by two stages (tied weights) is refused.
+
+    `stage_ranks` (the rank of each stage, e.g. `schedule_stage_ranks(ScheduleInterleaved1F1B,
+    world, P)`): a hop into a stage whose rank already holds some of its values for this
+    micro-batch leaves them out, and the stage reads them from its rank's `StageCache`
+    (`module.stage_cache`; see `stage_cache.py`); `plan.hops[h].sent_bytes` is what the hop then
+    carries. Stages on one rank must share the process (one cache per rank value; a deep copy
+    of a stage gets its own copy of the cache).
     """
+    if stage_ranks is not None and num_stages is not None:
+        check_ranks(stage_ranks, num_stages)  # before the export, which takes a while
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     static = _static(gm, args, dict(kwargs or {}))
     graph = static.graph
@@ -115,7 +155,6 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     history = {s for n in nodes if is_attnres_op(n.target) for s in n.args[0]}
     _refuse_long_history(carried, history, max_carried)
     placeholders = _tensor_inputs(graph)
-    stages = [_stage_module(static, graph, placeholders, stage_of, carried, s, count) for s in range(count)]
     plan = StagePlan(
         stages=[[b for b in blocks if stage_of[nodes[first[b]]] == s] for s in range(count)],
         hops=[Hop(h, [_describe(v, history, stage_of, h) for v in carried[h]]) for h in range(count - 1)],
@@ -123,6 +162,18 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
         tokens=next((v.numel() for v in (p.meta.get("val") for p in placeholders)
                      if isinstance(v, torch.Tensor) and not v.dtype.is_floating_point), None),
     )
+    cache = None
+    if stage_ranks is not None:
+        plan.stage_ranks = check_ranks(stage_ranks, count)
+        for hop, seen in zip(plan.hops, seen_before(plan, plan.stage_ranks)):
+            for v in hop.values:
+                v.cached = v.name in seen
+        reads, writes = cache_layout(plan, plan.stage_ranks)
+        caches = {r: StageCache(r) for r in plan.stage_ranks}
+        cache = [(caches[r], reads[s], writes[s]) for s, r in enumerate(plan.stage_ranks)]
+    sent = [[v for v, c in zip(carried[h], plan.hops[h].values) if not c.cached] for h in range(count - 1)]
+    stages = [_stage_module(static, graph, placeholders, stage_of, carried, sent, s, count, cache and cache[s])
+              for s in range(count)]
     return stages, plan
 
 
@@ -248,14 +299,23 @@ def _refuse_long_history(carried: list[list[fx.Node]], history: set[fx.Node], li
 
 
 def _stage_module(gm: fx.GraphModule, graph: fx.Graph, model_inputs: list[fx.Node], stage_of: dict[fx.Node, int],
-                  carried: list[list[fx.Node]], s: int, count: int) -> fx.GraphModule:
-    """Stage `s` as a GraphModule: placeholders for what hop s-1 carries (stage 0: the model's
-    inputs), its own nodes, outputs for what hop s carries (last stage: the model's outputs)."""
+                  carried: list[list[fx.Node]], sent: list[list[fx.Node]], s: int, count: int,
+                  cache: tuple[StageCache, list[str], dict[str, int]] | None) -> fx.GraphModule:
+    """Stage `s` as a GraphModule: placeholders for what hop s-1 sends (stage 0: the model's
+    inputs), its own nodes, outputs for what hop s sends (last stage: the model's outputs). With
+    a `cache` (this rank's, the names this stage reads from it and writes to it), the values hop
+    s-1 left out come from `cache.read`, and those later stages on the rank read go to `cache.write`."""
     new, env = fx.Graph(), {}
-    inputs = model_inputs if s == 0 else carried[s - 1]
+    inputs = model_inputs if s == 0 else sent[s - 1]
     for node in inputs:
         env[node] = new.placeholder(node.name)
         env[node].meta.update(node.meta)
+    if cache and cache[1]:
+        by_name = {n.name: n for n in carried[s - 1]}
+        read = new.call_function(cache[0].read, (s, tuple(cache[1]), tuple(env[n] for n in inputs)))
+        for i, name in enumerate(cache[1]):
+            env[by_name[name]] = new.call_function(operator.getitem, (read, i))
+            env[by_name[name]].meta.update(by_name[name].meta)
     mine = [n for n in graph.nodes if stage_of.get(n) == s]
     for attr in dict.fromkeys(a for n in mine for a in n.all_input_nodes if a.op == "get_attr"):
         env[attr] = new.node_copy(attr)
@@ -266,9 +326,17 @@ def _stage_module(gm: fx.GraphModule, graph: fx.Graph, model_inputs: list[fx.Nod
         outs = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
         new.output(outs[0] if len(outs) == 1 else tuple(outs))
     else:
-        new.output(tuple(_fresh(new, env[v], mine_made=v in mine) for v in carried[s]))
+        outs = tuple(_fresh(new, env[v], mine_made=v in mine) for v in sent[s])
+        if cache and cache[2]:
+            by_name = {n.name: n for n in carried[s]}
+            written = tuple(env[by_name[name]] for name in cache[2])
+            wrote = new.call_function(cache[0].write, (s, tuple(cache[2]), tuple(cache[2].values()), outs, written))
+            outs = tuple(new.call_function(operator.getitem, (wrote, i)) for i in range(len(outs)))
+        new.output(outs)
     module = fx.GraphModule(gm, new, class_name=f"Stage{s}")
     module.graph.lint()
+    if cache:
+        module.stage_cache = cache[0]
     return module
 
 
@@ -299,5 +367,6 @@ def _describe(node: fx.Node, history: set[fx.Node], stage_of: dict[fx.Node, int]
         kind = "stream"
     else:
         kind = "other"
+    made = stage_of.get(node, 0)
     return Carried(node.name, kind, shape, str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "",
-                   size, stage_of.get(node, 0) < hop)
+                   size, made, made < hop)

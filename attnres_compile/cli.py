@@ -323,7 +323,7 @@ def _rewrite_pt2(args, out: Path):
         ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
                                          result.report.data["notes"])
         with outputs.staged(out) as stage:
-            pt2.save(ep, stage.path)
+            pt2.save(ep, stage.path, module.constants if isinstance(module, pt2.WithConstants) else None)
     return result.report, stage.written
 
 

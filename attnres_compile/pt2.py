@@ -41,7 +41,8 @@ from . import op as _op  # noqa: F401  (registers torch.ops.attnres before a pro
 from .errors import AttnResError, ConfigError, InputError, UnsafeArchiveError, first_line
 from .file_kind import describe
 
-META = "attnres.json"          # extra/attnres.json: {"format", "version", "outputs": [names], "constants": {name: value}}
+META = "attnres.json"          # extra/attnres.json: {"format", "version", "outputs": [names], "constants": {name: value},
+                               # decoders also "attnres.generation": {"eos_token_id": [ids], "pad_token_id"}
 FORMAT = "attnres-compile.pt2"
 MAX_JSON_BYTES = 256 << 20     # model.json and configs: a program of many thousand nodes is a few MiB
 MAX_EXPR_CHARS = 4096
@@ -135,18 +136,20 @@ def _plain_spec(spec: pytree.TreeSpec) -> bool:
     return spec.is_leaf() or spec.type in (tuple, list, dict) and all(_plain_spec(c) for c in spec.children())
 
 
-def to_bytes(program: torch.export.ExportedProgram, constants: dict | None = None) -> tuple[bytes, list[str]]:
+def to_bytes(program: torch.export.ExportedProgram, constants: dict | None = None,
+             extra: dict | None = None) -> tuple[bytes, list[str]]:
     """The .pt2 archive of `program` with flat outputs, built in memory (its folder is `archive/`)
     and read back with `load` before it is returned; and the output names. `constants`: the
     non-tensor keyword inputs bound into it (`bind_constants`), recorded so that `Loaded.module()`
-    accepts them again at their traced values."""
+    accepts them again at their traced values. `extra`: more metadata (a decoder's end-of-sequence
+    ids for `generate`), read back as `Loaded.meta`."""
     in_spec = program.module_call_graph[0].signature.in_spec
     if not _plain_spec(in_spec):
         raise InputError(f"the model's inputs are not tensors in tuples and dicts ({in_spec}); a .pt2 of it would "
                          "not load without the input classes: export to .onnx instead")
     names = flatten_outputs(program)
     buffer = io.BytesIO()
-    meta = {"format": FORMAT, "version": 1, "outputs": names, "constants": _jsonable(constants or {})}
+    meta = {**(extra or {}), "format": FORMAT, "version": 1, "outputs": names, "constants": _jsonable(constants or {})}
     torch.export.save(program, buffer, extra_files={META: json.dumps(meta)})
     data = buffer.getvalue()
     try:
@@ -157,12 +160,13 @@ def to_bytes(program: torch.export.ExportedProgram, constants: dict | None = Non
     return data, names
 
 
-def save(program: torch.export.ExportedProgram, path: str | os.PathLike, constants: dict | None = None) -> list[str]:
+def save(program: torch.export.ExportedProgram, path: str | os.PathLike, constants: dict | None = None,
+         extra: dict | None = None) -> list[str]:
     """Write `program` (flattened first) to `path`, normally a staged file (outputs.py commits
     it); a full disk raises OutputWriteError. Returns the output names."""
     from .outputs import write_bytes
 
-    data, names = to_bytes(program, constants)
+    data, names = to_bytes(program, constants, extra)
     write_bytes(Path(path), data)
     return names
 

@@ -87,7 +87,8 @@ def generate_command(args) -> int:
 def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, eos: list[int], pad: int | None) -> int:
     """Print the new tokens (one row per line) and the timings, or all of it as JSON."""
     data = {"runtime": runtime, "prompt_tokens": rows, "new_tokens": result.new_tokens,
-            "new_token_counts": [len(r) for r in result.new_tokens], "tokens": result.tokens.tolist(),
+            "new_token_counts": [len(r) for r in result.new_tokens], "stopped": result.stopped,
+            "tokens": result.tokens.tolist(),
             "eos_token_ids": eos, "pad_token_id": pad, "warmup_s": warmup_s, "prefill_s": result.prefill_s,
             "prefill_tokens": result.prompt_length, "decode_s": result.decode_s, "decode_steps": result.decode_steps,
             "decode_tokens_per_s": result.decode_tokens_per_s}
@@ -96,7 +97,7 @@ def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, 
         return 0
     for row in result.new_tokens:
         print(",".join(map(str, row)))
-    stopped = sum(bool(r) and r[-1] in eos for r in result.new_tokens)
+    stopped = sum(result.stopped)
     print(f"{runtime}: {result.decode_steps + 1} steps x {len(rows)} rows"
           + (f" ({stopped} stopped at end-of-sequence)" if stopped else "")
           + f"; warm-up {warmup_s:.1f} s, prefill {result.prefill_s * 1e3:.1f} ms ({result.prompt_length} tokens), "
@@ -138,6 +139,11 @@ def open_model(args, batch: int):
     if path.is_dir():
         return _tvm(path, batch)
     if path.suffix.lower() == ".onnx":
+        from .backends.genai import GENAI_CONFIG
+
+        if (path.parent / GENAI_CONFIG).is_file():  # GroupQueryAttention's inputs are og.Generator's business
+            raise InputError(f"{path} is the decoder of an onnxruntime-genai folder: generate with the folder, "
+                             f"`attnres-compile generate {path.parent}` (og.Generator runs it)")
         return _onnxruntime(path, batch)
     if path.suffix.lower() == ".pt2":
         return _pt2(path, batch)

@@ -26,11 +26,13 @@ Step = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 class Generated:
     """`tokens` [batch, prompt_length + steps]: the (left-padded) prompt and what followed, finished
     rows padded, HF generate()'s layout; `new_tokens`: each row's generated ids, through its
-    end-of-sequence id where it stopped; wall seconds of the prefill step and of all decode steps."""
+    end-of-sequence id where it stopped (`stopped`); wall seconds of the prefill step and of all
+    decode steps."""
 
     tokens: np.ndarray
     prompt_length: int
     new_tokens: list[list[int]]
+    stopped: list[bool]
     prefill_s: float
     decode_s: float
 
@@ -127,4 +129,4 @@ def greedy(step: Step, prompt: np.ndarray, empty_past: dict[str, np.ndarray], ma
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         out = step(_decode_feeds(token, mask, out))
     decode = time.perf_counter() - start
-    return Generated(np.concatenate(tokens, axis=1), length, new, prefill, decode)
+    return Generated(np.concatenate(tokens, axis=1), length, new, done.tolist(), prefill, decode)

@@ -8,7 +8,10 @@ be a second, guessed implementation of genai's; og.Generator gives the tokens us
 
 og.Generator takes a batch of prompts of different lengths right-padded with genai_config's
 pad_token_id (its GroupQueryAttention reads each row's length from the trailing pad ids; left
-padding changes the tokens of the shorter rows), stops a row at eos_token_id and pads it after.
+padding changes the tokens of the shorter rows). It stops a row at eos_token_id without keeping
+that id in the row's sequence (a finished row of a batch is padded from there), so a genai row's
+`new_tokens` end before the end-of-sequence id where HF generate() and our loop keep it;
+`stopped` says which rows stopped.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
     except Exception as exc:  # noqa: BLE001 - genai's own refusal (config, files, providers)
         raise InputError(f"{folder}: onnxruntime-genai cannot load it ({first_line(exc)})") from None
 
-    def run(new: int) -> tuple[np.ndarray, float, float]:
+    def run(new: int) -> tuple[np.ndarray, list[int], float, float]:
         params = og.GeneratorParams(model)
         options = {"max_length": width + new, "do_sample": False, "batch_size": len(rows)}
         params.set_search_options(**options, **({"min_length": width + new} if ignore_eos else {}))
@@ -73,19 +76,21 @@ def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
         tokens = np.full((len(rows), max(len(s) for s in sequences)), pad, dtype=np.int64)
         for i, sequence in enumerate(sequences):
             tokens[i, :len(sequence)] = sequence
-        return tokens, prefill, decode
+        return tokens, [len(s) for s in sequences], prefill, decode
 
     try:
         with progress.stage("warming up og.Generator"):
             start = time.perf_counter()
             run(1)
             warmup = time.perf_counter() - start
-        tokens, prefill, decode = run(max_new_tokens)
+        tokens, lengths, prefill, decode = run(max_new_tokens)
     except Exception as exc:  # noqa: BLE001 - genai's own failure, in one line
         raise InputError(f"{folder}: og.Generator failed ({first_line(exc)})") from None
     eos = [] if ignore_eos else found["eos_token_id"]
-    new = []
-    for row in tokens[:, width:].tolist():
-        stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
-        new.append(row[:stop + 1])
-    return Generated(tokens, width, new, prefill, decode), warmup, eos, found["pad_token_id"]
+    new, stopped = [], []
+    for length, row in zip(lengths, tokens[:, width:].tolist()):
+        row = row[:length - width]
+        cut = next((i for i, t in enumerate(row) if t in eos), None)  # a finished row of a batch: padded from there
+        new.append(row if cut is None else row[:cut])
+        stopped.append(cut is not None or length < width + max_new_tokens)
+    return Generated(tokens, width, new, stopped, prefill, decode), warmup, eos, found["pad_token_id"]

@@ -90,7 +90,7 @@ def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, 
             "new_token_counts": [len(r) for r in result.new_tokens], "stopped": result.stopped,
             "tokens": result.tokens.tolist(),
             "eos_token_ids": eos, "pad_token_id": pad, "warmup_s": warmup_s, "prefill_s": result.prefill_s,
-            "prefill_tokens": result.prompt_length, "decode_s": result.decode_s, "decode_steps": result.decode_steps,
+            "prompt_length": result.prompt_length, "decode_s": result.decode_s, "decode_steps": result.decode_steps,
             "decode_tokens_per_s": result.decode_tokens_per_s}
     if args.json:
         print(json.dumps(data))

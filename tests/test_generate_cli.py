@@ -69,7 +69,7 @@ def test_generate_gives_the_original_tokens_on_every_runtime(files, model):
     expected = _expected(24)
     assert data["tokens"] == expected and data["prompt_tokens"] == ROWS
     assert data["new_tokens"] == [row[5:] for row in expected] and data["new_token_counts"] == [24, 24]
-    assert data["prefill_tokens"] == 5 and data["decode_steps"] == 23 and data["decode_tokens_per_s"] > 0
+    assert data["prompt_length"] == 5 and data["decode_steps"] == 23 and data["decode_tokens_per_s"] > 0
     assert data["eos_token_ids"] == [] and data["pad_token_id"] == 0  # the factory's, recorded in the file
     assert data["warmup_s"] > 0 and data["prefill_s"] > 0
 
@@ -109,6 +109,7 @@ def test_warm_up_is_a_stage_of_its_own_on_a_terminal(files):
     (["generate", "{onnx}", "--prompt-ids", "1", "--eos-id", "2", "--ignore-eos"], "contradict each other"),
     (["generate", "{onnx}", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["generate", "{plain}", "--prompt-ids", "1,2"], "takes no past_key_values"),
+    (["generate", "{genai}", "--prompt-ids", "1,2"], "onnxruntime-genai cannot load it"),
     (["rewrite", "{onnx}", "-o", "{out}", "--with-past"], "--with-past applies to package.module:factory"),
     (["rewrite", FACTORY, "-o", "{out}", "--with-past", "--dynamic", "batch"], "drop --dynamic"),
 ])
@@ -116,7 +117,9 @@ def test_mistakes_get_one_line(files, tmp_path, argv, message):
     plain = tmp_path / "plain.onnx"
     if "{plain}" in argv:  # a model with no past inputs
         torch.onnx.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), str(plain), dynamo=False, input_names=["input_ids"])
-    values = {"onnx": files / "m.onnx", "plain": plain, "out": tmp_path / "out.onnx"}
+    (tmp_path / "genai").mkdir()
+    (tmp_path / "genai" / "genai_config.json").write_text("{}")  # a folder og.Model refuses
+    values = {"onnx": files / "m.onnx", "plain": plain, "out": tmp_path / "out.onnx", "genai": tmp_path / "genai"}
     run = run_cli([a.format(**values) for a in argv], cwd=ROOT, timeout=120)
     assert run.code != 0 and len(run.lines) == 1 and run.lines[0].startswith("attnres-compile: error: "), run.stderr
     assert message in run.lines[0]

@@ -128,11 +128,13 @@ def test_eos_stops_rows_and_pads_them():
 def test_warm_up_builds_the_kernels_and_the_timed_run_builds_none(tmp_path, monkeypatch):
     """`generate` on a cold kernel cache timed the fused kernels' builds as the prefill (SmolLM2:
     "prefill 76679.4 ms ... decode 0.1 tokens/s"). The warm-up's prefill and decode step (at the
-    prompt's shapes) build every kernel the run needs; the timed run builds none."""
+    prompt's shapes) build every kernel the run needs; the timed run builds none. The run is a
+    left-padded batch on GPT-2, whose learned absolute positions must count from each row's first
+    token (on Llama's rotary positions a shift changes nothing) to give HF generate()'s tokens."""
     from attnres_compile import op as op_module
     from attnres_compile.kernels import cache, schedule
 
-    model, example = DECODERS["llama"]()
+    model, example = DECODERS["gpt2"]()
     result = ac.rewrite(model, example, BLOCK2, with_past=True, verify_outputs=False)
     monkeypatch.setenv("ATTNRES_KERNEL_CACHE", str(tmp_path / "kernels"))  # cold: an empty folder, nothing in memory
     monkeypatch.setattr(cache, "_MEMORY", {})

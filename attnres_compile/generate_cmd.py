@@ -21,7 +21,6 @@ from . import progress
 from .errors import ConfigError, InputError, first_line
 
 
-
 def add_command(subparsers) -> None:
     """Register `generate` on the main parser's subparsers."""
     gen = subparsers.add_parser("generate", help="greedy text generation with a KV cache (decoder-with-past models)")
@@ -71,7 +70,7 @@ def generate_command(args) -> int:
         return _report(args, rows, "onnxruntime-genai (og.Generator)", result, warmup, eos, pad)
     step, empty_past, runtime, ids = open_model(args, len(rows))
     eos, pad = _stop_ids(args, ids)
-    prompt, mask = left_pad(rows, pad if pad is not None else (eos or [0])[0])
+    prompt, mask = left_pad(rows, pad)
     try:
         with progress.stage(f"warming up {runtime} (first calls: kernel builds on a cold cache, memory)"):
             warmup = warm_up(step, prompt, empty_past, mask)
@@ -84,7 +83,7 @@ def generate_command(args) -> int:
     return _report(args, rows, runtime, result, warmup, eos, pad)
 
 
-def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, eos: list[int], pad: int | None) -> int:
+def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, eos: list[int], pad: int) -> int:
     """Print the new tokens (one row per line) and the timings, or all of it as JSON."""
     data = {"runtime": runtime, "prompt_tokens": rows, "new_tokens": result.new_tokens,
             "new_token_counts": [len(r) for r in result.new_tokens], "stopped": result.stopped,
@@ -105,12 +104,13 @@ def _report(args, rows: list[list[int]], runtime: str, result, warmup_s: float, 
     return 0
 
 
-def _stop_ids(args, ids: dict | None) -> tuple[list[int], int | None]:
-    """(end-of-sequence ids, pad id): --eos-id, else the model's own (none with --ignore-eos)."""
+def _stop_ids(args, ids: dict | None) -> tuple[list[int], int]:
+    """(end-of-sequence ids, pad id): --eos-id, else the model's own (none with --ignore-eos); the
+    model's pad id, else its first end-of-sequence id (as HF generate() pads), else 0."""
     ids = ids or {"eos_token_id": [], "pad_token_id": None}
-    if args.ignore_eos:
-        return [], ids["pad_token_id"]
-    return list(args.eos_id or ids["eos_token_id"]), ids["pad_token_id"]
+    eos = list(args.eos_id or ids["eos_token_id"])
+    pad = ids["pad_token_id"] if ids["pad_token_id"] is not None else (eos or [0])[0]
+    return ([] if args.ignore_eos else eos), pad
 
 
 def _ids_of_file(path: Path, recorded) -> dict | None:

@@ -41,8 +41,8 @@ def ids(folder: Path) -> dict:
 
 
 def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
-             ignore_eos: bool = False) -> tuple[Generated, float, list[int], int | None]:
-    """(Generated, warm-up seconds, eos ids, pad id): greedy tokens of og.Generator after each row.
+             ignore_eos: bool = False) -> tuple[Generated, float, list[int], int]:
+    """(Generated, warm-up seconds, eos ids, the pad id used): greedy tokens of og.Generator after each row.
 
     `tokens` is og's layout (each prompt right-padded, then the new tokens); the warm-up is one
     untimed generator of one new token (og.Model's sessions allocate on their first run).
@@ -93,4 +93,4 @@ def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
         cut = next((i for i, t in enumerate(row) if t in eos), None)  # a finished row of a batch: padded from there
         new.append(row if cut is None else row[:cut])
         stopped.append(cut is not None or length < width + max_new_tokens)
-    return Generated(tokens, width, new, stopped, prefill, decode), warmup, eos, found["pad_token_id"]
+    return Generated(tokens, width, new, stopped, prefill, decode), warmup, eos, pad

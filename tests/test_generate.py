@@ -132,13 +132,13 @@ def test_warm_up_builds_the_kernels_and_the_timed_run_builds_none(tmp_path, monk
     left-padded batch on GPT-2, whose learned absolute positions must count from each row's first
     token (on Llama's rotary positions a shift changes nothing) to give HF generate()'s tokens."""
     from attnres_compile import op as op_module
-    from attnres_compile.kernels import cache, schedule
+    from attnres_compile.kernels import cache, fused, schedule
 
     model, example = DECODERS["gpt2"]()
     result = ac.rewrite(model, example, BLOCK2, with_past=True, verify_outputs=False)
     monkeypatch.setenv("ATTNRES_KERNEL_CACHE", str(tmp_path / "kernels"))  # cold: an empty folder, nothing in memory
-    monkeypatch.setattr(cache, "_MEMORY", {})
-    monkeypatch.setattr(cache, "_FOLDERS", {})
+    for module, table in ((cache, "_MEMORY"), (cache, "_FOLDERS"), (fused, "_KERNELS")):
+        monkeypatch.setattr(module, table, {})
     builds, build = [], schedule.build
     monkeypatch.setattr(schedule, "build", lambda *args: builds.append(args) or build(*args))
     previous = op_module.set_kernel("tvm")

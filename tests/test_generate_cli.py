@@ -74,22 +74,31 @@ def test_generate_gives_the_original_tokens_on_every_runtime(files, model):
     assert data["warmup_s"] > 0 and data["prefill_s"] > 0
 
 
-def test_a_row_stops_at_the_end_of_sequence_id_beside_the_file(files, tmp_path):
-    """An ONNX file without our metadata (as optimum writes it) in a folder with generation_config.json:
-    row 0 stops at one of its new tokens as HF generate() stops it, the other row runs on and the
-    finished row is padded; --ignore-eos runs every row to --max-new-tokens."""
+@pytest.mark.parametrize("source", ["metadata", "beside"])
+def test_a_row_stops_at_the_models_end_of_sequence_id(files, tmp_path, source):
+    """The end-of-sequence id as `rewrite --with-past` records it (ONNX metadata), or, in a file without
+    our metadata (as optimum writes it), from generation_config.json beside it: row 0 stops at one of
+    its new tokens as HF generate() stops it, the other row runs on and the finished row is padded;
+    --ignore-eos runs every row to --max-new-tokens."""
     free = _expected(12)
     stop = next(k for k in range(1, 12) if free[0][5 + k] not in free[0][5:5 + k] + free[1][5:])
     eos = free[0][5 + stop]  # only row 0 stops, at its new token `stop`
     model = onnx.load(str(files / "m.onnx"))
-    del model.metadata_props[:]
+    ids = json.dumps({"eos_token_id": [eos], "pad_token_id": 0})
+    recorded = {p.key: p for p in model.metadata_props}["attnres.generation"]
+    assert json.loads(recorded.value) == {"eos_token_id": [], "pad_token_id": 0}  # the factory's, as rewrite wrote it
+    if source == "metadata":
+        recorded.value = ids
+    else:
+        model.metadata_props.remove(recorded)
+        (tmp_path / "generation_config.json").write_text(ids)
     onnx.save(model, str(tmp_path / "model.onnx"))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos], "pad_token_id": 0}))
     run = run_cli(["generate", tmp_path / "model.onnx", *PROMPT, "--max-new-tokens", "12", "--json"], cwd=ROOT)
     assert run.code == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["tokens"] == _expected(12, eos_token_id=eos) and data["eos_token_ids"] == [eos]
     assert data["new_tokens"] == [free[0][5:6 + stop], free[1][5:]] and data["new_token_counts"] == [stop + 1, 12]
+    assert data["stopped"] == [True, False]
     run = run_cli(["generate", tmp_path / "model.onnx", *PROMPT, "--max-new-tokens", "12", "--ignore-eos", "--json"],
                   cwd=ROOT)
     assert run.code == 0 and json.loads(run.stdout)["tokens"] == free, run.stderr

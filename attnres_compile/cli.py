@@ -323,7 +323,7 @@ def _rewrite_pt2(args, out: Path):
         ep = dynamic_dims.export_program(module, ex_args, tensor_kwargs, spec, f"dynamic {dims.text}",
                                          result.report.data["notes"])
         with outputs.staged(out) as stage:
-            pt2.save(ep, stage.path)
+            pt2.save(ep, stage.path, module.constants if isinstance(module, pt2.WithConstants) else None)
     return result.report, stage.written
 
 
@@ -331,6 +331,7 @@ def _rewrite_pt2_with_past(model, example, config, args, out: Path):
     """The decoder with its KV cache as a .pt2 (decoder.py): the past as separate tensor inputs."""
     from . import pt2
     from .api import _with_past, rewrite
+    from .decoder import GENERATION, generation_ids
     from .passes import dynamic_dims
 
     wrapper, ex_args, spec = _with_past(model, example, None, None)
@@ -340,7 +341,7 @@ def _rewrite_pt2_with_past(model, example, config, args, out: Path):
                                          "dynamic batch, sequence and past length", result.report.data["notes"])
         pt2.drop_guards(ep)
         with outputs.staged(out) as stage:
-            pt2.save(ep, stage.path)
+            pt2.save(ep, stage.path, extra={GENERATION: generation_ids(model)})
     return result.report, stage.written
 
 

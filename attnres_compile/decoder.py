@@ -12,6 +12,7 @@ optimum names it, TVM) runs the same signature. Names follow optimum's decoder-w
 from __future__ import annotations
 
 import inspect as pyinspect
+import json
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ INPUTS = ("input_ids", "attention_mask", "position_ids")
 PAST, PRESENT = "past_key_values.{}.{}", "present.{}.{}"
 DIMS = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
         "total": "past_sequence_length + sequence_length"}
+GENERATION = "attnres.generation"  # ONNX metadata / .pt2 extra / TVM manifest key: generation_ids' result
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,32 @@ def flat_input_names(inputs: list[str], outputs: list[str]) -> list[str]:
     if list(outputs) == names.output_names() and list(inputs[:3]) == list(INPUTS) and len(inputs) == 3 + 2 * layers:
         return names.input_names()
     return list(inputs)
+
+
+def generation_ids(model: nn.Module) -> dict:
+    """{"eos_token_id": [ids], "pad_token_id": id or None}: what HF generate() stops a row at and pads
+    finished rows with, from the model's generation_config (its config where it has none)."""
+    source = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    return token_ids(vars(source) if source is not None else {}) or {"eos_token_id": [], "pad_token_id": None}
+
+
+def token_ids(data) -> dict | None:
+    """`data`'s eos_token_id (an id or a list of ids) and pad_token_id, as generation_ids gives them;
+    `data` is a dict or its JSON text (ONNX metadata). None where it names neither or holds something
+    else (a file's word is checked, not trusted)."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(data, dict) or not ({"eos_token_id", "pad_token_id"} & set(data)):
+        return None
+    eos, pad = data.get("eos_token_id"), data.get("pad_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    ok = isinstance(eos, list) and all(type(i) is int and i >= 0 for i in eos)
+    if not ok or not (pad is None or type(pad) is int and pad >= 0):
+        return None
+    return {"eos_token_id": eos, "pad_token_id": pad}
 
 
 def _cache_param(model: nn.Module) -> str:

@@ -6,6 +6,7 @@ verification runs original and rewritten in onnxruntime on the same generated in
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -220,9 +221,12 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
         with progress.stage("exporting to ONNX"):
             proto = export_or_static(result.graph_module, args or (), kwargs, spec, what, notes)
         if with_past:
+            from . import decoder
             from .passes import onnx_decoder_names
 
             onnx_decoder_names.name(proto, model.geometry.input_names(), model.geometry.output_names())
+            entry = proto.metadata_props.add()  # what `generate` stops a row at
+            entry.key, entry.value = decoder.GENERATION, json.dumps(decoder.generation_ids(model.wraps))
         onnx_dims.record_examples(proto, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
         check_written(stage.path)

@@ -38,10 +38,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import op as _op  # noqa: F401  (registers torch.ops.attnres before a program is read)
-from .errors import AttnResError, InputError, UnsafeArchiveError, first_line
+from .errors import AttnResError, ConfigError, InputError, UnsafeArchiveError, first_line
 from .file_kind import describe
 
-META = "attnres.json"          # extra/attnres.json: {"format", "version", "outputs": [names]}
+META = "attnres.json"          # extra/attnres.json: {"format", "version", "outputs": [names], "constants": {name: value},
+                               # decoders also "attnres.generation": {"eos_token_id": [ids], "pad_token_id"}
 FORMAT = "attnres-compile.pt2"
 MAX_JSON_BYTES = 256 << 20     # model.json and configs: a program of many thousand nodes is a few MiB
 MAX_EXPR_CHARS = 4096
@@ -135,16 +136,21 @@ def _plain_spec(spec: pytree.TreeSpec) -> bool:
     return spec.is_leaf() or spec.type in (tuple, list, dict) and all(_plain_spec(c) for c in spec.children())
 
 
-def to_bytes(program: torch.export.ExportedProgram) -> tuple[bytes, list[str]]:
+def to_bytes(program: torch.export.ExportedProgram, constants: dict | None = None,
+             extra: dict | None = None) -> tuple[bytes, list[str]]:
     """The .pt2 archive of `program` with flat outputs, built in memory (its folder is `archive/`)
-    and read back with `load` before it is returned; and the output names."""
+    and read back with `load` before it is returned; and the output names. `constants`: the
+    non-tensor keyword inputs bound into it (`bind_constants`), recorded so that `Loaded.module()`
+    accepts them again at their traced values. `extra`: more metadata (a decoder's end-of-sequence
+    ids for `generate`), read back as `Loaded.meta`."""
     in_spec = program.module_call_graph[0].signature.in_spec
     if not _plain_spec(in_spec):
         raise InputError(f"the model's inputs are not tensors in tuples and dicts ({in_spec}); a .pt2 of it would "
                          "not load without the input classes: export to .onnx instead")
     names = flatten_outputs(program)
     buffer = io.BytesIO()
-    torch.export.save(program, buffer, extra_files={META: json.dumps({"format": FORMAT, "version": 1, "outputs": names})})
+    meta = {**(extra or {}), "format": FORMAT, "version": 1, "outputs": names, "constants": _jsonable(constants or {})}
+    torch.export.save(program, buffer, extra_files={META: json.dumps(meta)})
     data = buffer.getvalue()
     try:
         _Archive(io.BytesIO(data), "the .pt2 being written").load()
@@ -154,14 +160,20 @@ def to_bytes(program: torch.export.ExportedProgram) -> tuple[bytes, list[str]]:
     return data, names
 
 
-def save(program: torch.export.ExportedProgram, path: str | os.PathLike) -> list[str]:
+def save(program: torch.export.ExportedProgram, path: str | os.PathLike, constants: dict | None = None,
+         extra: dict | None = None) -> list[str]:
     """Write `program` (flattened first) to `path`, normally a staged file (outputs.py commits
     it); a full disk raises OutputWriteError. Returns the output names."""
     from .outputs import write_bytes
 
-    data, names = to_bytes(program)
+    data, names = to_bytes(program, constants, extra)
     write_bytes(Path(path), data)
     return names
+
+
+def _jsonable(constants: dict) -> dict:
+    """Bound constants as JSON: None, bools, numbers and strings as they are, anything else by its repr."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v) for k, v in constants.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +188,46 @@ class Loaded:
     program: torch.export.ExportedProgram
     outputs: list[str]
     meta: dict = field(default_factory=dict)
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """The non-tensor keyword inputs the program was traced with (`use_cache=False`): bound into
+        it by `rewrite -o X.pt2` (our metadata), or constant inputs of a program exported elsewhere."""
+        spec = self.program.module_call_graph[0].signature.in_spec
+        leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+        user = [s for s in self.program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        traced = {path[1].key: s.arg.value for (path, _), s in zip(leaves, user)
+                  if len(path) == 2 and isinstance(path[1], pytree.MappingKey) and type(s.arg).__name__ == "ConstantArgument"}
+        bound = self.meta.get("constants")
+        return {**(bound if isinstance(bound, dict) else {}), **traced}
+
+    def module(self) -> torch.nn.Module:
+        """`program.module()`, called like the model it was traced from: a keyword input in
+        `constants` is accepted at its traced value (left out where it is bound, supplied where a
+        program exported elsewhere needs it) and refused in one line (ConfigError) at any other;
+        a keyword the program does not take is refused alike. Every command that runs a .pt2
+        (generate, compile's check, inspect --weights) runs it through here."""
+        module = self.program.module()
+        spec = self.program.module_call_graph[0].signature.in_spec
+        takes = list(spec.children()[1].context) if spec.num_children == 2 and spec.children()[1].type is dict else []
+        constants = self.constants
+
+        def accept(_module, args, kwargs):
+            for name in list(kwargs):
+                if name in constants and not _same(kwargs[name], constants[name]):
+                    raise ConfigError(f"{name}={kwargs[name]!r}: this .pt2 was traced with {name}={constants[name]!r}, "
+                                      f"which is fixed in the program; pass {name}={constants[name]!r} or leave it out "
+                                      "(export the model again for another value)")
+                if name not in takes and name not in constants:
+                    raise ConfigError(f"{name}: this .pt2 takes no such keyword input (it takes "
+                                      f"{', '.join(takes) or 'positional inputs only'})")
+                if name not in takes:
+                    del kwargs[name]
+            kwargs.update({k: v for k, v in constants.items() if k in takes and k not in kwargs})
+            return args, kwargs
+
+        module.register_forward_pre_hook(accept, prepend=True, with_kwargs=True)
+        return module
 
 
 def load(path: str | os.PathLike) -> Loaded:
@@ -318,7 +370,8 @@ class _Archive:
         if name not in self.entries:
             return {}
         meta = self.json(name)
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("outputs", []), list):
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("outputs", []), list) \
+                or not isinstance(meta.get("constants", {}), dict):
             raise self._bad(f"{name} is not attnres-compile metadata")
         return meta
 
@@ -393,6 +446,13 @@ class _Archive:
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], dict)):
             raise self._bad("its example inputs are not (args, kwargs)")
         return value
+
+
+def _same(given: Any, traced: Any) -> bool:
+    """A keyword value given at run time equals the traced one (stored as JSON, or as its repr)."""
+    if traced is None or isinstance(traced, (bool, int, float)):
+        return isinstance(given, bool) == isinstance(traced, bool) and given == traced
+    return given == traced or repr(given) == traced
 
 
 def _int(sym: Any) -> int:

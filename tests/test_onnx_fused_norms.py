@@ -319,6 +319,31 @@ def test_unknown_or_malformed_default_domain_ops_stay_refused(tmp_path, capsys):
     assert not onnx.defs.has("SimplifiedLayerNormalization")
 
 
+def test_generate_runs_a_genai_folder_with_og_generator(genai_llama):
+    """`generate GENAI_FOLDER`: og.Generator's greedy tokens. Prompts of 6 and 4 tokens in one batch
+    (right-padded, as og takes them) give each row's tokens alone; the second row stops at the
+    folder's eos_token_id (og keeps it out of the row) unless --ignore-eos; --eos-id and the decoder file
+    alone are refused in one line."""
+    from forked_cli import run_cli
+
+    folder = Path(genai_llama).parent
+    rows = [[5, 17, 42, 8, 99, 3], [7, 2, 60, 11]]
+    alone = [_genai_tokens(folder, [row], new=10)[0][len(row):] for row in rows]
+    assert len(alone[0]) == 10 and 0 < len(alone[1]) < 10  # row 1 stops early: the check below covers a stop
+    argv = ["generate", folder, "--prompt-ids", "5,17,42,8,99,3", "--prompt-ids", "7,2,60,11", "--max-new-tokens", "10"]
+    run = run_cli([*argv, "--json"])
+    assert run.code == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["runtime"] == "onnxruntime-genai (og.Generator)" and data["new_tokens"] == alone
+    assert data["stopped"] == [False, True] and data["eos_token_ids"] == [2] and data["pad_token_id"] == 2
+    run = run_cli([*argv, "--json", "--ignore-eos"])
+    assert run.code == 0 and json.loads(run.stdout)["new_token_counts"] == [10, 10], run.stderr
+    run = run_cli([*argv, "--eos-id", "3"])
+    assert run.code == 2 and len(run.lines) == 1 and "genai_config.json" in run.lines[0], run.stderr
+    run = run_cli(["generate", genai_llama, "--prompt-ids", "5,17"])  # its decoder file alone
+    assert run.code == 6 and len(run.lines) == 1 and "generate with the folder" in run.lines[0], run.stderr
+
+
 def _genai_tokens(folder, prompt: list[list[int]], new: int = 16) -> list[list[int]]:
     og = pytest.importorskip("onnxruntime_genai")
     model = og.Model(str(folder))

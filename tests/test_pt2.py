@@ -65,8 +65,36 @@ def test_hf_model_archive_loads_in_a_fresh_process(tmp_path):
     assert weights.code == 0 and "chain0" in weights.stdout, weights.stderr
 
     from attnres_compile import pt2
+    from attnres_compile.errors import ConfigError
+    from samples.hf_models import gpt2_factory
 
-    assert pt2.load(out).outputs == ["logits"]
+    loaded = pt2.load(out)
+    assert loaded.outputs == ["logits"] and loaded.constants == {"use_cache": False}
+    model, inputs = gpt2_factory()  # the factory's own inputs, use_cache=False included, as traced
+    expected = model(**inputs).logits
+    torch.testing.assert_close(loaded.module()(**inputs)[0], expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="traced with use_cache=False"):
+        loaded.module()(**{**inputs, "use_cache": True})
+    with pytest.raises(ConfigError, match="takes no such keyword input"):
+        loaded.module()(**inputs, labels=inputs["input_ids"])
+
+
+def test_a_program_exported_elsewhere_takes_its_constant_inputs_as_traced(tmp_path):
+    """torch.export of the factory's inputs keeps use_cache=False as a constant input: `module()`
+    supplies it when left out, and refuses another value in one line, before torch's guard."""
+    from attnres_compile import pt2
+    from attnres_compile.errors import ConfigError
+    from samples.hf_models import gpt2_factory
+
+    model, inputs = gpt2_factory()
+    torch.export.save(torch.export.export(model, (), inputs, strict=False), tmp_path / "plain.pt2")
+    loaded = pt2.load(tmp_path / "plain.pt2")
+    assert loaded.constants == {"use_cache": False}
+    tensors = {k: v for k, v in inputs.items() if k != "use_cache"}
+    expected = model(**inputs).logits
+    torch.testing.assert_close(loaded.module()(**tensors).logits, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="traced with use_cache=False"):
+        loaded.module()(**{**inputs, "use_cache": True})
 
 
 def test_crafted_archives_run_code_in_torch_but_never_in_attnres_compile(crafted, tmp_path):

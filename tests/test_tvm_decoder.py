@@ -7,6 +7,7 @@ Block (N=2) with its KV cache (`rewrite --with-past`); each format is written an
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +24,7 @@ from attnres_compile.backends.tvm.importers import ImportedModel, from_exported_
 from attnres_compile.backends.tvm.program_prepare import convertible
 from attnres_compile.generate_cmd import open_model
 from attnres_compile.onnx_api import export_onnx
+from forked_cli import run_cli
 from samples import hf_decoders
 
 ATOL = 1e-5  # logits and presents are O(1): float32 kernels against onnxruntime / torch
@@ -66,7 +68,7 @@ def pt2_artifact(folder, pt2_file):
 
 def _step(model, batch: int = 1):
     """generate_cmd's step over MODEL (.onnx: onnxruntime, .pt2: torch, folder: TVM) and its empty past."""
-    step, empty, _ = open_model(SimpleNamespace(model=str(model)), batch)
+    step, empty, *_ = open_model(SimpleNamespace(model=str(model)), batch)
     return step, empty
 
 
@@ -109,9 +111,25 @@ def test_greedy_generation_over_the_artifact_gives_its_sources_tokens(source, ba
     step, empty = _step(request.getfixturevalue(f"{source}_artifact"), batch)
     reference, _ = _step(request.getfixturevalue(f"{source}_file"), batch)
     got = generate_loop.greedy(step, prompt, empty, 20)
-    assert got.new_tokens == 20 and got.tokens.shape == (batch, 26)
+    assert [len(r) for r in got.new_tokens] == [20] * batch and got.tokens.shape == (batch, 26)
     np.testing.assert_array_equal(got.tokens, generate_loop.greedy(reference, prompt, empty, 20).tokens)
     assert len(np.unique(got.tokens[:, 6:])) > 1  # not one token repeated
+
+
+@pytest.mark.parametrize("source", ["onnx", "pt2"])
+def test_a_left_padded_batch_on_the_artifact_gives_the_original_tokens(source, request):
+    """Prompts of 6 and 3 tokens, left-padded with a mask, through `generate` on the artifact: HF
+    generate()'s tokens on the original model; the source's end-of-sequence and pad ids (recorded by
+    rewrite --with-past) reach the manifest."""
+    artifact = request.getfixturevalue(f"{source}_artifact")
+    assert load(artifact).manifest["attnres.generation"] == {"eos_token_id": [], "pad_token_id": 0}
+    run = run_cli(["generate", artifact, "--prompt-ids", "5,17,42,8,11,60", "--prompt-ids", "9,3,71",
+                   "--max-new-tokens", "16", "--json"])
+    assert run.code == 0, run.stderr
+    model, _ = hf_decoders.llama_factory()
+    prompt = torch.tensor([[5, 17, 42, 8, 11, 60], [0, 0, 0, 9, 3, 71]])
+    expected = model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=16, do_sample=False)
+    assert json.loads(run.stdout)["tokens"] == expected.tolist()
 
 
 def test_a_decode_step_artifact_fixes_batch_and_sequence_and_keeps_the_past_dynamic(onnx_file, tmp_path):

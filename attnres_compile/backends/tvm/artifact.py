@@ -26,6 +26,7 @@ import tvm
 from tvm import relax
 
 from ... import __version__, outputs
+from ...decoder import GENERATION
 from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
 from ...passes import onnx_io
 from . import artifact_checks, vm_files
@@ -138,6 +139,7 @@ def _manifest(imported: ImportedModel, built: Built, model: Any, static_shapes: 
         "kernels": sorted({s["kernel"] for s in sites}),
         "tuning": built.tuning,
         "versions": {"tvm": tvm.__version__, "attnres_compile": __version__},
+        **({GENERATION: imported.generation} if imported.generation else {}),  # for `generate`
     }
 
 

@@ -84,11 +84,13 @@ def check(model: Any, imported: ImportedModel, executable, device, input_shapes:
         runs, notes = verification_runs(Path(model), None, input_shapes, timeout=timeout)
         reference, depth = "onnxruntime", onnx_depth(Path(model))
     else:
-        program = model if isinstance(model, torch.export.ExportedProgram) else _load_program(Path(model))
+        loaded = None if isinstance(model, torch.export.ExportedProgram) else _load_program(Path(model))
+        program = model if loaded is None else loaded.program
         if program.example_inputs is None:
             return {"skipped": "the program stores no example inputs"}
         args, kwargs = program.example_inputs
-        out = verify.run(program.module(), (args, kwargs))  # on a copy: a program that changes its inputs
+        module = program.module() if loaded is None else loaded.module()  # pt2.Loaded: how every command runs a .pt2
+        out = verify.run(module, (args, kwargs))  # on a copy: a program that changes its inputs
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         feeds = {name: t.detach().cpu().numpy() for name, t in zip(imported.inputs, tensors)}
         expected = {name: t.detach().cpu().numpy() for name, t in
@@ -127,7 +129,7 @@ def run(executable, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
     return flat(result)
 
 
-def _load_program(path: Path) -> torch.export.ExportedProgram:
+def _load_program(path: Path):
     from ...pt2 import load
 
-    return load(os.fspath(path)).program
+    return load(os.fspath(path))

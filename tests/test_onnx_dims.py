@@ -57,6 +57,26 @@ def test_given_shapes_solve_the_rest_or_are_refused():
         onnx_dims.Dims({"x": ["n", "n - 20"]}).shape_sets()
 
 
+GENAI = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "total_sequence_length"],
+         "past_key_values.0.key": ["batch_size", 2, "past_sequence_length", "kv_cache_dim"]}
+
+
+def test_genai_dims_from_the_graph():
+    """onnxruntime-genai's names: the head size the graph fixes (onnx_cache_dims.py) is bound, never zeroed
+    with the past; the mask's own length is past + sequence, so --input-shape solves through it as through
+    optimum's expression; without past inputs a mask length stays a free name."""
+    (default, no_past), (small, _) = onnx_dims.Dims(GENAI, implied={"kv_cache_dim": 32}).shape_sets()
+    assert default == {"input_ids": (2, 16), "attention_mask": (2, 32), "past_key_values.0.key": (2, 2, 16, 32)}
+    assert no_past["attention_mask"] == (2, 16) and no_past["past_key_values.0.key"] == (2, 2, 0, 32)
+    assert small["attention_mask"] == (1, 2) and small["past_key_values.0.key"] == (1, 2, 1, 32)
+    given = onnx_dims.Dims(GENAI, {"attention_mask": (1, 40), "input_ids": (1, 8)}, implied={"kv_cache_dim": 32})
+    assert given.shape_sets()[0][0]["past_key_values.0.key"] == (1, 2, 32, 32)
+    assert onnx_dims.Dims(GENAI, {"past_key_values.0.key": (1, 2, 4, 64)}, implied={"kv_cache_dim": 32}
+                          ).shape_sets()[0][0]["past_key_values.0.key"] == (1, 2, 4, 64)  # the user's word first
+    no_cache = {k: v for k, v in GENAI.items() if "past" not in k}
+    assert onnx_dims.Dims(no_cache).shape_sets()[0][0]["attention_mask"] == (2, 16)
+
+
 @pytest.fixture(scope="module")
 def decoders(tmp_path_factory) -> dict:
     """The tiny Llama decoder-with-past as optimum writes it (TorchScript exporter), the dynamo

@@ -96,29 +96,51 @@ def _rewrite_equals_original(path, out, config: AttnResConfig | None = None):
 # the real producers
 
 
+GENAI_BUILDS = {  # folder -> (architecture, precision, hidden, heads, kv heads): head sizes 16 and 32
+    "llama": ("llama", "fp32", HIDDEN, HEADS, KV_HEADS),
+    "llama_int4": ("llama", "int4", 64, 2, 1),   # MatMulNBits; onnxruntime's CPU GroupQueryAttention takes
+    "qwen2": ("qwen2", "fp32", 64, 2, 1),        # head sizes that are multiples of 16 only
+}
+BUILD = """import sys
+from onnxruntime_genai.models import builder
+for hf, out, precision in zip(*[iter(sys.argv[1:])] * 3):
+    args = ("", hf, out, precision, "cpu", out + "_cache")
+    builder.create_model(*args, **builder.parse_extra_options(*args, {}))
+"""
+
+
 @pytest.fixture(scope="module")
-def genai_llama(tmp_path_factory) -> str:
-    """onnxruntime-genai's builder (fp32, cpu) on a Llama saved with save_pretrained from a config."""
+def genai_folders(tmp_path_factory) -> dict[str, str]:
+    """onnxruntime-genai's builder (cpu) on tiny Llama and Qwen2 models saved with save_pretrained from configs,
+    all built in one child (the builder's imports cost more than the builds): {name: model.onnx}."""
     pytest.importorskip("onnxruntime_genai")
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     folder = tmp_path_factory.mktemp("genai")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128,
-                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, max_position_embeddings=64)
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(config).eval()
-    _randomize(llama)
-    llama.save_pretrained(folder / "hf")
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}  # the builder reads a tokenizer beside the weights
+    vocab = {f"t{i}": i for i in range(128)}  # the builder reads a tokenizer beside the weights
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(folder / "hf")
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder / "hf"),
-                    "-o", str(folder / "out"), "-p", "fp32", "-e", "cpu"], check=True, capture_output=True,
-                   timeout=300, cwd=folder)
-    return str(folder / "out" / "model.onnx")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+    argv = []
+    for name, (arch, precision, hidden, heads, kv) in GENAI_BUILDS.items():
+        config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+        config = config_class(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=kv,
+                              max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        _randomize(model)  # Qwen2's q/k/v biases too: a zero bias the builder would leave out
+        model.save_pretrained(folder / name / "hf")
+        tokenizer.save_pretrained(folder / name / "hf")
+        argv += [str(folder / name / "hf"), str(folder / name / "out"), precision]
+    subprocess.run([sys.executable, "-c", BUILD, *argv], check=True, capture_output=True, timeout=300, cwd=folder)
+    return {name: str(folder / name / "out" / "model.onnx") for name in GENAI_BUILDS}
+
+
+@pytest.fixture(scope="module")
+def genai_llama(genai_folders) -> str:
+    return genai_folders["llama"]
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -347,3 +369,25 @@ def test_genai_folder_in_genai_folder_out(genai_llama, tmp_path):
         assert _genai_tokens(out.parent, prompt) == want and all(len(w) == 22 for w in want)
     with pytest.raises(AttnResError, match="exists: pass --force"):
         rewrite_onnx(genai_llama, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_int4", "qwen2"])
+def test_genai_int4_and_qwen2_verify_and_generate(genai_folders, name, tmp_path):
+    """An int4 builder file (MatMulNBits) and a Qwen2 one (q/k/v biases), head size 32: verification sizes
+    `kv_cache_dim` from GroupQueryAttention's attributes and its packed q/k/v width (no --input-shape; a free
+    16 fails the original, exit 15) and `total_sequence_length` as past + sequence; og.Generator on the
+    rewritten folder gives the original folder's greedy tokens, batch 1 and 2."""
+    path = genai_folders[name]
+    ops = {n.op_type for n in onnx.load(path, load_external_data=False).graph.node}
+    assert "GroupQueryAttention" in ops and ("MatMulNBits" in ops) == (name == "llama_int4")
+    out = tmp_path / "attnres" / "model.onnx"
+    report = rewrite_onnx(path, out).report
+    assert report["verification"] and all(r["ok"] for r in report["verification"]), report["verification"]
+    assert report["summary"]["sites_rewritten"] == 2 * LAYERS
+    assert any(n.startswith("verified with kv_cache_dim = 32: the head size GroupQueryAttention") for n in report["notes"])
+    for shapes in report["verified_shapes"]:
+        past = shapes["past_key_values.0.key"]
+        assert past[-1] == 32 and shapes["attention_mask"][1] == past[2] + shapes["input_ids"][1], shapes
+    for prompt in ([[5, 17, 42, 8, 99, 3]], [[5, 17, 42, 8, 99, 3], [7, 7, 21, 60, 2, 11]]):
+        assert _genai_tokens(out.parent, prompt) == _genai_tokens(Path(path).parent, prompt)

@@ -29,7 +29,7 @@ import torch
 
 from .. import isolate
 from ..errors import ConfigError, ModelRunError, first_line
-from ..passes import onnx_dims, verify
+from ..passes import onnx_cache_dims, onnx_dims, verify
 from .exact_sigmoid import exact_sigmoids
 
 # where a session made from bytes reads external data (else: refused, "escapes working directory")
@@ -84,14 +84,19 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None,
+                 model: onnx.ModelProto | None = None) -> dict[str, tuple[int, ...]]:
     """Concrete shapes for every input of `sess`: the default shape set (onnx_dims), overrides first."""
-    return symbolic_dims(sess, overrides).shape_sets()[0][0]
+    return symbolic_dims(sess, overrides, model).shape_sets()[0][0]
 
 
-def symbolic_dims(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> onnx_dims.Dims:
-    """The sizes for `sess`'s symbolic dims: `overrides`, else the file's recorded example sizes, else the defaults."""
-    return onnx_dims.Dims(declared(sess), overrides, onnx_dims.examples(sess.get_modelmeta().custom_metadata_map))
+def symbolic_dims(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None,
+                  model: onnx.ModelProto | None = None) -> onnx_dims.Dims:
+    """The sizes for `sess`'s symbolic dims: `overrides`, else what `model`'s graph fixes (a KV cache's head
+    size: onnx_cache_dims.py), else the file's recorded example sizes, else the defaults."""
+    implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()} if model is not None else None
+    return onnx_dims.Dims(declared(sess), overrides, onnx_dims.examples(sess.get_modelmeta().custom_metadata_map),
+                          implied)
 
 
 def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
@@ -101,7 +106,7 @@ def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
 
 def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: dict | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """Feeds for every input of `sess` at the default shapes (see the module docstring)."""
-    return feeds_at(sess, model, input_shapes(sess, overrides), seed)
+    return feeds_at(sess, model, input_shapes(sess, overrides, model), seed)
 
 
 def feeds_at(sess: ort.InferenceSession, model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
@@ -162,7 +167,7 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
     refused default set the small one is not tried."""
     model = onnx.load(str(original), load_external_data=False)
     sess = reference_session(original, model)
-    dims = symbolic_dims(sess, overrides)
+    dims = symbolic_dims(sess, overrides, model)
     other = None
     results: list[dict] = []
     for variants in dims.shape_sets():
@@ -213,9 +218,18 @@ def verification_runs(original: str | os.PathLike, rewritten: str | os.PathLike 
         raise ModelRunError(str(exc)) from None
     if "refused" in results[0]:
         raise ModelRunError(_refusal(results[0], consequence, hint))
-    notes = [f"not verified at the small shapes ({onnx_dims.describe(r['refused'][0][0])}): the original model "
-             f"fails there in onnxruntime ({r['refused'][0][1]})" for r in results[1:] if "refused" in r]
+    notes = _implied_notes(original, overrides)
+    notes += [f"not verified at the small shapes ({onnx_dims.describe(r['refused'][0][0])}): the original model "
+              f"fails there in onnxruntime ({r['refused'][0][1]})" for r in results[1:] if "refused" in r]
     return [r for r in results if "refused" not in r], notes
+
+
+def _implied_notes(original: str | os.PathLike, overrides: dict | None) -> list[str]:
+    """A note per symbolic dim verification sized from the graph (onnx_cache_dims.py), unless --input-shape sized it."""
+    model = onnx.load(str(original), load_external_data=False)
+    given = {d.dim_param for i in model.graph.input if i.name in (overrides or {}) for d in i.type.tensor_type.shape.dim}
+    return [f"verified with {i.name} = {i.size}: {i.why}" for i in onnx_cache_dims.head_sizes(model).values()
+            if i.name not in given]
 
 
 def _refusal(result: dict, consequence: str, hint: str) -> str:

@@ -176,8 +176,8 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
 
     metadata = {p.key: p.value for p in model.metadata_props}
     implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()}
-    dims = onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata), implied)
-    for name, dims in dims.shape_sets()[0][0].items():
+    sizes = onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata), implied)
+    for name, dims in sizes.shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
             raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "

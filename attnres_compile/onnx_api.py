@@ -19,7 +19,7 @@ from .api import rewrite
 from .config import AttnResConfig
 from . import outputs, progress
 from .errors import AttnResError, ModelRunError
-from .passes import onnx_genai, onnx_io, verify
+from .passes import onnx_contrib_ops, onnx_genai, onnx_io, verify
 from .passes.chain_analysis import analyze
 from .passes.onnx_function import default_opset
 from .passes.onnx_rewrite import apply_plan
@@ -60,9 +60,9 @@ def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
     unfused = _unfuse(model, notes)
     view = _view(model, input_shapes)
     plan = analyze(view, config)
+    contrib = _contrib(model, unfused, plan, notes)
     report = build(plan, view, config, "onnx", notes=notes + _analysis_notes(plan, view, input_shapes))
-    report.data["unfused"] = unfused.counts
-    return report
+    return _fused_ops(report, unfused, contrib)
 
 
 def _unfuse(model, notes: list[str]) -> Unfused:
@@ -71,6 +71,21 @@ def _unfuse(model, notes: list[str]) -> Unfused:
     unfused = unfuse(model, default_opset(model))
     notes += unfused.notes()
     return unfused
+
+
+def _contrib(model, unfused: Unfused, plan, notes: list[str]) -> list[dict]:
+    """How each contrib op of `model` was read (passes/onnx_contrib_ops.py); its lines join `notes`."""
+    rows = onnx_contrib_ops.contrib_ops(model, unfused, {c.root: c.index for c in plan.chains})
+    notes += onnx_contrib_ops.notes(rows)
+    return rows
+
+
+def _fused_ops(report: Report, unfused: Unfused, contrib: list[dict]) -> Report:
+    """`report` with the data on onnxruntime's fused ops: `unfused` (counts per op) and `contrib_ops` (each
+    contrib op type: unfused, stream root or opaque, and why)."""
+    report.data["unfused"] = unfused.counts
+    report.data["contrib_ops"] = contrib
+    return report
 
 
 def _view(model, input_shapes: dict[str, tuple[int, ...]] | None):
@@ -119,11 +134,11 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         unfused = _unfuse(model, notes)
         view = _view(model, input_shapes)
         plan = analyze(view, config)
+    contrib = _contrib(model, unfused, plan, notes)
     notes += _analysis_notes(plan, view, input_shapes)
     if not has_work(plan, config):
         report = build(plan, view, config, "onnx", notes=notes + ["no file written"])
-        report.data["unfused"] = unfused.counts
-        return OnnxRewriteResult(report)
+        return OnnxRewriteResult(_fused_ops(report, unfused, contrib))
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
@@ -151,7 +166,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
                      f"onnxruntime-genai folder (og.Model loads it)")
     report = build(plan, view, config, "onnx", sites, verification, notes)
-    report.data["unfused"] = unfused.counts
+    _fused_ops(report, unfused, contrib)
     if verify_outputs:
         report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
     return OnnxRewriteResult(report, written)

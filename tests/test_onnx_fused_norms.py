@@ -455,3 +455,23 @@ def test_embed_layer_norm_sum_roots_a_pre_norm_stream(tmp_path):
     # without a sum output the normed output starts the stream (a post-norm-like root), as in BERT
     report = inspect_onnx(_embed_pre_norm(tmp_path / "no_sum.onnx", with_sum=False))
     assert [c["root"] for c in report["chains"]] == ["normed"] and report["summary"]["links"] == 2
+
+
+@pytest.mark.slow
+def test_compile_refuses_onnxruntime_ops_in_one_line(genai_folders, ort_bert, tmp_path, capsys):
+    """`compile` of a file with ops only onnxruntime runs stops before any weight is read, exit 13, one line naming
+    them and what to do (a genai folder: run it with onnxruntime / generate), nothing written."""
+    from attnres_compile.backends.tvm.importers import check_importable
+
+    out = tmp_path / "tvm"
+    assert main(["compile", genai_folders["llama_int4"], "-o", str(out)]) == 13
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and not out.exists()
+    matmuls = sum(n.op_type == "MatMulNBits" for n in onnx.load(genai_folders["llama_int4"], load_external_data=False).graph.node)
+    assert ("TVM's ONNX import cannot take: SimplifiedLayerNormalization, com.microsoft.GroupQueryAttention x2, "
+            f"com.microsoft.MatMulNBits x{matmuls}, com.microsoft.SkipSimplifiedLayerNormalization x4; run it with "
+            "onnxruntime as it is") in err
+    assert "onnxruntime-genai folder" in err
+    with pytest.raises(AttnResError, match=r"com\.microsoft\.Attention x2, com\.microsoft\.BiasGelu x2, com\.microsoft\."
+                       r"EmbedLayerNormalization, com\.microsoft\.SkipLayerNormalization x4; run it with onnxruntime"):
+        check_importable(onnx.load(ort_bert, load_external_data=False), Path(ort_bert))

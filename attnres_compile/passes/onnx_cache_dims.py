@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-MS = "com.microsoft"
-STANDARD = ("", "ai.onnx")
+from .onnx_unfuse_skip_norm import DOMAIN as MS
+from .onnx_view import STANDARD_DOMAINS as STANDARD
+
 
 
 @dataclass(frozen=True)

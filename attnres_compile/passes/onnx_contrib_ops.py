@@ -26,10 +26,11 @@ from collections import Counter
 
 import onnx
 
+from .onnx_function import DOMAIN as OWN_DOMAIN
+from .onnx_unfuse_skip_norm import DOMAIN as ORT_DOMAIN
 from .onnx_unfuse_skip_norm import RULES, Unfused
+from .onnx_view import STANDARD_DOMAINS
 
-STANDARD_DOMAINS = ("", "ai.onnx")
-OWN_DOMAIN = "attnres"
 EMBED = "EmbedLayerNormalization"
 EMBED_SUM = 2  # EmbedLayerNormalization's optional output `embedding_sum`
 SUBLAYER = {
@@ -42,6 +43,8 @@ SUBLAYER = {
                      "QGemm", "FusedGemm", "GatherBlockQuantized", "QLinearMatMul"), "matrix product"),
     **dict.fromkeys(("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "GemmFastGelu", "BiasSoftmax"), "activation"),
     **dict.fromkeys(("MoE", "QMoE", "SparseMixer"), "mixture of experts"),
+    **dict.fromkeys(("DynamicQuantizeLSTM",), "recurrent layer"),
+    **dict.fromkeys(("QLinearConv", "ConvTransposeWithDynamicPads", "FusedConv", "NhwcConv"), "convolution"),
 }
 
 
@@ -62,7 +65,7 @@ def contrib_ops(model: onnx.ModelProto, unfused: Unfused, roots: dict[str, int] 
     {"op", "count", "read": "unfused" | "stream root" | "opaque", "reason", "nodes"?}; `roots`: the chains'
     roots and their indices."""
     roots = roots or {}
-    rows = [{"op": f"com.microsoft.{op}", "count": n, "read": "unfused",
+    rows = [{"op": f"{ORT_DOMAIN}.{op}", "count": n, "read": "unfused",
              "reason": "its residual add unfused into Add + norm before the analysis"} for op, n in unfused.counts.items()]
     counts = Counter(f"{n.domain}.{n.op_type}" for n in model.graph.node
                      if n.domain not in (*STANDARD_DOMAINS, OWN_DOMAIN))

@@ -34,8 +34,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from .onnx_grouping import FreshNames
+from .onnx_view import STANDARD_DOMAINS as STANDARD
 
-STANDARD = ("", "ai.onnx")
 RECORDED = "attnres.recorded."  # prefix of the recorded values' graph outputs and of the fixed model's inputs
 
 

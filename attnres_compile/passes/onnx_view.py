@@ -33,6 +33,7 @@ from . import onnx_io
 from .graph_view import Kind, ViewNode, build_view
 from .onnx_function import DOMAIN, MERGE, OP_TYPE
 from .onnx_site_check import check_sites
+from .onnx_unfuse_skip_norm import DOMAIN as ORT_DOMAIN
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 OUTPUT_SINK = "<graph outputs>"
@@ -44,7 +45,7 @@ CONTRACTIONS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInte
 # fused ops that return a sum and a norm of it: (domain, op) -> (normed output, sum output, the norm's own
 # inputs); the view reads the normed output as a function of the sum, so the sum can be a stream's root
 # (onnx_contrib_ops.py). EmbedLayerNormalization: inputs 5 and 6 are gamma and beta.
-FUSED_SUMS = {("com.microsoft", "EmbedLayerNormalization"): (0, 2, (5, 6))}
+FUSED_SUMS = {(ORT_DOMAIN, "EmbedLayerNormalization"): (0, 2, (5, 6))}
 
 
 SYMBOLIC_MAX_DEPTH = 2  # onnxruntime's symbolic inference re-infers every subgraph on each pass: exponential in depth

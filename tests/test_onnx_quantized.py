@@ -77,7 +77,7 @@ def test_exact_rewrite_of_a_quantized_decoder_verifies(quantized):
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops and report["summary"]["links"] == 2 * LAYERS
     assert len(onnx_quantize_steps.steps(onnx.load(str(original), load_external_data=False))) == 4 * LAYERS + 1
     plain = {}
-    for seed in range(8):  # seeds 1 and 3 flip a step here
+    for seed in range(8):  # a few seeds in, one lands an activation on a rounding boundary
         plain[seed] = _plain(original, rewritten, seed)
         if plain[seed] > 100 * verify.PRESERVE_RTOL:
             break

@@ -90,11 +90,15 @@ def contrib_ops(model: onnx.ModelProto, unfused: Unfused, roots: dict[str, int] 
 
 
 def notes(rows: list[dict]) -> list[str]:
-    """The report's lines on what was read through or left opaque (the unfused ones have their own note)."""
-    through = [r["reason"] for r in rows if r["read"] == "stream root"]
-    fine = [f"{r['count']} {r['op'].rsplit('.', 1)[1]}" for r in rows if r["read"] == "opaque" and "fine" in r["reason"]]
-    unseen = [f"{r['op']} ({r['reason']})" for r in rows if r["read"] == "opaque" and "fine" not in r["reason"]]
-    out = [f"EmbedLayerNormalization read as the embedding sum: {t}" for t in through]
+    """The report's lines on the stream roots and the ops read whole (the unfused ones have their own note)."""
+    def name(row: dict) -> str:
+        return row["op"].rsplit(".", 1)[1]
+
+    roots = [r["reason"] for r in rows if r["read"] == "stream root"]
+    opaque = [r for r in rows if r["read"] == "opaque"]
+    fine = [f"{r['count']} {name(r)}" for r in opaque if name(r) in SUBLAYER]
+    unseen = [f"{r['op']} ({r['reason']})" for r in opaque if name(r) not in SUBLAYER]
+    out = [f"EmbedLayerNormalization read as the embedding sum: {t}" for t in roots]
     if fine:
         out.append(f"contrib ops read whole as sublayer ops (inside branches; fine): {', '.join(fine)}")
     if unseen:

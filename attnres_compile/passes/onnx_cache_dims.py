@@ -96,7 +96,8 @@ class _Facts:
             return None
         op = node.op_type if node.domain in STANDARD else f"{node.domain}.{node.op_type}"
         if op == f"{MS}.MatMulNBits":
-            return _attr(node, "N")
+            n = _attr(node, "N")
+            return n if isinstance(n, int) else None
         if op in ("MatMul", "MatMulInteger", f"{MS}.FusedMatMul") and len(node.input) > 1:
             return self.last_dim(node.input[1], depth + 1)
         if op == "Gemm" and len(node.input) > 1:
@@ -115,12 +116,16 @@ class _Facts:
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
+    """An integer (or integer list) attribute of `node`; `default` where it is absent or of another type (a
+    hostile file's num_heads may be anything)."""
     a = next((a for a in node.attribute if a.name == name), None)
-    return helper.get_attribute_value(a) if a is not None else default
+    if a is None or a.type not in (onnx.AttributeProto.INT, onnx.AttributeProto.INTS):
+        return default
+    return helper.get_attribute_value(a)
 
 
 def _divide(total: int | None, parts: int | None) -> int | None:
-    if not total or not parts or parts <= 0 or total % parts:
+    if not isinstance(total, int) or not isinstance(parts, int) or total <= 0 or parts <= 0 or total % parts:
         return None
     return total // parts
 
@@ -129,7 +134,9 @@ def _gqa(node: onnx.NodeProto, facts: _Facts) -> int | None:
     heads, kv = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
     q = facts.last_dim(node.input[0])
     packed = len(node.input) < 3 or not node.input[1]
-    return _divide(q, heads + 2 * kv if packed and heads and kv else heads)
+    if packed and not (heads and kv):
+        return None
+    return _divide(q, heads + 2 * kv if packed else heads)
 
 
 def _mha(node: onnx.NodeProto, facts: _Facts) -> int | None:
@@ -138,14 +145,14 @@ def _mha(node: onnx.NodeProto, facts: _Facts) -> int | None:
 
 def _packed_attention(node: onnx.NodeProto, facts: _Facts) -> int | None:
     sizes = _attr(node, "qkv_hidden_sizes")
-    hidden = sizes[0] if sizes else _divide(facts.last_dim(node.input[1]), 3) if len(node.input) > 1 else None
+    hidden = sizes[0] if isinstance(sizes, list) and sizes else _divide(facts.last_dim(node.input[1]), 3) if len(node.input) > 1 else None
     return _divide(hidden, _attr(node, "num_heads"))
 
 
 def _onnx_attention(node: onnx.NodeProto, facts: _Facts) -> int | None:
     heads = _attr(node, "q_num_heads")
     q = facts.last_dim(node.input[0])
-    return _divide(q, heads) if heads else q
+    return _divide(q, heads) if heads else _divide(q, 1)
 
 
 # (domain, op) -> (the input slots that take a past key/value, the head size)

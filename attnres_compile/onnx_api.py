@@ -20,7 +20,7 @@ from .api import rewrite
 from .config import AttnResConfig
 from . import outputs, progress
 from .errors import AttnResError, ModelRunError
-from .passes import onnx_genai, onnx_io, verify
+from .passes import onnx_contrib_ops, onnx_genai, onnx_io, verify
 from .passes.chain_analysis import analyze
 from .passes.onnx_function import default_opset
 from .passes.onnx_rewrite import apply_plan
@@ -61,9 +61,9 @@ def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
     unfused = _unfuse(model, notes)
     view = _view(model, input_shapes)
     plan = analyze(view, config)
+    contrib = _contrib(model, unfused, plan, notes)
     report = build(plan, view, config, "onnx", notes=notes + _analysis_notes(plan, view, input_shapes))
-    report.data["unfused"] = unfused.counts
-    return report
+    return _fused_ops(report, unfused, contrib)
 
 
 def _unfuse(model, notes: list[str]) -> Unfused:
@@ -72,6 +72,21 @@ def _unfuse(model, notes: list[str]) -> Unfused:
     unfused = unfuse(model, default_opset(model))
     notes += unfused.notes()
     return unfused
+
+
+def _contrib(model, unfused: Unfused, plan, notes: list[str]) -> list[dict]:
+    """How each contrib op of `model` was read (passes/onnx_contrib_ops.py); its lines join `notes`."""
+    rows = onnx_contrib_ops.contrib_ops(model, unfused, {c.root: c.index for c in plan.chains})
+    notes += onnx_contrib_ops.notes(rows)
+    return rows
+
+
+def _fused_ops(report: Report, unfused: Unfused, contrib: list[dict]) -> Report:
+    """`report` with the data on onnxruntime's fused ops: `unfused` (counts per op) and `contrib_ops` (each
+    contrib op type: unfused, stream root or opaque, and why)."""
+    report.data["unfused"] = unfused.counts
+    report.data["contrib_ops"] = contrib
+    return report
 
 
 def _view(model, input_shapes: dict[str, tuple[int, ...]] | None):
@@ -120,11 +135,11 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         unfused = _unfuse(model, notes)
         view = _view(model, input_shapes)
         plan = analyze(view, config)
+    contrib = _contrib(model, unfused, plan, notes)
     notes += _analysis_notes(plan, view, input_shapes)
     if not has_work(plan, config):
         report = build(plan, view, config, "onnx", notes=notes + ["no file written"])
-        report.data["unfused"] = unfused.counts
-        return OnnxRewriteResult(report)
+        return OnnxRewriteResult(_fused_ops(report, unfused, contrib))
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
@@ -152,7 +167,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
                      f"onnxruntime-genai folder (og.Model loads it)")
     report = build(plan, view, config, "onnx", sites, verification, notes)
-    report.data["unfused"] = unfused.counts
+    _fused_ops(report, unfused, contrib)
     if verify_outputs:
         report.data["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
     return OnnxRewriteResult(report, written)
@@ -173,10 +188,12 @@ MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB w
 def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
     """Check --input-shape against the model and refuse to verify when a generated input would be
     absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
-    from .passes import onnx_dims
+    from .passes import onnx_cache_dims, onnx_dims
 
     metadata = {p.key: p.value for p in model.metadata_props}
-    for name, dims in onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata)).shape_sets()[0][0].items():
+    implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()}
+    sizes = onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata), implied)
+    for name, dims in sizes.shape_sets()[0][0].items():
         count = math.prod(max(int(d), 1) for d in dims)
         if count > MAX_TEST_INPUT_ELEMENTS:
             raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "

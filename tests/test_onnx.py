@@ -462,6 +462,28 @@ def test_in_place_rewrite_removes_the_weights_only_the_old_graph_read(exported, 
                                    folder / "model.onnx")[1:] != [folder / "model.onnx_data"]
 
 
+def test_in_place_rewrite_removes_every_weights_file_the_input_named(exported, tmp_path):
+    """Weights spread over files of any name, one in a subfolder: the in-place rewrite removes each of them once its
+    own weights are in place, and nothing else (a file no model names, one a twin model also reads)."""
+    from onnx.external_data_helper import set_external_data
+
+    model = onnx.load(str(exported("gpt", "dynamo")))
+    (tmp_path / "shards").mkdir()
+    large = [t for t in model.graph.initializer if len(t.raw_data) >= 1024]
+    locations = ["first.weights", "shards/second.bin", "third"]
+    for k, tensor in enumerate(large):
+        set_external_data(tensor, locations[k % len(locations)])
+    onnx.save_model(model, str(tmp_path / "model.onnx"))  # writes each tensor to its location
+    (tmp_path / "unrelated.bin").write_bytes(b"keep")
+    (tmp_path / "shards" / "other.bin").write_bytes(b"keep")
+    named = onnx_io.files_of(tmp_path / "model.onnx")[1:]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in set(named)) == sorted(locations)
+    rewrite_onnx(tmp_path / "model.onnx", tmp_path / "model.onnx", force=True)
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["model.onnx", "model.onnx.data", "shards/other.bin", "unrelated.bin"], left
+    assert len(_sites(onnx.load(str(tmp_path / "model.onnx")))) == 8
+
+
 def _graph(path: Path, nodes, inputs, outputs, opset: int = 17) -> Path:
     graph = helper.make_graph(nodes, "g", inputs, outputs)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -55,6 +56,26 @@ def test_given_shapes_solve_the_rest_or_are_refused():
     assert onnx_dims.Dims({"x": ["n", "n - 1"]}).shape_sets() == [[{"x": (2, 1)}], [{"x": (1, 0)}]]
     with pytest.raises(ConfigError, match="'n - 20' comes out negative at the default sizes"):
         onnx_dims.Dims({"x": ["n", "n - 20"]}).shape_sets()
+
+
+GENAI = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "total_sequence_length"],
+         "past_key_values.0.key": ["batch_size", 2, "past_sequence_length", "kv_cache_dim"]}
+
+
+def test_genai_dims_from_the_graph():
+    """onnxruntime-genai's names: the head size the graph fixes (onnx_cache_dims.py) is bound, never zeroed
+    with the past; the mask's own length is past + sequence, so --input-shape solves through it as through
+    optimum's expression; without past inputs a mask length stays a free name."""
+    (default, no_past), (small, _) = onnx_dims.Dims(GENAI, implied={"kv_cache_dim": 32}).shape_sets()
+    assert default == {"input_ids": (2, 16), "attention_mask": (2, 32), "past_key_values.0.key": (2, 2, 16, 32)}
+    assert no_past["attention_mask"] == (2, 16) and no_past["past_key_values.0.key"] == (2, 2, 0, 32)
+    assert small["attention_mask"] == (1, 2) and small["past_key_values.0.key"] == (1, 2, 1, 32)
+    given = onnx_dims.Dims(GENAI, {"attention_mask": (1, 40), "input_ids": (1, 8)}, implied={"kv_cache_dim": 32})
+    assert given.shape_sets()[0][0]["past_key_values.0.key"] == (1, 2, 32, 32)
+    assert onnx_dims.Dims(GENAI, {"past_key_values.0.key": (1, 2, 4, 64)}, implied={"kv_cache_dim": 32}
+                          ).shape_sets()[0][0]["past_key_values.0.key"] == (1, 2, 4, 64)  # the user's word first
+    no_cache = {k: v for k, v in GENAI.items() if "past" not in k}
+    assert onnx_dims.Dims(no_cache).shape_sets()[0][0]["attention_mask"] == (2, 16)
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +208,50 @@ def test_exported_files_are_verified_at_their_example_sizes(tmp_path):
 def test_malformed_example_sizes_are_ignored(value):
     assert onnx_dims.examples({onnx_dims.EXAMPLE_DIMS: value}) == {}
     assert onnx_dims.Dims({"x": ["b", "n"]}, examples=onnx_dims.examples({onnx_dims.EXAMPLE_DIMS: value})).shape_sets()[0][0] == {"x": (2, 16)}
+
+
+def _cache_reader(path, op: str) -> str:
+    """x [b, s, 64] -> a com.microsoft attention op with 2 heads reading a past whose head dim is the name `head`:
+    MultiHeadAttention (q, k, v from MatMuls; past [b, 2, past, head]) or Attention (packed weights; past
+    [2, b, 2, past, head], unidirectional)."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    hidden = 64
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", hidden])
+    if op == "MultiHeadAttention":
+        inits = [numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32), n) for n in "qkv"]
+        pasts = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", 2, "past", "head"]) for n in ("past_key", "past_value")]
+        nodes = [helper.make_node("MatMul", ["x", n], [f"{n}_out"]) for n in "qkv"]
+        nodes.append(helper.make_node("MultiHeadAttention", ["q_out", "k_out", "v_out", "", "", "", "past_key", "past_value"],
+                                      ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=2))
+        outputs = ["y", "present_key", "present_value"]
+    else:
+        inits = [numpy_helper.from_array(rng.standard_normal((hidden, 3 * hidden)).astype(np.float32), "w"),
+                 numpy_helper.from_array(np.zeros(3 * hidden, np.float32), "bias")]
+        pasts = [helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, "b", 2, "past", "head"])]
+        nodes = [helper.make_node("Attention", ["x", "w", "bias", "", "past"], ["y", "present"], domain="com.microsoft",
+                                  num_heads=2, unidirectional=1)]
+        outputs = ["y", "present"]
+    graph = helper.make_graph(nodes, "g", [x, *pasts], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                        for o in outputs], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]),
+              str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("op", ["MultiHeadAttention", "Attention"])
+def test_cache_head_size_from_the_attention_op(tmp_path, op):
+    """The past's head dim gets the size the op implies (64 features over 2 heads: 32); onnxruntime runs the
+    original at the shapes verification picks (it refuses the free 16)."""
+    from attnres_compile.passes import onnx_cache_dims
+
+    path = _cache_reader(tmp_path / f"{op}.onnx", op)
+    implied = onnx_cache_dims.head_sizes(onnx.load(path))
+    assert {k: v.size for k, v in implied.items()} == {"head": 32} and op in implied["head"].why
+    runs, notes = ort_backend.verification_runs(path, None, None)
+    assert runs and all(shapes[-1] == 32 for name, shapes in runs[0]["shapes"].items() if "past" in name)
+    assert notes[0].startswith(f"verified with head = 32: the head size {op}")
+    with pytest.raises(ModelRunError):
+        ort_backend.verification_runs(path, None, {n: (2, 2, 16, 16) if op != "Attention" else (2, 2, 2, 16, 16)
+                                                   for n in ("past_key", "past_value", "past") if n in runs[0]["shapes"]})

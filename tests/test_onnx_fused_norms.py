@@ -96,29 +96,51 @@ def _rewrite_equals_original(path, out, config: AttnResConfig | None = None):
 # the real producers
 
 
+GENAI_BUILDS = {  # folder -> (architecture, precision, hidden, heads, kv heads): head sizes 16 and 32
+    "llama": ("llama", "fp32", HIDDEN, HEADS, KV_HEADS),
+    "llama_int4": ("llama", "int4", 64, 2, 1),   # MatMulNBits; onnxruntime's CPU GroupQueryAttention takes
+    "qwen2": ("qwen2", "fp32", 64, 2, 1),        # head sizes that are multiples of 16 only
+}
+BUILD = """import sys
+from onnxruntime_genai.models import builder
+for hf, out, precision in zip(*[iter(sys.argv[1:])] * 3):
+    args = ("", hf, out, precision, "cpu", out + "_cache")
+    builder.create_model(*args, **builder.parse_extra_options(*args, {}))
+"""
+
+
 @pytest.fixture(scope="module")
-def genai_llama(tmp_path_factory) -> str:
-    """onnxruntime-genai's builder (fp32, cpu) on a Llama saved with save_pretrained from a config."""
+def genai_folders(tmp_path_factory) -> dict[str, str]:
+    """onnxruntime-genai's builder (cpu) on tiny Llama and Qwen2 models saved with save_pretrained from configs,
+    all built in one child (the builder's imports cost more than the builds): {name: model.onnx}."""
     pytest.importorskip("onnxruntime_genai")
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     folder = tmp_path_factory.mktemp("genai")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128,
-                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, max_position_embeddings=64)
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(config).eval()
-    _randomize(llama)
-    llama.save_pretrained(folder / "hf")
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}  # the builder reads a tokenizer beside the weights
+    vocab = {f"t{i}": i for i in range(128)}  # the builder reads a tokenizer beside the weights
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(folder / "hf")
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder / "hf"),
-                    "-o", str(folder / "out"), "-p", "fp32", "-e", "cpu"], check=True, capture_output=True,
-                   timeout=300, cwd=folder)
-    return str(folder / "out" / "model.onnx")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+    argv = []
+    for name, (arch, precision, hidden, heads, kv) in GENAI_BUILDS.items():
+        config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+        config = config_class(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=kv,
+                              max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        _randomize(model)  # Qwen2's q/k/v biases too: a zero bias the builder would leave out
+        model.save_pretrained(folder / name / "hf")
+        tokenizer.save_pretrained(folder / name / "hf")
+        argv += [str(folder / name / "hf"), str(folder / name / "out"), precision]
+    subprocess.run([sys.executable, "-c", BUILD, *argv], check=True, capture_output=True, timeout=300, cwd=folder)
+    return {name: str(folder / name / "out" / "model.onnx") for name in GENAI_BUILDS}
+
+
+@pytest.fixture(scope="module")
+def genai_llama(genai_folders) -> str:
+    return genai_folders["llama"]
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -138,6 +160,7 @@ def _ort_optimized(kind: str, folder) -> str:
     from samples import hf_models
 
     model, inputs = hf_models.gpt2_factory() if kind == "gpt2" else hf_models.bert_factory()
+    model.set_attn_implementation("eager")  # the optimizer fuses BERT's eager attention (and then its embedding)
     _randomize(model)
     if kind == "gpt2":
         module = hf_models.CausalLMLogits(model).eval()
@@ -158,7 +181,10 @@ def _ort_optimized(kind: str, folder) -> str:
                           opset_version=17, input_names=names, output_names=["out"],
                           dynamic_axes={n: {0: "batch", 1: "seq"} for n in names})
     optimized = optimize_model(str(exported), model_type=kind, num_heads=2, hidden_size=32)
-    assert optimized.get_fused_operator_statistics()["SkipLayerNormalization"] == 4
+    counts = optimized.get_fused_operator_statistics()
+    assert counts["SkipLayerNormalization"] == 4
+    if kind == "bert":
+        assert counts["EmbedLayerNormalization"] == 1 and counts["Attention"] == 2
     optimized.save_model_to_file(str(fused))
     return str(fused)
 
@@ -204,13 +230,23 @@ def test_ort_optimized_gpt2_rewrites(ort_gpt2, tmp_path):
 
 @pytest.mark.slow
 def test_ort_optimized_bert_finds_post_norm_links(ort_bert, tmp_path):
-    """BERT (post-norm) fused: 4 links, each its own chain (the stream goes through LayerNorm); min_chain=1
-    rewrites them exactly."""
+    """BERT (post-norm) fused with its embedding (EmbedLayerNormalization) and attention (Attention): 4 links,
+    each its own chain (the stream goes through LayerNorm), the first from the fused embedding's output;
+    min_chain=1 rewrites them exactly; `contrib_ops` says how each fused op was read."""
     assert _unfused_equals_original(ort_bert) == {"SkipLayerNormalization": 4}
     report = inspect_onnx(ort_bert)
     assert report["summary"]["links"] == 4 and [c["links"] for c in report["chains"]] == [1] * 4
     report = _rewrite_equals_original(ort_bert, tmp_path / "attnres.onnx", AttnResConfig(min_chain=1))
     assert [c["status"] for c in report["chains"]] == ["rewritten"] * 4
+    embed = next(n for n in onnx.load(ort_bert, load_external_data=False).graph.node
+                 if n.op_type == "EmbedLayerNormalization")
+    assert report["chains"][0]["root"] == embed.output[0]  # no embedding_sum output: the normed sum starts it
+    read = {r["op"].rsplit(".", 1)[1]: r for r in report["contrib_ops"]}
+    assert read["EmbedLayerNormalization"]["read"] == "stream root" and read["EmbedLayerNormalization"]["nodes"] == [embed.name]
+    assert "is the root of chain 0" in read["EmbedLayerNormalization"]["reason"]
+    assert read["Attention"]["read"] == "opaque" and "sublayer op (attention)" in read["Attention"]["reason"]
+    assert read["SkipLayerNormalization"] == {"op": "com.microsoft.SkipLayerNormalization", "count": 4, "read": "unfused",
+                                              "reason": "its residual add unfused into Add + norm before the analysis"}
 
 
 # each rule against onnxruntime's kernel, on hand-built graphs
@@ -372,3 +408,95 @@ def test_genai_folder_in_genai_folder_out(genai_llama, tmp_path):
         assert _genai_tokens(out.parent, prompt) == want and all(len(w) == 22 for w in want)
     with pytest.raises(AttnResError, match="exists: pass --force"):
         rewrite_onnx(genai_llama, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_int4", "qwen2"])
+def test_genai_int4_and_qwen2_verify_and_generate(genai_folders, name, tmp_path):
+    """An int4 builder file (MatMulNBits) and a Qwen2 one (q/k/v biases), head size 32: verification sizes
+    `kv_cache_dim` from GroupQueryAttention's attributes and its packed q/k/v width (no --input-shape; a free
+    16 fails the original, exit 15) and `total_sequence_length` as past + sequence; og.Generator on the
+    rewritten folder gives the original folder's greedy tokens, batch 1 and 2."""
+    path = genai_folders[name]
+    ops = {n.op_type for n in onnx.load(path, load_external_data=False).graph.node}
+    assert "GroupQueryAttention" in ops and ("MatMulNBits" in ops) == (name == "llama_int4")
+    out = tmp_path / "attnres" / "model.onnx"
+    report = rewrite_onnx(path, out).report
+    assert report["verification"] and all(r["ok"] for r in report["verification"]), report["verification"]
+    assert report["summary"]["sites_rewritten"] == 2 * LAYERS
+    opaque = {r["op"].rsplit(".", 1)[1] for r in report["contrib_ops"] if r["read"] == "opaque" and r["reason"].endswith("fine")}
+    assert opaque == ({"GroupQueryAttention", "MatMulNBits"} if name == "llama_int4" else {"GroupQueryAttention"})
+    assert any(n.startswith("verified with kv_cache_dim = 32: the head size GroupQueryAttention") for n in report["notes"])
+    for shapes in report["verified_shapes"]:
+        past = shapes["past_key_values.0.key"]
+        assert past[-1] == 32 and shapes["attention_mask"][1] == past[2] + shapes["input_ids"][1], shapes
+    for prompt in ([[5, 17, 42, 8, 99, 3]], [[5, 17, 42, 8, 99, 3], [7, 7, 21, 60, 2, 11]]):
+        assert _genai_tokens(out.parent, prompt) == _genai_tokens(Path(path).parent, prompt)
+
+
+def _embed_pre_norm(path: Path, with_sum: bool = True) -> str:
+    """A pre-norm stream that EmbedLayerNormalization starts, as onnxruntime's optimizer fuses GPT-2's embedding
+    (`fuse_gpt2`): output 2, the embedding sum, is the first skip; output 0, its LayerNorm, feeds the first
+    branch; two links `h + W relu(norm(h))`, the second branch through a LayerNormalization of h1."""
+    rng = np.random.default_rng(3)
+    d, vocab = N, 20
+    tensors = {"word": (vocab, d), "pos": (16, d), "seg": (2, d), "gamma": (d,), "beta": (d,), "w1": (d, d),
+               "w2": (d, d), "g2": (d,)}
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name) for name, shape in tensors.items()]
+    outputs = ["normed", "mask_index", "emb_sum" if with_sum else ""]
+    nodes = [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+             helper.make_node("Mul", ["ids32", "zero"], ["segments"]),
+             helper.make_node("EmbedLayerNormalization", ["ids32", "segments", "word", "pos", "seg", "gamma", "beta"],
+                              outputs, domain="com.microsoft", name="embed", epsilon=1e-5),
+             helper.make_node("Relu", ["normed"], ["r1"]), helper.make_node("MatMul", ["r1", "w1"], ["b1"]),
+             helper.make_node("Add", ["emb_sum" if with_sum else "normed", "b1"], ["h1"]),
+             helper.make_node("LayerNormalization", ["h1", "g2"], ["n2"], axis=-1),
+             helper.make_node("MatMul", ["n2", "w2"], ["b2"]), helper.make_node("Add", ["h1", "b2"], ["h2"])]
+    inits.append(numpy_helper.from_array(np.zeros((), np.int32), "zero"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "t"])],
+                              [helper.make_tensor_value_info("h2", TensorProto.FLOAT, ["b", "t", d])], inits)
+    graph.value_info.extend(helper.make_tensor_value_info(v, TensorProto.FLOAT, ["b", "t", d])  # as the optimizer's
+                            for v in outputs[::2] if v)                                             # files carry
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def test_embed_layer_norm_sum_roots_a_pre_norm_stream(tmp_path):
+    """EmbedLayerNormalization's embedding sum (output 2) is the root: its normed output 0, which the first branch
+    reads, is read as a function of it, so both links are found (without that the first link's branch does
+    not depend on its skip and the chain is the second link alone); the rewrite verifies in onnxruntime and
+    matches the fused original."""
+    path = _embed_pre_norm(tmp_path / "embed.onnx")
+    report = inspect_onnx(path)
+    assert report["summary"]["links"] == 2 and [c["root"] for c in report["chains"]] == ["emb_sum"]
+    row = next(r for r in report["contrib_ops"] if r["op"] == "com.microsoft.EmbedLayerNormalization")
+    assert row["nodes"] == ["embed"] and "output 2, the embedding sum" in row["reason"] and "root of chain 0" in row["reason"]
+    assert any(n.startswith("EmbedLayerNormalization read as the embedding sum: embed:") for n in report["notes"])
+    feeds = {"ids": np.random.default_rng(4).integers(0, 20, (2, 5))}
+    result = rewrite_onnx(path, tmp_path / "out.onnx")
+    assert result.report["summary"]["sites_rewritten"] == 2 and all(r["ok"] for r in result.report["verification"])
+    _assert_close(_run(str(tmp_path / "out.onnx"), feeds)[0], _run(path, feeds)[0])
+    # without a sum output the normed output starts the stream (a post-norm-like root), as in BERT
+    report = inspect_onnx(_embed_pre_norm(tmp_path / "no_sum.onnx", with_sum=False))
+    assert [c["root"] for c in report["chains"]] == ["normed"] and report["summary"]["links"] == 2
+
+
+@pytest.mark.slow
+def test_compile_refuses_onnxruntime_ops_in_one_line(genai_folders, ort_bert, tmp_path, capsys):
+    """`compile` of a file with ops only onnxruntime runs stops before any weight is read, exit 13, one line naming
+    them and what to do (a genai folder: run it with onnxruntime / generate), nothing written."""
+    from attnres_compile.backends.tvm.importers import check_importable
+
+    out = tmp_path / "tvm"
+    assert main(["compile", genai_folders["llama_int4"], "-o", str(out)]) == 13
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and not out.exists()
+    matmuls = sum(n.op_type == "MatMulNBits" for n in onnx.load(genai_folders["llama_int4"], load_external_data=False).graph.node)
+    assert ("TVM's ONNX import cannot take: SimplifiedLayerNormalization, com.microsoft.GroupQueryAttention x2, "
+            f"com.microsoft.MatMulNBits x{matmuls}, com.microsoft.SkipSimplifiedLayerNormalization x4; run it with "
+            "onnxruntime as it is") in err
+    assert "onnxruntime-genai folder" in err
+    with pytest.raises(AttnResError, match=r"com\.microsoft\.Attention x2, com\.microsoft\.BiasGelu x2, com\.microsoft\."
+                       r"EmbedLayerNormalization, com\.microsoft\.SkipLayerNormalization x4; run it with onnxruntime"):
+        check_importable(onnx.load(ort_bert, load_external_data=False), Path(ort_bert))

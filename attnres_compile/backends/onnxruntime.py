@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -29,7 +30,7 @@ import torch
 
 from .. import isolate
 from ..errors import ConfigError, ModelRunError, first_line
-from ..passes import onnx_dims, verify
+from ..passes import onnx_cache_dims, onnx_dims, onnx_quantize_steps, verify
 from .exact_sigmoid import exact_sigmoids
 
 # where a session made from bytes reads external data (else: refused, "escapes working directory")
@@ -53,13 +54,17 @@ def session(path: str | os.PathLike) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), _options(), providers=["CPUExecutionProvider"])
 
 
-def reference_session(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> ort.InferenceSession:
+def reference_session(path: str | os.PathLike, model: onnx.ModelProto | None = None,
+                      edit: Callable[[onnx.ModelProto], object] | None = None) -> ort.InferenceSession:
     """The session verification compares against: the model at `path` (`model`, loaded without its
-    weights, when given; edited in place) with its Sigmoids exact (exact_sigmoid.py), made from the
-    edited bytes with external data read from beside `path`; from the file itself when it has none."""
+    weights, when given; edited in place) with its Sigmoids exact (exact_sigmoid.py) and `edit` applied,
+    made from the edited bytes with external data read from beside `path`; from the file itself when
+    nothing was edited."""
     model = onnx.load(str(path), load_external_data=False) if model is None else model
-    if not exact_sigmoids(model):
+    if not exact_sigmoids(model) and edit is None:
         return session(path)
+    if edit is not None:
+        edit(model)
     options = _options()
     options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.path.dirname(os.path.abspath(path)))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -84,14 +89,19 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+def input_shapes(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None,
+                 model: onnx.ModelProto | None = None) -> dict[str, tuple[int, ...]]:
     """Concrete shapes for every input of `sess`: the default shape set (onnx_dims), overrides first."""
-    return symbolic_dims(sess, overrides).shape_sets()[0][0]
+    return symbolic_dims(sess, overrides, model).shape_sets()[0][0]
 
 
-def symbolic_dims(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None) -> onnx_dims.Dims:
-    """The sizes for `sess`'s symbolic dims: `overrides`, else the file's recorded example sizes, else the defaults."""
-    return onnx_dims.Dims(declared(sess), overrides, onnx_dims.examples(sess.get_modelmeta().custom_metadata_map))
+def symbolic_dims(sess: ort.InferenceSession, overrides: dict[str, tuple[int, ...]] | None = None,
+                  model: onnx.ModelProto | None = None) -> onnx_dims.Dims:
+    """The sizes for `sess`'s symbolic dims: `overrides`, else what `model`'s graph fixes (a KV cache's head
+    size: onnx_cache_dims.py), else the file's recorded example sizes, else the defaults."""
+    implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()} if model is not None else None
+    return onnx_dims.Dims(declared(sess), overrides, onnx_dims.examples(sess.get_modelmeta().custom_metadata_map),
+                          implied)
 
 
 def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
@@ -101,7 +111,7 @@ def declared(sess: ort.InferenceSession) -> onnx_dims.Declared:
 
 def make_inputs(sess: ort.InferenceSession, model: onnx.ModelProto, overrides: dict | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """Feeds for every input of `sess` at the default shapes (see the module docstring)."""
-    return feeds_at(sess, model, input_shapes(sess, overrides), seed)
+    return feeds_at(sess, model, input_shapes(sess, overrides, model), seed)
 
 
 def feeds_at(sess: ort.InferenceSession, model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
@@ -153,24 +163,52 @@ def compare_outputs(expected: dict[str, np.ndarray], actual: dict[str, np.ndarra
     return rows
 
 
+class _Pair:
+    """The original's and the rewritten's sessions for `run_sets`. A quantized original records its quantize
+    steps, and the rewritten model quantizes with them (onnx_quantize_steps.py, with a margin of `rtol`)."""
+
+    def __init__(self, original, model: onnx.ModelProto, rewritten, rtol: float):
+        self.rewritten, self.rtol = rewritten, rtol
+        self.steps = onnx_quantize_steps.steps(model) if rewritten is not None else []
+        self.recorded: list[str] = []
+        self.inputs: dict[str, str] = {}
+        self.other = None
+        record = (lambda m: self.recorded.extend(onnx_quantize_steps.record(m, self.steps))) if self.steps else None
+        self.original = reference_session(original, model, record)
+
+    def expected(self, feeds: dict) -> tuple[dict, dict]:
+        """The original's outputs and its recorded quantize steps."""
+        out = run(self.original, feeds)
+        return {k: v for k, v in out.items() if k not in self.recorded}, {k: out[k] for k in self.recorded}
+
+    def actual(self, feeds: dict, recorded: dict) -> dict:
+        """The rewritten model's outputs, its quantize steps fixed by `recorded` (the original's, same feeds)."""
+        if self.other is None:
+            fix = (lambda m: self.inputs.update(onnx_quantize_steps.fix_steps(m, self.steps, recorded, self.rtol))
+                   ) if self.steps else None
+            self.other = reference_session(self.rewritten, edit=fix)
+        return run(self.other, {**feeds, **{name: recorded[key] for name, key in self.inputs.items()}})
+
+
 def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = None, overrides: dict | None = None,
-             seed: int = 0) -> list[dict]:
+             seed: int = 0, rtol: float = verify.PRESERVE_RTOL) -> list[dict]:
     """The original (and the rewritten) model at each shape set (onnx_dims), in this process: per set
     {"shapes", "feeds", "expected", "actual"} at the first variant the original runs at ("actual":
     the rewritten's outputs or the first line of its error), else {"refused": [(shapes, error)],
     "past": past-like dims, "mask": a mask input, "symbolic": whether any dim is}; after a
-    refused default set the small one is not tried."""
+    refused default set the small one is not tried. A quantized original's quantize steps are recorded
+    and the rewritten one quantizes with them (`_Pair`; `rtol`: the comparison's tolerance)."""
     model = onnx.load(str(original), load_external_data=False)
-    sess = reference_session(original, model)
-    dims = symbolic_dims(sess, overrides)
-    other = None
+    pair = _Pair(original, model, rewritten, rtol)
+    sess = pair.original
+    dims = symbolic_dims(sess, overrides, model)
     results: list[dict] = []
     for variants in dims.shape_sets():
         refused = []
         for shapes in variants:
             feeds = feeds_at(sess, model, shapes, seed)
             try:
-                expected = run(sess, feeds)
+                expected, recorded = pair.expected(feeds)
             except Exception as exc:  # noqa: BLE001 - onnxruntime refusing these shapes (ORT's own error classes)
                 if isolate.out_of_memory(f"{type(exc).__name__}: {exc}"):
                     raise
@@ -178,12 +216,12 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
                 continue
             result = {"shapes": shapes, "feeds": feeds, "expected": expected}
             if rewritten is not None:
-                other = other or reference_session(rewritten)
                 try:
-                    result["actual"] = run(other, feeds)
+                    result["actual"] = pair.actual(feeds, recorded)
                     zeroed, names = verify.zero_rows(feeds)
                     if names and not results:  # the default set, also with zero rows (verify.zero_rows)
-                        result["edge"] = (names, run(sess, zeroed), run(other, zeroed))
+                        edge, edge_recorded = pair.expected(zeroed)
+                        result["edge"] = (names, edge, pair.actual(zeroed, edge_recorded))
                 except Exception as exc:  # noqa: BLE001 - reported as a failed verification
                     if isolate.out_of_memory(f"{type(exc).__name__}: {exc}"):
                         raise
@@ -200,22 +238,38 @@ def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = 
 
 
 def verification_runs(original: str | os.PathLike, rewritten: str | os.PathLike | None, overrides: dict | None,
-                      seed: int = 0, timeout: float | None = None,
-                      consequence: str = "nothing written") -> tuple[list[dict], list[str]]:
+                      seed: int = 0, timeout: float | None = None, consequence: str = "nothing written",
+                      rtol: float = verify.PRESERVE_RTOL) -> tuple[list[dict], list[str]]:
     """`run_sets` in an isolated child with `timeout` seconds (default sized to the models,
     `default_timeout`): the sets that ran, and notes on a small set the original refused. The
     original refusing the default set is a ModelRunError naming the shapes tried, never a guess."""
     hint = "Re-run with verify_outputs=False to skip verification"
     try:
-        results = isolate.run(run_sets, original, rewritten, overrides, seed, what="onnxruntime", action="verifying",
+        results = isolate.run(run_sets, original, rewritten, overrides, seed, rtol, what="onnxruntime", action="verifying",
                               timeout=timeout or default_timeout(original), consequence=consequence, hint=hint)
     except isolate.ChildError as exc:
         raise ModelRunError(str(exc)) from None
     if "refused" in results[0]:
         raise ModelRunError(_refusal(results[0], consequence, hint))
-    notes = [f"not verified at the small shapes ({onnx_dims.describe(r['refused'][0][0])}): the original model "
-             f"fails there in onnxruntime ({r['refused'][0][1]})" for r in results[1:] if "refused" in r]
+    notes = _graph_notes(original, overrides, rewritten is not None)
+    notes += [f"not verified at the small shapes ({onnx_dims.describe(r['refused'][0][0])}): the original model "
+              f"fails there in onnxruntime ({r['refused'][0][1]})" for r in results[1:] if "refused" in r]
     return [r for r in results if "refused" not in r], notes
+
+
+def _graph_notes(original: str | os.PathLike, overrides: dict | None, compared: bool) -> list[str]:
+    """A note per symbolic dim verification sized from the graph (onnx_cache_dims.py), unless --input-shape sized
+    it, and on a quantized original's steps fixed for the comparison (`compared`: a rewritten model is run)."""
+    model = onnx.load(str(original), load_external_data=False)
+    given = {d.dim_param for i in model.graph.input if i.name in (overrides or {}) for d in i.type.tensor_type.shape.dim}
+    notes = [f"verified with {i.name} = {i.size}: {i.why}" for i in onnx_cache_dims.head_sizes(model).values()
+             if i.name not in given]
+    steps = onnx_quantize_steps.steps(model) if compared else []
+    if steps:
+        notes.append(f"quantized model: the rewritten model's {len(steps)} quantize step(s) fixed by the original's "
+                     "activations for the comparison (a rounding-level difference at a rounding boundary is no "
+                     "change; passes/onnx_quantize_steps.py)")
+    return notes
 
 
 def _refusal(result: dict, consequence: str, hint: str) -> str:
@@ -238,7 +292,8 @@ def compare_files(original: str | os.PathLike, rewritten: str | os.PathLike, tol
     """Both models at the default and the small shape set (`verification_runs`): per-output rows
     (`merge_rows`), the shape sets compared, and notes. The rewritten model failing where the
     original runs is a failed row."""
-    runs, notes = verification_runs(original, rewritten, overrides, seed, timeout, consequence)
+    rtol = tolerance.rtol if tolerance is not None else verify.PRESERVE_RTOL
+    runs, notes = verification_runs(original, rewritten, overrides, seed, timeout, consequence, rtol)
     per_set = []
     for r in runs:
         if isinstance(r["actual"], str):

@@ -9,6 +9,12 @@ sizes (`EXAMPLE_DIMS`), which then replace 2 and 16 (an audio model's conv stack
 samples, not 16). Past-like dims (only in inputs named `past...` or
 `...cache...`) get 0 in a second variant of each set: it makes an opaque total length
 (`unk__12`, `s53`) equal to the sequence length, as a first decode step has it.
+
+What the graph itself fixes comes first (`implied`): a KV cache's head size, which
+onnxruntime-genai names `kv_cache_dim` (onnx_cache_dims.py), and the length of a decoder's
+attention mask, which covers the past and the new tokens: a mask dim of its own
+(`total_sequence_length`) in a model with past inputs is the past length (axis -2 of the past
+inputs) plus the sequence length (axis 1 of the other inputs), as optimum writes it outright.
 """
 
 from __future__ import annotations
@@ -138,7 +144,8 @@ class Dims:
     and the sizes the user gave (`--input-shape`), checked against the declaration. The dim name `?`
     is unnamed: paddle2onnx writes it for every unknown dim, not for one shared size."""
 
-    def __init__(self, inputs: Declared, overrides: Shapes | None = None, examples: Mapping[str, int] | None = None):
+    def __init__(self, inputs: Declared, overrides: Shapes | None = None, examples: Mapping[str, int] | None = None,
+                 implied: Mapping[str, int] | None = None):
         self.inputs = inputs = {name: [None if d == UNKNOWN else d for d in dims] for name, dims in inputs.items()}
         alone = [d for dims in inputs.values() for d in dims if isinstance(d, str)]
         self.exprs: dict[str, dict[str, int]] = {}
@@ -146,6 +153,8 @@ class Dims:
             form = parse(text)
             if form is not None and all(name in alone for name in form if name):
                 self.exprs[text] = form
+        self.implied = {k: v for k, v in (implied or {}).items() if k in alone and k not in self.exprs}
+        self.exprs.update(_mask_total(inputs, self.exprs, self.implied))
         self.defaults: dict[str, int] = {}
         for dims in inputs.values():
             for axis, d in enumerate(dims):
@@ -181,6 +190,8 @@ class Dims:
                     constraints.append((name, d, size))
                 elif isinstance(d, str) and bound.setdefault(d, size) != size:
                     raise ConfigError(f"--input-shape gives {d} two sizes: {bound[d]} and {size}")
+        for name, size in self.implied.items():  # what the graph fixes, unless --input-shape says otherwise
+            bound.setdefault(name, size)
         values = self._solve(bound, constraints, self.defaults)
         for name, text, size in constraints:
             if _value(self.exprs[text], values) != size:
@@ -253,6 +264,24 @@ class Dims:
                 continue
             sets.append([dict(v) for v in variants])
         return sets
+
+
+def _mask_total(inputs: Declared, exprs: dict, implied: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """{mask length name: past + sequence} for a decoder with past inputs whose attention mask has a length dim of
+    its own (onnxruntime-genai's `total_sequence_length`); {} where the names do not tell one past length and
+    one sequence length apart."""
+    past_inputs = [dims for name, dims in inputs.items() if _PAST.search(name)]
+    masks = [dims for name, dims in inputs.items() if "mask" in name.lower() and not _PAST.search(name)]
+    others = [dims for name, dims in inputs.items() if "mask" not in name.lower() and not _PAST.search(name)]
+    free = lambda d: isinstance(d, str) and d not in exprs and d not in implied  # noqa: E731
+    past = {dims[-2] for dims in past_inputs if len(dims) >= 3 and free(dims[-2])}
+    sequence = {dims[1] for dims in others if len(dims) >= 2 and free(dims[1])}
+    totals = {dims[1] for dims in masks if len(dims) == 2 and free(dims[1])}
+    used = {d for dims in [*past_inputs, *others] for d in dims}
+    if len(past) != 1 or len(sequence) != 1 or past & sequence:
+        return {}
+    (p,), (s,) = past, sequence
+    return {t: {p: 1, s: 1} for t in totals - used}
 
 
 def _key(shapes: Shapes) -> tuple:

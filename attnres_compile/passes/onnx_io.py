@@ -401,19 +401,30 @@ def staged(output: str | os.PathLike):
 
 
 def orphaned_weights(output: Path) -> list[Path]:
-    """The external data files of the ONNX model now at `output` (regular files of its folder) that no
-    other ONNX file of the folder names: they go when `output` is replaced."""
+    """The external data files of the ONNX model now at `output` (regular files inside its folder, whatever their
+    names, in a subfolder too) that no other ONNX file of the folder names: they go when `output` is replaced."""
     if not output.is_file() or output.is_symlink():
         return []
     folder = output.parent.resolve()
-    mine = {p.name for p in files_of(output)[1:] if p.resolve().parent == folder and p.is_file() and not p.is_symlink()}
+    mine = {_inside(p, folder) for p in files_of(output)[1:] if p.is_file() and not p.is_symlink()} - {None}
     return sorted(folder / name for name in mine - folder_data_names(folder, but=output.name)) if mine else []
 
 
 def folder_data_names(folder: Path, but: str | None = None) -> set[str]:
-    """The names of the external data files the ONNX models of `folder` (but the one named `but`) name."""
-    return {f.name for m in folder.iterdir() if m.suffix == ".onnx" and m.name != but and m.is_file()
-            for f in files_of(m)[1:]}
+    """The external data files the ONNX models of `folder` (but the one named `but`) name, as paths relative to
+    `folder` (`model.onnx.data`, `shards/b.bin`)."""
+    base = folder.resolve()
+    return {name for m in folder.iterdir() if m.suffix == ".onnx" and m.name != but and m.is_file()
+            for f in files_of(m)[1:] if (name := _inside(f, base)) is not None}
+
+
+def _inside(path: Path, folder: Path) -> str | None:
+    """`path` (its folder resolved, itself not followed) relative to `folder` as a posix path, or None outside it."""
+    try:
+        relative = (path.parent.resolve() / path.name).relative_to(folder)
+    except (ValueError, OSError, RuntimeError):
+        return None
+    return relative.as_posix()
 
 
 def data_name(stage: outputs.Stage) -> str:

@@ -10,6 +10,9 @@ plan's names are the graph's value names. Ops are classified structurally, never
     attnres.DepthAttention, DepthAttentionMerge  DEPTH_ATTENTION (one per site; checked by onnx_site_check)
     graph inputs                               INPUT
 
+A fused op that returns a sum and its norm (EmbedLayerNormalization's `embedding_sum` and its
+LayerNorm, FUSED_SUMS) gets its normed output read as a function of the sum.
+
 Shapes come from shape inference (`inferred_types`: the inference runs merged, with the inputs
 bound where --input-shape gives them) on top of the file's own value_info; symbolic dims are
 their names, unknown dims a per-value token that equals no other.
@@ -30,12 +33,19 @@ from . import onnx_io
 from .graph_view import Kind, ViewNode, build_view
 from .onnx_function import DOMAIN, MERGE, OP_TYPE
 from .onnx_site_check import check_sites
+from .onnx_unfuse_skip_norm import DOMAIN as ORT_DOMAIN
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 OUTPUT_SINK = "<graph outputs>"
 # learned operators even when their weight is an activation (graph_view.py `learned`)
 CONTRACTIONS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger", "ConvInteger", "QLinearMatMul",
                 "QLinearConv", "FusedMatMul", "Attention", "MultiHeadAttention"}
+
+
+# fused ops that return a sum and a norm of it: (domain, op) -> (normed output, sum output, the norm's own
+# inputs); the view reads the normed output as a function of the sum, so the sum can be a stream's root
+# (onnx_contrib_ops.py). EmbedLayerNormalization: inputs 5 and 6 are gamma and beta.
+FUSED_SUMS = {(ORT_DOMAIN, "EmbedLayerNormalization"): (0, 2, (5, 6))}
 
 
 SYMBOLIC_MAX_DEPTH = 2  # onnxruntime's symbolic inference re-infers every subgraph on each pass: exponential in depth
@@ -342,15 +352,23 @@ def view_nodes(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] 
         target = node.op_type if node.domain in STANDARD_DOMAINS else f"{node.domain}.{node.op_type}"
         scalar = kind == Kind.ADD and (len(inputs) < 2 or any(_numel_one(i, types, consts) for i in inputs))
         is_const = kind == Kind.CONST or (bool(inputs) and all(i in consts for i in inputs))
-        for index, value in enumerate(node.output):
+        fused_sum = FUSED_SUMS.get((node.domain, node.op_type))
+        order = list(enumerate(node.output))
+        if fused_sum and len(node.output) > fused_sum[1] and node.output[fused_sum[1]]:
+            order.sort(key=lambda item: item[0] != fused_sum[1])  # the sum first: the normed output reads it
+        else:
+            fused_sum = None
+        for index, value in order:
             if not value:
                 continue
             value_kind = kind if index == 0 or kind == Kind.CONST else Kind.OP  # e.g. Dropout's mask
             if is_const:
                 consts.add(value)
             defined.add(value)
-            out.append(ViewNode(value, value_kind, target, inputs, _shape(value, types), _dtype(value, types),
-                                scalar=scalar and value_kind == Kind.ADD,
+            reads = [node.output[fused_sum[1]], *(node.input[i] for i in fused_sum[2] if i < len(node.input))] \
+                if fused_sum and index == fused_sum[0] else inputs
+            out.append(ViewNode(value, value_kind, target, [i for i in reads if i], _shape(value, types),
+                                _dtype(value, types), scalar=scalar and value_kind == Kind.ADD,
                                 learned=value_kind == Kind.OP and node.op_type in CONTRACTIONS))
     out.append(ViewNode(OUTPUT_SINK, Kind.OUTPUT, "output", [o.name for o in graph.output]))
     return out

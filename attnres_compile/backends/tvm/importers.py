@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ... import pytree_warning
 from ...decoder import GENERATION, flat_input_names, token_ids
 from ...errors import CompileError, first_line
-from ...passes import onnx_io
+from ...passes import onnx_genai, onnx_io
 from ...passes.fx_two_phase import one_pass
 from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, default_opset
 from ...passes.onnx_grouping import sites as onnx_sites
@@ -121,9 +122,6 @@ def from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] |
     """The Relax module of an AttnRes ONNX model: weights bound as constants, the dims in
     `input_shapes` fixed and the others kept symbolic, constants folded first (onnx_prepare)."""
     model = simplify(model, input_shapes)
-    others = {n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
-    if others:
-        raise CompileError(f"ONNX model uses custom ops TVM cannot import: {sorted(others)}")
     strings = [v.name for v in [*model.graph.input, *model.graph.output]
                if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type == onnx.TensorProto.STRING]
     if strings:
@@ -138,6 +136,26 @@ def from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] |
             raise
         except Exception as exc:  # noqa: BLE001 - OpNotImplemented, ValueError, InternalError of converters
             raise CompileError(f"TVM's ONNX frontend cannot import this model: {first_line(exc)}") from None
+
+
+def check_importable(model: onnx.ModelProto, path: Path) -> None:
+    """Refuse, in one line and before any weight is read, a file whose ops TVM's ONNX import cannot take: contrib
+    ops (`com.microsoft` and other custom domains: GroupQueryAttention, MatMulNBits, Skip*LayerNormalization, ...;
+    TVM converts a few of them for static shapes only, so none is let through) and the default-domain ops only
+    onnxruntime defines (SimplifiedLayerNormalization). Such a file runs in onnxruntime as it is."""
+    ops = Counter(f"{n.domain}.{n.op_type}" for g in onnx_io.graphs_with_depth(model) for n in g[0].node
+                  if n.domain not in ("", "ai.onnx", DOMAIN))
+    ops.update({op: 1 for op in onnx_io.ort_only_ops(model)})
+    if not ops:
+        return
+    listed = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(ops.items()))
+    if onnx_genai.is_genai_folder(path.parent):
+        what = (f"run it with onnxruntime as it is: {path.parent} is an onnxruntime-genai folder (og.Model loads it; "
+                "`attnres-compile generate` runs its decoder)")
+    else:
+        what = ("run it with onnxruntime as it is, or compile a file of standard ONNX ops (rewrite the torch.onnx or "
+                "optimum export, not the file onnxruntime's optimizer or onnxruntime-genai fused)")
+    raise CompileError(f"{path.name} uses onnxruntime ops that TVM's ONNX import cannot take: {listed}; {what}")
 
 
 def _convert_torch_site(node, importer) -> relax.Var:
@@ -238,7 +256,9 @@ def import_model(model: str | os.PathLike | torch.export.ExportedProgram,
             imported.inputs = flat_input_names(imported.inputs, imported.outputs)  # a decoder's pasts as ONNX names them
         imported.generation = token_ids(loaded.meta.get(GENERATION))
         return imported
-    proto = onnx_io.load(path)
+    proto = onnx_io.load(path, with_data=False)
+    check_importable(proto, path)
+    onnx_io.load_data(proto, path)
     check_sites(proto, value_types(proto.graph))
     initializers = {i.name for i in proto.graph.initializer}
     sites = [{"name": s.node.name, "query": s.query, "sources": len(s.sources), "eps": s.eps, "scale": s.scale,

@@ -1,0 +1,234 @@
+"""What one micro-batch of a model costs in memory, measured once in one process: the planner's input.
+
+The pipeline memory planner (planner.py) multiplies per-layer figures by what each rank's
+schedule keeps in flight, so it needs, per decoder layer of the traced (original) model: its
+parameter bytes, and the bytes its forward leaves alive for backward (saved activations and
+outputs, what a stage holds per micro-batch until that micro-batch's backward); and the bytes that
+cross each layer boundary besides the residual stream (HF Llama: the mask and the rotary tables).
+Those depend on the model's internals (attention kernel, MLP width, which op saves what), so they
+are measured, not guessed: `profile_model` runs the traced model once, forward and backward, on
+the example (one micro-batch) under `LiveBytes`, which attributes every storage torch makes to the
+layer whose node made it. What the rewrite adds (one source per sublayer, the history each hop
+carries) is the planner's arithmetic, from the chain's sublayers, width and dtype.
+
+The layers are the module scopes holding the chain's residual links, found as `split_stages`
+finds the blocks of a rewritten model (pipeline._blocks), so the profile's layers are the
+blocks the stages are cut at.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..errors import ConfigError
+from .pipeline import _assign, _blocks, _carried, block_starts
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive, counted as torch ops make them (each storage once, until
+    its last reference goes): the allocated bytes a device allocator reports, without its rounding
+    and cache, on any device, CPU included (where torch keeps no such counter). Storages that exist
+    before the mode is entered count only once passed to `track` (parameters, optimizer state).
+    `part` labels the storages made from now on (`by_part` sums the live ones per label); `peak` is
+    the most alive since `reset_peak`, less `discount` (bytes the caller accounts for elsewhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self._seen = WeakIdKeyDictionary()
+        self.live = self.peak = self.discount = 0
+        self.part: Any = None
+        self.by_part: dict[Any, int] = {}
+
+    def track(self, *tensors: Any) -> None:
+        for t in pytree.tree_leaves(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            size = storage.nbytes()
+            if size == 0 or storage in self._seen:
+                continue
+            self._seen[storage] = True
+            self.live += size
+            self.by_part[self.part] = self.by_part.get(self.part, 0) + size
+            weakref.finalize(storage, self._free, size, self.part)
+        self.peak = max(self.peak, self.live - self.discount)
+
+    def _free(self, size: int, part: Any) -> None:
+        self.live -= size
+        self.by_part[part] -= size
+
+    def reset_peak(self) -> None:
+        self.peak = self.live - self.discount
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out)
+        return out
+
+
+@dataclass
+class Boundary:
+    """What crosses the cut before layer `layer` besides the residual stream: (name, bytes, the
+    index of the part that made it: 0 before the first layer, i + 1 in layer i)."""
+
+    layer: int
+    other: list[tuple[str, int, int]]
+
+    @property
+    def other_bytes(self) -> int:
+        return sum(b for _, b, _ in self.other)
+
+
+@dataclass
+class Profile:
+    """One micro-batch of the model, measured: `parts[0]` is what runs before the first layer
+    (embedding, mask, rotary tables), `parts[i + 1]` layer i with what follows it up to the next
+    layer (the last one: the final norm, the head and the loss). `params`/`buffers`/`held` per part
+    in bytes (`held`: alive after the forward, until backward); `transient`: the most backward
+    allocates above what the forward left (gradients of parameters excluded); `links[i]`: the
+    chain's residual links (sublayers) in layer i; `outputs`: bytes of the model's outputs."""
+
+    layers: list[str]
+    params: list[int]
+    buffers: list[int]
+    held: list[int]
+    links: list[int]
+    boundaries: list[Boundary]
+    transient: int
+    outputs: int
+    width: int
+    itemsize: int
+    dtype: str
+    tokens: int
+    loss: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stream(self) -> int:
+        """Bytes of one [tokens, width] value: the stream, one source, one block sum."""
+        return self.tokens * self.width * self.itemsize
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "stream": self.stream}
+
+
+def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) -> Profile:
+    """Measure `gm` (a traced model, `api.trace(...).graph_module`) on one micro-batch
+    (`args`/`kwargs`), its layers found by `chain` (a chain of the analysis report, the residual
+    stream to rewrite). The loss is cross-entropy on the first floating output (its last axis the
+    classes), as a language model's; a sum for an output of one axis."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    by_name = {n.name: n for n in nodes}
+    adds = [by_name[a] for link in chain["detail"] for a in link["adds"] if a in by_name]
+    layers, layer_of = _blocks(nodes, set(adds))
+    first = block_starts(nodes, layer_of)
+    part_of = _assign(nodes, first, layers)  # 0: before layer 0; i + 1: layer i and what follows it
+    links = [sum(part_of[by_name[link["adds"][0]]] == i + 1 for link in chain["detail"]) for i in range(len(layers))]
+    params, buffers = _weights(gm, part_of, len(layers) + 1)
+    held, transient, outputs, sizes, loss = _run(gm, args, kwargs, part_of, len(layers))
+    stream_names = {name for link in chain["detail"] for name in (link["result"], link["skip"])}
+    boundaries = []
+    for j in range(1, len(layers)):
+        crossing = _carried(gm.graph, _assign(nodes, first, [layers[j]]), 2)[0]
+        boundaries.append(Boundary(j, [(n.name, sizes[n.name], part_of.get(n, 0)) for n in crossing
+                                       if n.name not in stream_names and sizes.get(n.name)]))
+    width = int(chain["feature_size"])
+    val = by_name[chain["detail"][0]["result"]]
+    itemsize = sizes[val.name] // max(1, _numel(val, sizes, width))
+    tokens = sizes[val.name] // (width * itemsize)
+    dtype = str(getattr(val.meta.get("val"), "dtype", "")).removeprefix("torch.")
+    return Profile(layers, params, buffers, held, links, boundaries, transient, outputs, width, itemsize, dtype, tokens,
+                   loss)
+
+
+def _numel(node: fx.Node, sizes: dict[str, int], width: int) -> int:
+    """Elements of `node`'s value (its recorded bytes over its dtype's size)."""
+    val = node.meta.get("val")
+    item = val.element_size() if isinstance(val, torch.Tensor) else 4
+    return sizes[node.name] // item
+
+
+def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tuple[list[int], list[int]]:
+    """Parameter and buffer bytes per part: each weight in the part of its first reader."""
+    params, buffers = [0] * count, [0] * count
+    named_params = dict(gm.named_parameters())
+    named_buffers = dict(gm.named_buffers())
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        tensor = named_params.get(node.target, named_buffers.get(node.target))
+        if tensor is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        part = min(part_of.get(u, count - 1) for u in node.users)
+        (params if node.target in named_params else buffers)[part] += tensor.numel() * tensor.element_size()
+    return params, buffers
+
+
+class _Attributing(fx.Interpreter):
+    """Runs the graph with `mode.part` set to the part of the node being run."""
+
+    def __init__(self, gm: fx.GraphModule, part_of: dict[fx.Node, int], mode: LiveBytes, sizes: dict[str, int]):
+        super().__init__(gm)
+        self.part_of, self.mode, self.sizes = part_of, mode, sizes
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.mode.part = self.part_of.get(n, self.mode.part)
+        out = super().run_node(n)
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.sizes[n.name] = sum(t.numel() * t.element_size() for t in leaves)
+        return out
+
+
+def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, int], layers: int):
+    """(held bytes per part, backward transient, the outputs' bytes, output bytes per node name, the loss's name)."""
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs).arguments
+    flat = pytree.tree_leaves(bound)
+    weights = [*gm.parameters(), *gm.buffers()]
+    grads = [p for p in gm.parameters() if p.requires_grad]
+    if not grads:
+        raise ConfigError("the model has no trainable parameters: nothing to plan training memory for")
+    sizes: dict[str, int] = {}
+    mode = LiveBytes()
+    mode.part = "weights"
+    mode.track(weights, [t for t in flat if isinstance(t, torch.Tensor)])
+    with torch.enable_grad(), mode:
+        mode.part = 0
+        out = _Attributing(gm, part_of, mode, sizes).run(*flat)
+        mode.part = layers
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = sum(t.numel() * t.element_size() for t in leaves)
+        logits = next(t for t in leaves if t.is_floating_point())
+        if logits.dim() >= 2:
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), torch.zeros(logits.shape[:-1].numel(), dtype=torch.long))
+            name = "cross-entropy on the first floating output"
+        else:
+            loss, name = logits.float().sum(), "sum of the first floating output"
+        del out, logits, leaves
+        gc.collect()
+        held = [mode.by_part.get(i, 0) for i in range(layers + 1)]
+        after_forward = mode.live
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(mode, "discount", mode.discount + p.grad.nbytes))
+                 for p in grads]
+        mode.reset_peak()
+        loss.backward()
+        for h in hooks:
+            h.remove()
+    transient = max(0, mode.peak - after_forward)
+    for p in grads:
+        p.grad = None
+    return held, transient, outputs, sizes, name

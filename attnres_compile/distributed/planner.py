@@ -101,8 +101,9 @@ class MemoryPlan:
         lines = [f"memory plan: {what}, {len(self.stages)} stages on {len(self.ranks)} ranks, {self.schedule}, "
                  f"{self.micro_batches} micro-batches of {self.profile.tokens} tokens, {self.optimizer} "
                  f"({OPTIMIZERS[self.optimizer]} states per parameter), budget {_size(self.budget)} per rank",
-                 f"blocks begin at sublayers {', '.join(map(str, self.block_starts))}; stages begin at "
-                 + ", ".join(s[0] for s in self.stages),
+                 ("every sublayer output is a source (block size 1)" if self.variant == "full" else
+                  f"blocks begin at sublayers {', '.join(map(str, self.block_starts))}")
+                 + "; stages begin at " + ", ".join(s[0] for s in self.stages),
                  f"{'rank':>4} {'stages':>7} {'params':>9} {'grads':>9} {'optim':>9} {'buffers':>9} {'activ':>9} "
                  f"{'history':>9} {'backward':>9} {'peak':>9} {'in flight':>9}"]
         for r in self.ranks:
@@ -133,11 +134,13 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
     that fits when none does. `ranks`: default stages / stages per rank of the schedule (1 for
     gpipe/1f1b, 2 for interleaved/zbv); `micro_batches`: default `stages`; `num_blocks`: plan only
     this N (its block size must divide the cuts)."""
-    ranks, micro_batches = _check(profile, stages, schedule, ranks, micro_batches, optimizer)
+    ranks, micro_batches, order = check_layout(stages, schedule, ranks, micro_batches, optimizer)
+    if stages > len(profile.layers):
+        raise ConfigError(f"{stages} stages, but the model has {len(profile.layers)} layers: use 2 to "
+                          f"{len(profile.layers)} stages")
     starts = _cut_blocks(profile.layers, stages, None)
     stage_of_layer = [sum(profile.layers.index(s) <= i for s in starts) for i in range(len(profile.layers))]
     stage_ranks = schedule_stage_ranks(SCHEDULES[schedule], ranks, stages)
-    order = _pipeline_order(schedule, ranks, stages, micro_batches)
     total = sum(profile.links)
     cuts = [sum(profile.links[:profile.layers.index(s)]) for s in starts]
     sizes = sorted({math.ceil(total / n) for n in ([num_blocks] if num_blocks else range(1, total + 1))})
@@ -163,22 +166,24 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
     return fitting[0]
 
 
-def _check(profile: Profile, stages: int, schedule: str, ranks: int | None, micro_batches: int | None,
-           optimizer: str) -> tuple[int, int]:
+def check_layout(stages: int, schedule: str, ranks: int | None = None, micro_batches: int | None = None,
+                 optimizer: str = "adam") -> tuple[int, int, dict[int, list]]:
+    """(ranks, micro-batches, torch's pipeline_order per rank) of a layout, or a ConfigError line for
+    a value that cannot work whatever the model (the command line checks it before any work)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     per_rank = STAGES_PER_RANK[schedule]
     ranks = ranks or max(1, stages // per_rank)
-    if not 2 <= stages <= len(profile.layers):
-        raise ConfigError(f"{stages} stages, but the model has {len(profile.layers)} layers: use 2 to "
-                          f"{len(profile.layers)} stages")
+    if stages < 2:
+        raise ConfigError(f"{stages} stage: a pipeline needs at least 2 stages")
     if stages != ranks * per_rank and not (schedule == "interleaved" and stages % ranks == 0 and stages > ranks):
         need = "a multiple of the ranks, at least twice" if schedule == "interleaved" else f"{per_rank} per rank"
-        raise ConfigError(f"{schedule} places {need}: {stages} stages on {ranks} ranks does not fit; change --ranks "
-                          f"or --stages")
-    return ranks, micro_batches or stages
+        raise ConfigError(f"{schedule} needs stages {need}: {stages} stages on {ranks} rank(s) do not fit; change "
+                          f"--stages or --ranks")
+    micro_batches = micro_batches or stages
+    return ranks, micro_batches, _pipeline_order(schedule, ranks, stages, micro_batches)
 
 
 def _pipeline_order(schedule: str, ranks: int, stages: int, micro_batches: int) -> dict[int, list]:

@@ -41,39 +41,51 @@ def model_and_inputs():
     return tf.LlamaForCausalLM(cfg).eval(), {"input_ids": ids, "use_cache": False}
 
 
-def predict(schedule: str, blocks: int, micro: int, world: int = 2, budget: int = 2**40):
-    """The planner's `MemoryPlan` for Block N=`blocks` on `world` stages (one per rank)."""
+def profile(blocks: int):
+    """The one-process profile of the model (the planner's input), for a Block N=`blocks` rewrite."""
     from attnres_compile import AttnResConfig
-    from attnres_compile.api import inspect, trace
-    from attnres_compile.distributed.planner import plan_traced
+    from attnres_compile.api import inspect_traced, trace
+    from attnres_compile.distributed.memory_profile import profile_model
 
     model, inputs = model_and_inputs()
-    config = AttnResConfig(variant="block", num_blocks=blocks)
     traced = trace(model, inputs)
-    return plan_traced(traced, inspect(model, inputs, config), budget, world, schedule=schedule,
-                       micro_batches=micro, num_blocks=blocks)
+    report = inspect_traced(traced, AttnResConfig(variant="block", num_blocks=blocks))
+    return profile_model(traced.graph_module, (), traced.kwargs, report["chains"][0])
+
+
+def predict(measured_profile, schedule: str, blocks: int, micro: int, world: int = 2, budget: int = 2**40):
+    """The planner's `MemoryPlan` for Block N=`blocks` on `world` stages (one per rank)."""
+    from attnres_compile.distributed.planner import plan_memory
+
+    return plan_memory(measured_profile, budget, world, schedule=schedule, micro_batches=micro, num_blocks=blocks)
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _measure(schedule: str, blocks: int, micro: int, rank: int, world: int, steps: int) -> dict:
-    from torch.distributed import pipelining as pp
-
+def _stage_module(blocks: int, rank: int, world: int) -> torch.nn.Module:
+    """This rank's stage of the model rewritten to Block N=`blocks`, in training mode."""
     from attnres_compile import AttnResConfig, rewrite
     from attnres_compile.distributed import split_stages
-    from attnres_compile.distributed.memory_profile import LiveBytes
 
     model, inputs = model_and_inputs()
     gm = rewrite(model, inputs, AttnResConfig(variant="block", num_blocks=blocks), verify_outputs=False).graph_module
-    modules, _ = split_stages(gm, (), inputs, num_stages=world)
-    module = modules[rank].train()
-    del gm, modules, model
+    return split_stages(gm, (), inputs, num_stages=world)[0][rank].train()
+
+
+def _measure(module: torch.nn.Module, schedule: str, micro: int, rank: int, world: int, steps: int) -> dict:
+    """Train `module` as stage `rank` for `steps` steps under a fresh schedule and Adam; the live
+    bytes before the last step and the peak during it (forward, backward and the optimizer step)."""
+    from torch.distributed import pipelining as pp
+
+    from attnres_compile.distributed.memory_profile import LiveBytes
+
     stage = pp.PipelineStage(module, rank, world, torch.device("cpu"))
     sched = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule](stage, n_microbatches=micro, loss_fn=loss_fn)
     opt = torch.optim.Adam(module.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
+    module.zero_grad(set_to_none=True)
     live = LiveBytes()
     live.track(list(module.parameters()), list(module.buffers()))
     with live:
@@ -91,7 +103,8 @@ def _worker(rank: int, world: int, runs: list, steps: int, rendezvous: str, out:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        results = [_measure(schedule, blocks, micro, rank, world, steps) for schedule, blocks, micro in runs]
+        modules = {blocks: _stage_module(blocks, rank, world) for blocks in {b for _, b, _ in runs}}
+        results = [_measure(modules[blocks], schedule, micro, rank, world, steps) for schedule, blocks, micro in runs]
         Path(f"{out}.{rank}").write_text(json.dumps(results))
         dist.barrier()
     finally:
@@ -108,12 +121,14 @@ def measure(runs: list[tuple[str, int, int]], world: int = 2, steps: int = 2) ->
     return [[ranks[r][i] for r in range(world)] for i in range(len(runs))]
 
 
-def compare(runs: list[tuple[str, int, int]], world: int = 2) -> list[dict]:
-    """Predicted and measured peak per run and rank, and their relative difference."""
+def compare(runs: list[tuple[str, int, int]], world: int = 2, profiles: dict | None = None) -> list[dict]:
+    """Predicted and measured peak per run and rank, and their relative difference (`profiles`:
+    {N: profile} already made)."""
     measured = measure(runs, world)
+    profiles = {blocks: (profiles or {}).get(blocks) or profile(blocks) for blocks in {b for _, b, _ in runs}}
     rows = []
     for (schedule, blocks, micro), got in zip(runs, measured):
-        plan = predict(schedule, blocks, micro, world)
+        plan = predict(profiles[blocks], schedule, blocks, micro, world)
         for r, m in zip(plan.ranks, got):
             rows.append({"schedule": schedule, "blocks": blocks, "micro": micro, "rank": r.rank, "predicted": r.peak,
                          "measured": m["peak"], "error": r.peak / m["peak"] - 1, "plan": plan.to_dict()["ranks"][r.rank]})

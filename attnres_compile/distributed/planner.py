@@ -198,8 +198,8 @@ def _pipeline_order(schedule: str, ranks: int, stages: int, micro_batches: int) 
     try:
         built = cls(fake[0] if local == 1 else fake, n_microbatches=micro_batches)
     except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"{SCHEDULES[schedule]} refuses {micro_batches} micro-batches on {ranks} ranks "
-                          f"({str(exc).splitlines()[0]}): change --micro-batches") from None
+        raise ConfigError(f"torch's {SCHEDULES[schedule]} schedule refuses {micro_batches} micro-batches on {ranks} "
+                          f"ranks ({str(exc).splitlines()[0].strip().rstrip('.')}): change --micro-batches") from None
     return {r: [a for a in acts if a is not None and a.microbatch_index is not None]
             for r, acts in built.pipeline_order.items()}
 

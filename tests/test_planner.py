@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.distributed import schedule_stage_ranks, split_stages
+from attnres_compile.distributed import SitePolicy, schedule_stage_ranks, split_stages
 from attnres_compile.distributed.planner import check_layout, plan_memory
 from attnres_compile.errors import ConfigError
 from samples import pipeline_memory
@@ -74,6 +74,19 @@ def test_in_flight_micro_batches_follow_the_schedule(profile):
         4 * sum(v.bytes for v in one_f_one_b.hops.hops[0].values if v.kind == "history")
     zbv = plan_memory(profile, 100 * GIB, 4, "zbv", micro_batches=4, num_blocks=4)
     assert [r.stages for r in zbv.ranks] == [[0, 3], [1, 2]]
+
+
+def test_checkpointing_and_offload_terms(profile):
+    """Predictions only (not measured: stage modules are flat GraphModules): checkpointed layers keep
+    their inputs (and, saving the sites, their outputs) and recompute one layer in backward;
+    offload moves the saved tensors to the host and keeps the stage outputs."""
+    plan = lambda **kw: plan_memory(profile, 100 * GIB, 2, micro_batches=4, num_blocks=2, **kw).ranks  # noqa: E731
+    plain, recompute, save = plan(), plan(checkpoint=SitePolicy(save_sites=False)), plan(checkpoint=SitePolicy())
+    offload = plan(offload=True)
+    for r in range(2):
+        assert recompute[r].activations < save[r].activations < plain[r].activations
+        assert recompute[r].transient > plain[r].transient
+        assert offload[r].host > 0 and offload[r].activations + offload[r].history < plain[r].activations
 
 
 @pytest.mark.parametrize("layout, message", [

@@ -137,7 +137,7 @@ def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) ->
     first = block_starts(nodes, layer_of)
     part_of = _assign(nodes, first, layers)  # 0: before layer 0; i + 1: layer i and what follows it
     links = [sum(part_of[by_name[link["adds"][0]]] == i + 1 for link in chain["detail"]) for i in range(len(layers))]
-    params, buffers = _weights(gm, part_of, len(layers) + 1)
+    params, buffers, tied = _weights(gm, part_of, len(layers) + 1)
     held, transient, outputs, sizes, loss = _run(gm, args, kwargs, part_of, len(layers))
     stream_names = {name for link in chain["detail"] for name in (link["result"], link["skip"])}
     boundaries = []
@@ -150,8 +150,10 @@ def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) ->
     itemsize = sizes[val.name] // max(1, _numel(val, sizes, width))
     tokens = sizes[val.name] // (width * itemsize)
     dtype = str(getattr(val.meta.get("val"), "dtype", "")).removeprefix("torch.")
+    notes = [f"{name} is read by two parts of the model (tied weights), counted once where first read: split_stages "
+             f"refuses it when the stages part it; untie it (e.g. tie_word_embeddings=False)" for name in tied]
     return Profile(layers, params, buffers, held, links, boundaries, transient, outputs, width, itemsize, dtype, tokens,
-                   loss)
+                   loss, notes)
 
 
 def _numel(node: fx.Node, sizes: dict[str, int], width: int) -> int:
@@ -161,22 +163,22 @@ def _numel(node: fx.Node, sizes: dict[str, int], width: int) -> int:
     return sizes[node.name] // item
 
 
-def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tuple[list[int], list[int]]:
-    """Parameter and buffer bytes per part: each weight in the part of its first reader."""
+def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tuple[list[int], list[int], list[str]]:
+    """Parameter and buffer bytes per part, each weight in the part of its first reader; and the
+    parameters read by more than one part (tied weights)."""
     params, buffers = [0] * count, [0] * count
-    named_params = dict(gm.named_parameters())
+    named_params = dict(gm.named_parameters(remove_duplicate=False))
     named_buffers = dict(gm.named_buffers())
-    seen: set[int] = set()
+    readers: dict[int, tuple[str, set[int]]] = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or not node.users:
+        tensor = named_params.get(node.target, named_buffers.get(node.target)) if node.op == "get_attr" else None
+        if tensor is None or not node.users:
             continue
-        tensor = named_params.get(node.target, named_buffers.get(node.target))
-        if tensor is None or id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        part = min(part_of.get(u, count - 1) for u in node.users)
-        (params if node.target in named_params else buffers)[part] += tensor.numel() * tensor.element_size()
-    return params, buffers
+        parts = {part_of.get(u, count - 1) for u in node.users}
+        if id(tensor) not in readers:
+            (params if node.target in named_params else buffers)[min(parts)] += tensor.numel() * tensor.element_size()
+        readers.setdefault(id(tensor), (node.target, set()))[1].update(parts)
+    return params, buffers, [name for name, parts in readers.values() if len(parts) > 1 and name in named_params]
 
 
 class _Attributing(fx.Interpreter):

@@ -218,11 +218,11 @@ def _evaluate(profile: Profile, size: int, stage_of_layer: list[int], stage_rank
     for hop, seen in zip(hops, seen_before(plan_hops, stage_ranks)):
         for v in hop.values:
             v.cached = v.name in seen
-    per_stage = [_stage_terms(profile, k, stage_of_layer, hops, micro, checkpoint, offload) for k in range(count)]
+    per_stage = [_stage_terms(profile, k, stage_of_layer, hops, micro, size, checkpoint, offload) for k in range(count)]
     rank_mem = [_rank_peak(r, [k for k in range(count) if stage_ranks[k] == r], per_stage, order[r], optimizer)
                 for r in sorted(order)]
     num_blocks = math.ceil(total / size)
-    notes = [f"activations profiled on one micro-batch in one process; loss: {profile.loss}",
+    notes = [*profile.notes, f"activations profiled on one micro-batch in one process; loss: {profile.loss}",
              "peak without the cache (split_stages' default stages); gradients counted whole at the peak"]
     if checkpoint is not None or offload:
         notes.append("checkpointing/offload terms are predictions only: not measured (stage modules are flat)")
@@ -264,7 +264,7 @@ class _StageTerms:
     host: int  # per micro-batch in flight, offloaded
 
 
-def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list[Hop], micro: int,
+def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list[Hop], micro: int, size: int,
                  checkpoint: SitePolicy | None, offload: bool) -> _StageTerms:
     parts = [0] * (k == 0) + [i + 1 for i, s in enumerate(stage_of_layer) if s == k]
     links = sum(profile.links[p - 1] for p in parts if p)
@@ -277,9 +277,7 @@ def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list
     buffers += micro * (sum(v.bytes for v in outbound.values if v.kind in grad_kinds) if outbound else 0)
     buffers += micro * profile.outputs if outbound is None else 0
     relayed = [v for v in (outbound.values if outbound else []) if v.made < k]
-    held = sum(profile.held[p] for p in parts) + sum(v.bytes for v in relayed if v.kind != "history")
-    history = links * profile.stream + sum(v.bytes for v in relayed if v.kind == "history")
-    held, history, transient = _activations(profile, parts, held, history, checkpoint)
+    held, history, transient = _activations(profile, parts, links, relayed, size, checkpoint)
     transient += sum(v.bytes for v in inbound.values if v.kind in grad_kinds) if inbound else 0
     host = 0
     if offload:
@@ -288,17 +286,24 @@ def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list
     return _StageTerms(params, buffers, held, history, history_buffers, transient, host)
 
 
-def _activations(profile: Profile, parts: list[int], held: int, history: int,
+def _activations(profile: Profile, parts: list[int], links: int, relayed: list[Carried], size: int,
                  checkpoint: SitePolicy | None) -> tuple[int, int, int]:
-    """(activations, history, backward transient) of one micro-batch in a stage. Checkpointed layers
-    keep only their inputs (the stream and the sources that cross the layer boundary, about one
-    per sublayer in Full and one per layer in Block) and, with `save_sites`, the sites' outputs;
-    backward recomputes one layer at a time, its activations on top of the transient."""
+    """(activations, history, backward transient) of one micro-batch in a stage whose parts hold
+    `links` sublayers and which relays `relayed` to the next hop (fresh copies). Without
+    checkpointing: the parts' profiled activations, and one saved source per sublayer. Checkpointed
+    layers keep their inputs: the stream, and the sources a later layer reads (Full: every one;
+    Block: the finished block sums and one partial sum per layer), with `save_sites` the sites'
+    outputs; backward recomputes one layer at a time, its activations on top of the transient."""
+    copies = sum(v.bytes for v in relayed if v.kind != "history")
+    relayed_history = sum(v.bytes for v in relayed if v.kind == "history")
     if checkpoint is None:
-        return held, history, profile.transient
+        return (sum(profile.held[p] for p in parts) + copies, links * profile.stream + relayed_history,
+                profile.transient)
     layers = [p for p in parts if p]
-    kept = len(layers) * profile.stream * (1 + checkpoint.save_sites * max(profile.links))
-    return kept, history, profile.transient + max(profile.held[p] for p in layers)
+    sources = links if size == 1 else min(links, len(layers) + links // size)
+    kept = profile.held[0] * (0 in parts) + (len(layers) + checkpoint.save_sites * links) * profile.stream
+    return (kept + copies, sources * profile.stream + relayed_history,
+            profile.transient + max(profile.held[p] for p in layers))
 
 
 def _rank_peak(rank: int, stages: list[int], terms: list[_StageTerms], actions: list, optimizer: str) -> RankMemory:

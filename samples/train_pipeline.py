@@ -3,12 +3,15 @@
 
 Every process builds the same seeded GPT, rewrites it to AttnRes, and splits it with
 `attnres_compile.distributed.split_stages` into one stage per rank (GPipe, 1F1B) or two (the
-interleaved and V schedules: rank r holds stages r and r + world, or r and 2·world − 1 − r). The
+interleaved and V schedules: rank r holds stages r and r + world, or r and 2·world − 1 − r, as
+`schedule_stage_ranks` reads from torch); with `--cache` a hop leaves out what the receiving rank
+already holds (the rank-local cache). The
 schedule runs `steps` optimizer steps of `micro` micro-batches; `reference` trains the same
 rewritten model in one process on the same micro-batches (mean of their losses), so the
 per-micro-batch losses and the pseudo-query gradients must agree to float tolerance.
 
     python -m samples.train_pipeline --schedules gpipe 1f1b interleaved zbv --world 2 --steps 3
+    python -m samples.train_pipeline --schedules interleaved zbv --world 2 --cache  # rank-local cache
     python -m samples.train_pipeline --schedules 1f1b --world 4 --dp 2     # PP x FSDP2: 2 stages x 2 ranks
 """
 
@@ -27,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.distributed import split_stages
+from attnres_compile.distributed import schedule_stage_ranks, split_stages
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=4, heads=2, seq=16, batch=8, micro=4)
@@ -72,21 +75,14 @@ def reference(variant: str = "block", steps: int = 3, lr: float = 1e-2, dp: int 
     return {"losses": losses, "grads": grads}
 
 
-def _stage_ids(schedule: str, rank: int, world: int) -> list[int]:
-    if schedule in ("gpipe", "1f1b"):
-        return [rank]
-    return [rank, rank + world] if schedule == "interleaved" else [rank, 2 * world - 1 - rank]
-
-
-def _schedule(schedule: str, stages, micro: int):
+def _schedule_class(schedule: str):
     from torch.distributed import pipelining as pp
 
-    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-           "zbv": pp.ScheduleZBVZeroBubble}[schedule]
-    return cls(stages[0] if len(stages) == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
+    return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
+            "zbv": pp.ScheduleZBVZeroBubble}[schedule]
 
 
-def _counting_stage():
+def counting_stage():
     """PipelineStage that adds up the bytes of the forward sends it posts (what crosses the hop)."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -101,29 +97,32 @@ def _counting_stage():
     return CountingStage
 
 
-def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world: int, dp: int) -> dict:
+def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world: int, dp: int, cache: bool) -> dict:
     """This rank's part of pipeline training: its stages (sharded over `dp` data-parallel ranks with
-    FSDP2 when dp > 1, on a (pp, dp) device mesh) and its share of every batch."""
+    FSDP2 when dp > 1, on a (pp, dp) device mesh) and its share of every batch; with `cache`, the
+    stages leave out of each hop what the receiving rank already holds (rank-local cache)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    stage_cls = _counting_stage()
+    stage_cls = counting_stage()
     gm, batches = setup(variant, steps)
     pp_size, pp_rank, dp_rank, group = world // dp, rank, 0, None
     if dp > 1:
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
         pp_rank, dp_rank, group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
     batches = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in batches]
-    ids = _stage_ids(schedule, pp_rank, pp_size)
+    cls = _schedule_class(schedule)
     count = pp_size * (1 if schedule in ("gpipe", "1f1b") else 2)
+    ranks = schedule_stage_ranks(cls, pp_size, count)
+    ids = [s for s, r in enumerate(ranks) if r == pp_rank]
     micro_batch = batches[0][0].chunk(SIZE["micro"])[0]
-    modules, plan = split_stages(gm, (micro_batch,), num_stages=count)
+    modules, plan = split_stages(gm, (micro_batch,), num_stages=count, stage_ranks=ranks if cache else None)
     mine = [modules[i] for i in ids]
     if dp > 1:
         for module in mine:
             fully_shard(module, mesh=mesh["dp"])
     stages = [stage_cls(modules[i], i, count, torch.device("cpu"), group=group) for i in ids]
-    sched = _schedule(schedule, stages, SIZE["micro"])
+    sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=SIZE["micro"], loss_fn=loss_fn)
     opt = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=lr)
     losses, grads = [], []
     for x, y in batches:
@@ -136,15 +135,16 @@ def _train(schedule: str, variant: str, steps: int, lr: float, rank: int, world:
         opt.step()
     # forward bytes each stage sent per micro-batch (a stage whose next stage is on its own rank sends none)
     sent = {i: st.sent / (steps * SIZE["micro"]) for i, st in zip(ids, stages)}
-    return {"losses": losses, "grads": grads, "plan": plan.to_dict(), "sent": sent, "dp_rank": dp_rank}
+    held = len(mine[0].stage_cache) if cache else 0  # cache entries left after the steps (none: all read)
+    return {"losses": losses, "grads": grads, "plan": plan.to_dict(), "sent": sent, "dp_rank": dp_rank, "held": held}
 
 
-def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: int, lr: float, dp: int,
+def _worker(rank: int, world: int, schedules: list[str], variant: str, steps: int, lr: float, dp: int, cache: bool,
             rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        results = {s: _train(s, variant, steps, lr, rank, world, dp) for s in schedules}
+        results = {s: _train(s, variant, steps, lr, rank, world, dp, cache) for s in schedules}
         Path(f"{out}.{rank}").write_text(json.dumps(results))
         gc.collect()
         dist.barrier()
@@ -202,13 +202,15 @@ def traced_frontend_errors(world: int = 4) -> list[str | None]:
 
 
 def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int = 3, lr: float = 1e-2,
-        dp: int = 1) -> dict:
+        dp: int = 1, cache: bool = False) -> dict:
     """Train under each schedule with `world` gloo processes (world // dp pipeline ranks × `dp`
-    FSDP2 ranks); per schedule the micro-batch losses (from the ranks holding the last stage, in
-    data-parallel order), the pseudo-query gradients of all ranks merged, and rank 0's plan."""
+    FSDP2 ranks, the rank-local cache with `cache`); per schedule the micro-batch losses (from
+    the ranks holding the last stage, in data-parallel order), the pseudo-query gradients of all
+    ranks merged, rank 0's plan, the forward bytes each stage sent per micro-batch and the cache
+    entries the ranks held after the steps."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(world, list(schedules), variant, steps, lr, dp, os.path.join(tmp, "rendezvous"), out),
+        mp.spawn(_worker, args=(world, list(schedules), variant, steps, lr, dp, cache, os.path.join(tmp, "rendezvous"), out),
                  nprocs=world)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     merged = {}
@@ -217,7 +219,8 @@ def run(schedules=SCHEDULES, world: int = 2, variant: str = "block", steps: int 
         losses = [[v for _, rank_losses in last for v in rank_losses[i]] for i in range(steps)]
         grads = [{k: v for r in ranks for k, v in r[s]["grads"][i].items()} for i in range(steps)]
         sent = {int(k): v for r in ranks for k, v in r[s]["sent"].items()}
-        merged[s] = {"losses": losses, "grads": grads, "plan": ranks[0][s]["plan"], "sent": sent}
+        merged[s] = {"losses": losses, "grads": grads, "plan": ranks[0][s]["plan"], "sent": sent,
+                     "held": sum(r[s]["held"] for r in ranks)}
     return merged
 
 
@@ -228,14 +231,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variant", choices=["full", "block"], default="block")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dp", type=int, default=1, help="FSDP2 data-parallel ranks per stage (world = stages x dp)")
+    p.add_argument("--cache", action="store_true",
+                   help="rank-local cache: a hop leaves out what the receiving rank already holds (interleaved, zbv)")
     args = p.parse_args(argv)
     ref = reference(args.variant, args.steps, dp=args.dp)
-    results = run(args.schedules, args.world, args.variant, args.steps, dp=args.dp)
+    results = run(args.schedules, args.world, args.variant, args.steps, dp=args.dp, cache=args.cache)
     print(f"{'schedule':<12}{'max |loss diff|':>16}{'max |query grad diff|':>22}  forward bytes sent per micro-batch by stage (plan)")
     for s, r in results.items():
         dl = max(abs(a - b) for sa, sb in zip(r["losses"], ref["losses"]) for a, b in zip(sa, sb))
         dg = max(abs(a - b) for ga, gb in zip(r["grads"], ref["grads"]) for k in gb for a, b in zip(ga[k], gb[k]))
-        hops = {h["index"]: h["bytes"] for h in r["plan"]["hops"]}
+        hops = {h["index"]: h["sent_bytes"] for h in r["plan"]["hops"]}
         sent = " ".join(f"{i}:{int(b)}({hops.get(i, 0)})" for i, b in sorted(r["sent"].items()))
         print(f"{s:<12}{dl:>16.2e}{dg:>22.2e}  {sent}")
     return {"reference": ref, **results}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.distributed import split_stages
+from attnres_compile.distributed import split_stages, stage_cache
 from attnres_compile.errors import ConfigError
 from samples import train_pipeline
 from samples.hf_models import gpt2_factory, llama_factory
@@ -52,6 +52,41 @@ def test_stages_chained_are_the_model(variant):
     grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
     for n, p in gm.named_parameters():
         assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item()), n
+
+
+def test_cached_stages_chained_are_the_model(monkeypatch):
+    """The rank-local cache in one process (a cache per rank value): loop placement (Interleaved1F1B)
+    and V (ZBV), 4 stages on 2 ranks. The chain is the model, forward and backward; a hop into a
+    rank that held an earlier stage leaves out what that stage had (the embedding `add`), and the
+    gradient the reader sends back through the writer's mailbox matters: dropped, the gradients
+    differ."""
+    gm, x = _gpt("block")
+    mb = x[:2]
+    gm.zero_grad()
+    F.cross_entropy(gm(mb).flatten(0, 1), mb.flatten()).backward()
+    want = {n: p.grad.clone() for n, p in gm.named_parameters()}
+
+    def grads(stages):
+        for stage in stages:
+            stage.zero_grad(set_to_none=True)
+        out = _chain(stages, mb)
+        F.cross_entropy(out.flatten(0, 1), mb.flatten()).backward()
+        got = {n: p.grad for stage in stages for n, p in stage.named_parameters()}
+        return out, max(((got[n] - w).abs().max() / w.abs().max()).item() for n, w in want.items())
+
+    for ranks, cached in (([0, 1, 0, 1], [[], ["add"], ["add", "add_3"]]), ([0, 1, 1, 0], [[], [], ["add"]])):
+        stages, plan = split_stages(gm, (mb,), num_stages=4, stage_ranks=ranks)
+        assert [[v.name for v in h.values if v.cached] for h in plan.hops] == cached
+        assert [h.sent_bytes < h.bytes for h in plan.hops] == [bool(c) for c in cached]
+        assert stages[0].stage_cache is stages[ranks.index(0, 1)].stage_cache is not stages[1].stage_cache
+        out, worst = grads(stages)
+        assert torch.equal(out, gm(mb)) and worst < 1e-6, (ranks, worst)
+        assert all(len(stage.stage_cache) == 0 for stage in stages)  # every entry read
+        with monkeypatch.context() as m:  # the reader's gradient goes nowhere
+            m.setattr(stage_cache._Mailbox, "deposit", lambda box, grad: setattr(box, "count", box.count + 1))
+            assert grads(stages)[1] > 1e-2, ranks
+    with pytest.raises(ConfigError, match="stage_ranks has 2 entries for 4 stages"):
+        split_stages(gm, (mb,), num_stages=4, stage_ranks=[0, 1])
 
 
 def test_plan_counts_what_each_hop_carries():
@@ -105,21 +140,27 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 
 
 @needs_gloo
-@pytest.mark.parametrize("schedules", [("gpipe", "1f1b"), ("interleaved", "zbv")])
-def test_schedules_train_as_one_process(schedules):
+@pytest.mark.parametrize("schedules, cache", [(("gpipe", "1f1b"), False), (("interleaved", "zbv"), False),
+                                              (("interleaved", "zbv"), True)])
+def test_schedules_train_as_one_process(schedules, cache):
+    """With `cache` (the rank-local cache, 2 ranks × 2 stages): the same losses and query gradients
+    (each to 1e-6 of its largest value), and each stage sends what the plan's cached hop carries,
+    less than without the cache; no entry is left in a rank's cache after the steps."""
     ref = train_pipeline.reference("block", steps=2)
-    results = train_pipeline.run(schedules, world=2, variant="block", steps=2)
+    results = train_pipeline.run(schedules, world=2, variant="block", steps=2, cache=cache)
     for name, r in results.items():
         for got, want in zip(r["losses"], ref["losses"]):
             assert got == pytest.approx(want, abs=1e-6), name
         for got, want in zip(r["grads"], ref["grads"]):
             assert got.keys() == want.keys()
             for k in want:
-                assert got[k] == pytest.approx(want[k], abs=1e-6), (name, k)
-        hops = {h["index"]: h["bytes"] for h in r["plan"]["hops"]}
+                assert got[k] == pytest.approx(want[k], abs=1e-6 * max(map(abs, want[k]))), (name, k)
+        hops = {h["index"]: h["sent_bytes"] for h in r["plan"]["hops"]}
         for stage, sent in r["sent"].items():
             # a hop to a stage on the same rank (ZBV's middle) is handed over locally, with no send
             assert sent in ((hops.get(stage, 0),) if name != "zbv" or stage != 1 else (0,)), (name, stage)
+        full = sum(h["bytes"] for h in r["plan"]["hops"])
+        assert (sum(hops.values()) < full) == cache and r["held"] == 0, name
     assert any(abs(v) > 1e-4 for g in ref["grads"] for q in g.values() for v in q)  # the queries learn
 
 

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ConfigError, TraceError
 from ..op import is_attnres_op
 from ..pytree_warning import silenced
-from .stage_cache import StageCache, cache_layout, seen_before
+from .stage_cache import StageCache, cache_layout, check_ranks, seen_before
 
 aten = torch.ops.aten
 MAX_CARRIED = 24  # history tensors one hop may carry before the split is refused (Full past this: use Block)
@@ -68,7 +68,8 @@ class Hop:
 
     @property
     def sent_bytes(self) -> int:
-        """What it carries with the cache (the same without `stage_ranks`)."""
+        """What it carries with the cache (the same without `stage_ranks`, and on a hop between two
+        stages on one rank, which torch hands over in memory)."""
         return sum(v.bytes for v in self.values if not v.cached)
 
 
@@ -137,6 +138,8 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     (`module.stage_cache`; see `stage_cache.py`); `plan.hops[h].sent_bytes` is what the hop then
     carries. Stages on one rank must share the process (one cache per rank value).
     """
+    if stage_ranks is not None and num_stages is not None:
+        check_ranks(stage_ranks, num_stages)  # before the export, which takes a while
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     static = _static(gm, args, dict(kwargs or {}))
     graph = static.graph
@@ -160,7 +163,7 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     )
     cache = None
     if stage_ranks is not None:
-        plan.stage_ranks = list(stage_ranks)
+        plan.stage_ranks = check_ranks(stage_ranks, count)
         for hop, seen in zip(plan.hops, seen_before(plan, plan.stage_ranks)):
             for v in hop.values:
                 v.cached = v.name in seen

@@ -4,8 +4,9 @@ Under Interleaved1F1B (stage s on rank s mod P) or a V schedule (ZBV: rank r hol
 2P−1−r), a rank runs several stages of one micro-batch. A value a later stage reads (a block sum,
 the embedding, the mask) was often made or received by an earlier stage on the same rank, so the
 hop into the later stage need not carry it again: that stage reads it from its rank's
-`StageCache`. The paper's Fig. and Megatron-LM PR #6840 (`attn_res_boundary_delta_slices`) cache
-the block sums this way; torchtitan PR #4312 (`PP_ATTN_RES_CACHE.md`) too, loop placement only.
+`StageCache`. The paper's cross-stage caching (its pipeline section) and Megatron-LM PR #6840
+(`attn_res_boundary_delta_slices`) leave the block sums out this way, and torchtitan PR #4312
+(`PP_ATTN_RES_CACHE.md`), loop placement only; here any placement, and values of every kind.
 
 `seen_before` is the rule (which values each hop may leave out, given which rank holds each
 stage); `split_stages(..., stage_ranks=...)` builds the stages that follow it. In a stage:
@@ -42,10 +43,12 @@ def seen_before(plan: Any, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
     hop with the cache leaves them out.
 
     A value made by stage m (a model input: stage 0) is on the rank of every stage m … h that
-    passes it on, so the receiver's rank holds it when it ran one of those stages. A hop between
-    two stages on one rank (ZBV's turn) leaves nothing out: torch hands it over in memory anyway.
+    passes it on, so the receiver's rank holds it when it ran one of those stages. This holds for
+    every kind of value (block sums, the embedding, masks and rotary tables), not only history.
+    A hop between two stages on one rank (ZBV's turn) leaves nothing out: torch hands it over in
+    memory anyway (nothing crosses the wire there, cache or not).
     """
-    ranks = _check_ranks(stage_ranks, len(plan.stages))
+    ranks = check_ranks(stage_ranks, len(plan.stages))
     seen = []
     for hop in plan.hops:
         src, dst = ranks[hop.index], ranks[hop.index + 1]
@@ -70,7 +73,8 @@ def schedule_stage_ranks(schedule: Any, pp_size: int, num_stages: int) -> list[i
     return [mapping[s] for s in range(num_stages)]
 
 
-def _check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
+def check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
+    """`stage_ranks` as ints, or one line if it does not give a rank for each of `count` stages."""
     ranks = [int(r) for r in stage_ranks]
     if len(ranks) != count:
         raise ConfigError(f"stage_ranks has {len(ranks)} entries for {count} stages: give the rank of every stage "
@@ -83,7 +87,7 @@ def cache_layout(plan: Any, stage_ranks: Sequence[int]) -> tuple[list[list[str]]
     writes there with how many later stages on the rank read each: a value is written by the
     first stage on the receiving rank that held it, and read by every later stage on that rank
     whose hop left it out."""
-    ranks = _check_ranks(stage_ranks, len(plan.stages))
+    ranks = check_ranks(stage_ranks, len(plan.stages))
     reads: list[list[str]] = [[] for _ in ranks]
     writes: list[dict[str, int]] = [{} for _ in ranks]
     for hop, seen in zip(plan.hops, seen_before(plan, ranks)):

@@ -131,7 +131,8 @@ def compare(runs: list[tuple[str, int, int]], world: int = 2, profiles: dict | N
         plan = predict(profiles[blocks], schedule, blocks, micro, world)
         for r, m in zip(plan.ranks, got):
             rows.append({"schedule": schedule, "blocks": blocks, "micro": micro, "rank": r.rank, "predicted": r.peak,
-                         "measured": m["peak"], "error": r.peak / m["peak"] - 1, "plan": plan.to_dict()["ranks"][r.rank]})
+                         "measured": m["peak"], "error": r.peak / m["peak"] - 1,
+                         "plan": plan.to_dict()["ranks"][r.rank]})
     return rows
 
 

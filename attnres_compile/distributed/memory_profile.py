@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -120,8 +120,6 @@ class Profile:
         return self.tokens * self.width * self.itemsize
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
         return {**asdict(self), "stream": self.stream}
 
 
@@ -146,21 +144,15 @@ def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) ->
         boundaries.append(Boundary(j, [(n.name, sizes[n.name], part_of.get(n, 0)) for n in crossing
                                        if n.name not in stream_names and sizes.get(n.name)]))
     width = int(chain["feature_size"])
-    val = by_name[chain["detail"][0]["result"]]
-    itemsize = sizes[val.name] // max(1, _numel(val, sizes, width))
-    tokens = sizes[val.name] // (width * itemsize)
-    dtype = str(getattr(val.meta.get("val"), "dtype", "")).removeprefix("torch.")
+    first_site = by_name[chain["detail"][0]["result"]]  # one value of the stream: [tokens, width] in its dtype
+    meta = first_site.meta["val"]
+    itemsize = meta.element_size()
+    tokens = sizes[first_site.name] // (width * itemsize)
+    dtype = str(meta.dtype).removeprefix("torch.")
     notes = [f"{name} is read by two parts of the model (tied weights), counted once where first read: split_stages "
              f"refuses it when the stages part it; untie it (e.g. tie_word_embeddings=False)" for name in tied]
     return Profile(layers, params, buffers, held, links, boundaries, transient, outputs, width, itemsize, dtype, tokens,
                    loss, notes)
-
-
-def _numel(node: fx.Node, sizes: dict[str, int], width: int) -> int:
-    """Elements of `node`'s value (its recorded bytes over its dtype's size)."""
-    val = node.meta.get("val")
-    item = val.element_size() if isinstance(val, torch.Tensor) else 4
-    return sizes[node.name] // item
 
 
 def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tuple[list[int], list[int], list[str]]:
@@ -216,7 +208,8 @@ def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, i
         outputs = sum(t.numel() * t.element_size() for t in leaves)
         logits = next(t for t in leaves if t.is_floating_point())
         if logits.dim() >= 2:
-            loss = F.cross_entropy(logits.flatten(0, -2).float(), torch.zeros(logits.shape[:-1].numel(), dtype=torch.long))
+            classes = torch.zeros(logits.shape[:-1].numel(), dtype=torch.long)
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), classes)
             name = "cross-entropy on the first floating output"
         else:
             loss, name = logits.float().sum(), "sum of the first floating output"
@@ -224,8 +217,8 @@ def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, i
         gc.collect()
         held = [mode.by_part.get(i, 0) for i in range(layers + 1)]
         after_forward = mode.live
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(mode, "discount", mode.discount + p.grad.nbytes))
-                 for p in grads]
+        count_grad = lambda p: setattr(mode, "discount", mode.discount + p.grad.nbytes)  # noqa: E731
+        hooks = [p.register_post_accumulate_grad_hook(count_grad) for p in grads]
         mode.reset_peak()
         loss.backward()
         for h in hooks:

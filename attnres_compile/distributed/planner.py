@@ -36,7 +36,8 @@ from .memory_profile import Profile, profile_model
 from .pipeline import Carried, Hop, StagePlan, _cut_blocks
 from .stage_cache import schedule_stage_ranks, seen_before
 
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble"}  # torch's names
+# the command line's schedule names and torch's (`get_schedule_class`)
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 OPTIMIZERS = {"adam": 2, "sgd": 0, "momentum": 1}  # state tensors per parameter (Adam: exp_avg, exp_avg_sq)
 
@@ -60,7 +61,8 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.history + self.transient
+        return (self.params + self.grads + self.optimizer + self.buffers + self.activations + self.history
+                + self.transient)
 
 
 @dataclass
@@ -272,7 +274,8 @@ def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list
     inbound = hops[k - 1] if k > 0 else None
     outbound = hops[k] if k < len(hops) else None
     grad_kinds = ("history", "stream")
-    history_buffers = micro * sum(v.bytes for hop in (inbound, outbound) if hop for v in hop.values if v.kind == "history")
+    history_buffers = micro * sum(v.bytes for hop in (inbound, outbound) if hop for v in hop.values
+                                  if v.kind == "history")
     buffers = micro * (inbound.bytes if inbound else 0) + sum(profile.buffers[p] for p in parts) - history_buffers
     buffers += micro * (sum(v.bytes for v in outbound.values if v.kind in grad_kinds) if outbound else 0)
     buffers += micro * profile.outputs if outbound is None else 0

@@ -256,7 +256,7 @@ def test_inspect_budget_prints_the_memory_plan(capsys):
     least = plan["candidates"][-1]["peak"]
     assert main(["inspect", LLAMA, "--budget", str(least - 1), "--stages", "2", "--micro-batches", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"smallest budget that fits is {least / 2**20:.1f} MiB (Block N=2)" in err[0], err
+    assert len(err) == 1 and f"smallest budget that fits is {least} B ({least / 2**20:.1f} MiB, Block N=2)" in err[0], err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -163,8 +163,8 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
         peak = max(r.peak for r in least.ranks)
         what = "Full" if least.block_size == 1 else f"Block N={least.num_blocks}"
         raise ConfigError(f"no rewrite aligned with the {stages} stage cuts fits {_size(budget)} per rank under "
-                          f"{schedule} with {micro_batches} micro-batches: the smallest budget that fits is "
-                          f"{_size(peak)} ({what}); raise --budget, or use more stages or fewer micro-batches")
+                          f"{schedule} with {micro_batches} micro-batches: the smallest budget that fits is {peak} B "
+                          f"({_size(peak)}, {what}); raise --budget, or use more stages or fewer micro-batches")
     return fitting[0]
 
 

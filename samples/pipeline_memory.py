@@ -10,6 +10,7 @@ micro-batches in flight and the backward's temporaries. `predict` is `plan_memor
 profile of the original model; it never sees the pipeline run.
 
     python -m samples.pipeline_memory --schedules 1f1b gpipe --blocks 2 --micro 4
+    python -m samples.pipeline_memory --factory smollm2 --blocks 4 --micro 4 --out docs/distributed/smollm2-memory.json
     attnres-compile inspect samples.pipeline_memory:smollm2_micro_batch --budget 3GiB --stages 6 --schedule interleaved
 """
 
@@ -148,8 +149,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--factory", choices=sorted(FACTORIES), default="tiny",
                    help="tiny: the 4-layer Llama; smollm2: SmolLM2-135M, 2 x 128 tokens per micro-batch")
+    p.add_argument("--out", help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
     rows = compare([(s, args.blocks, args.micro) for s in args.schedules], factory=args.factory)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"factory": args.factory, "rows": rows}, indent=1) + "\n")
     print(f"{'schedule':<9}{'N':>3}{'micro':>6}{'rank':>5}{'predicted B':>13}{'measured B':>12}{'error':>8}")
     for row in rows:
         print(f"{row['schedule']:<9}{row['blocks']:>3}{row['micro']:>6}{row['rank']:>5}{row['predicted']:>13}"

@@ -69,6 +69,8 @@ def test_in_flight_micro_batches_follow_the_schedule(profile):
     gpipe = plan_memory(profile, 100 * GIB, 2, "gpipe", micro_batches=4, num_blocks=2)
     assert [r.in_flight for r in one_f_one_b.ranks] == [[2], [1]]  # 1F1B: rank r of P holds P - r
     assert [r.in_flight for r in gpipe.ranks] == [[4], [4]]  # GPipe: every micro-batch
+    # gradients exist from a stage's first backward: at 1F1B's peak (after it), not at GPipe's (before it)
+    assert all(r.grads == r.params for r in one_f_one_b.ranks) and all(r.grads == 0 for r in gpipe.ranks)
     # stage 1's receive buffers hold every micro-batch's inbound hop, whatever the schedule
     assert one_f_one_b.ranks[1].buffers == gpipe.ranks[1].buffers >= 4 * one_f_one_b.hops.hops[0].bytes - \
         4 * sum(v.bytes for v in one_f_one_b.hops.hops[0].values if v.kind == "history")

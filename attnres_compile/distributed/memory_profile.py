@@ -96,7 +96,8 @@ class Profile:
     (embedding, mask, rotary tables), `parts[i + 1]` layer i with what follows it up to the next
     layer (the last one: the final norm, the head and the loss). `params`/`buffers`/`held` per part
     in bytes (`held`: alive after the forward, until backward); `transient`: the most backward
-    allocates above what the forward left (gradients of parameters excluded); `links[i]`: the
+    allocates above what the forward left (gradients of parameters excluded) once it is through
+    the last layer's output, `transient_head` before (final norm, head, loss: the last stage's); `links[i]`: the
     chain's residual links (sublayers) in layer i; `outputs`: bytes of the model's outputs."""
 
     layers: list[str]
@@ -106,6 +107,7 @@ class Profile:
     links: list[int]
     boundaries: list[Boundary]
     transient: int
+    transient_head: int
     outputs: int
     width: int
     itemsize: int
@@ -136,7 +138,8 @@ def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) ->
     part_of = _assign(nodes, first, layers)  # 0: before layer 0; i + 1: layer i and what follows it
     links = [sum(part_of[by_name[link["adds"][0]]] == i + 1 for link in chain["detail"]) for i in range(len(layers))]
     params, buffers, tied = _weights(gm, part_of, len(layers) + 1)
-    held, transient, outputs, sizes, loss = _run(gm, args, kwargs, part_of, len(layers))
+    held, (transient, transient_head), outputs, sizes, loss = _run(gm, args, kwargs, part_of, len(layers),
+                                                                   chain["detail"][-1]["result"])
     stream_names = {name for link in chain["detail"] for name in (link["result"], link["skip"])}
     boundaries = []
     for j in range(1, len(layers)):
@@ -151,8 +154,8 @@ def profile_model(gm: fx.GraphModule, args: tuple, kwargs: dict, chain: dict) ->
     dtype = str(meta.dtype).removeprefix("torch.")
     notes = [f"{name} is read by two parts of the model (tied weights), counted once where first read: split_stages "
              f"refuses it when the stages part it; untie it (e.g. tie_word_embeddings=False)" for name in tied]
-    return Profile(layers, params, buffers, held, links, boundaries, transient, outputs, width, itemsize, dtype, tokens,
-                   loss, notes)
+    return Profile(layers, params, buffers, held, links, boundaries, transient, transient_head, outputs, width, itemsize,
+                   dtype, tokens, loss, notes)
 
 
 def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tuple[list[int], list[int], list[str]]:
@@ -174,22 +177,28 @@ def _weights(gm: fx.GraphModule, part_of: dict[fx.Node, int], count: int) -> tup
 
 
 class _Attributing(fx.Interpreter):
-    """Runs the graph with `mode.part` set to the part of the node being run."""
+    """Runs the graph with `mode.part` set to the part of the node being run; `on_grad` is called
+    when backward has computed the gradient of node `mark`'s value."""
 
-    def __init__(self, gm: fx.GraphModule, part_of: dict[fx.Node, int], mode: LiveBytes, sizes: dict[str, int]):
+    def __init__(self, gm: fx.GraphModule, part_of: dict[fx.Node, int], mode: LiveBytes, sizes: dict[str, int],
+                 mark: str, on_grad):
         super().__init__(gm)
-        self.part_of, self.mode, self.sizes = part_of, mode, sizes
+        self.part_of, self.mode, self.sizes, self.mark, self.on_grad = part_of, mode, sizes, mark, on_grad
 
     def run_node(self, n: fx.Node) -> Any:
         self.mode.part = self.part_of.get(n, self.mode.part)
         out = super().run_node(n)
+        if n.name == self.mark and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self.on_grad)
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.sizes[n.name] = sum(t.numel() * t.element_size() for t in leaves)
         return out
 
 
-def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, int], layers: int):
-    """(held bytes per part, backward transient, the outputs' bytes, output bytes per node name, the loss's name)."""
+def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, int], layers: int, last: str):
+    """(held bytes per part, backward transients (through the layers; through what follows node
+    `last`, the stream out of the last layer: final norm, head, loss), the outputs' bytes, output
+    bytes per node name, the loss's name)."""
     bound = inspect.signature(gm.forward).bind(*args, **kwargs).arguments
     flat = pytree.tree_leaves(bound)
     weights = [*gm.parameters(), *gm.buffers()]
@@ -202,7 +211,13 @@ def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, i
     mode.track(weights, [t for t in flat if isinstance(t, torch.Tensor)])
     with torch.enable_grad(), mode:
         mode.part = 0
-        out = _Attributing(gm, part_of, mode, sizes).run(*flat)
+        head: list[int] = []  # the head's peak, and the level when backward enters the last layer
+
+        def layers_begin(grad):
+            head.extend([mode.peak, mode.live - mode.discount])
+            mode.reset_peak()
+
+        out = _Attributing(gm, part_of, mode, sizes, last, layers_begin).run(*flat)
         mode.part = layers
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         outputs = sum(t.numel() * t.element_size() for t in leaves)
@@ -223,7 +238,9 @@ def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, part_of: dict[fx.Node, i
         loss.backward()
         for h in hooks:
             h.remove()
-    transient = max(0, mode.peak - after_forward)
+    if not head:  # the stream's last value does not reach the loss: one phase
+        head = [mode.peak, after_forward]
+    transient, through_head = max(0, mode.peak - head[1]), max(0, head[0] - after_forward)
     for p in grads:
         p.grad = None
-    return held, transient, outputs, sizes, name
+    return held, (transient, through_head), outputs, sizes, name

@@ -5,8 +5,9 @@ schedule, `plan_memory` predicts every rank's peak bytes for each Block AttnRes 
 boundaries fall on the stage cuts (so a hop carries finished block sums, never a partial one),
 and picks the largest N that fits the budget (Full, block size 1, when it fits). Per rank:
 
-- parameters, their gradients and the optimizer's state (`OPTIMIZERS`: Adam keeps two tensors
-  per parameter, plain SGD none), the pseudo-queries the rewrite adds included;
+- parameters and the optimizer's state (`OPTIMIZERS`: Adam keeps two tensors per parameter,
+  plain SGD none), the pseudo-queries the rewrite adds included; a stage's gradients from its
+  first backward of the step on (`zero_grad()` sets them to None between steps);
 - the buffers torch's `PipelineStage` allocates once for every micro-batch: the receive buffers
   of its inbound hop, the gradient buffers of its outbound hop, and on the last stage the output
   of every micro-batch (`return_outputs`, torch's default);
@@ -14,7 +15,7 @@ and picks the largest N that fits the budget (Full, block size 1, when it fits).
   forward adds one, the backward, or the weight pass of a split backward, frees it): the layers'
   activations as profiled, the history (one source per sublayer, saved by the sites, and the
   copies of the history a stage relays to the next hop), and during a backward its transient
-  allocations and the gradients of the stage's inputs.
+  allocations (the last stage's through the loss and head) and the gradients of its inputs.
 
 Bytes per hop: the stream, the history (Block: the embedding and every finished block sum,
 1 + cut / B tensors; Full: every earlier source) and the other values the layers read (masks,
@@ -225,7 +226,7 @@ def _evaluate(profile: Profile, size: int, stage_of_layer: list[int], stage_rank
                 for r in sorted(order)]
     num_blocks = math.ceil(total / size)
     notes = [*profile.notes, f"activations profiled on one micro-batch in one process; loss: {profile.loss}",
-             "peak without the cache (split_stages' default stages); gradients counted whole at the peak"]
+             "peak without the cache (split_stages' default stages); gradients from each stage's first backward"]
     if checkpoint is not None or offload:
         notes.append("checkpointing/offload terms are predictions only: not measured (stage modules are flat)")
     return MemoryPlan(budget, schedule, micro, optimizer, "full" if size == 1 else "block", num_blocks, size,
@@ -281,6 +282,8 @@ def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list
     buffers += micro * profile.outputs if outbound is None else 0
     relayed = [v for v in (outbound.values if outbound else []) if v.made < k]
     held, history, transient = _activations(profile, parts, links, relayed, size, checkpoint)
+    if outbound is None:  # the last stage's backward starts with the loss and the head
+        transient = max(transient, profile.transient_head)
     transient += sum(v.bytes for v in inbound.values if v.kind in grad_kinds) if inbound else 0
     host = 0
     if offload:
@@ -310,23 +313,35 @@ def _activations(profile: Profile, parts: list[int], links: int, relayed: list[C
 
 
 def _rank_peak(rank: int, stages: list[int], terms: list[_StageTerms], actions: list, optimizer: str) -> RankMemory:
-    """Walk the rank's actions: a forward adds a micro-batch to its stage, a full backward (B) or
-    a weight pass (W) removes it; a backward (B or I) adds its transient while it runs."""
+    """Walk the rank's actions: a forward adds a micro-batch to its stage; a backward (B, or I of a
+    split one) adds its transient while it runs; a full backward (B) or a weight pass (W) frees the
+    micro-batch and leaves the stage's parameter gradients (allocated by its first backward of the
+    step: `zero_grad()` sets them to None). The peak is the largest level on the way."""
     held = dict.fromkeys(stages, 0)
-    best, at, during = -1, dict(held), 0
+    graded: set[int] = set()
+    best: list = [-1, dict(held), set(), 0]
+
+    def consider(extra: int) -> None:
+        level = sum(held[t] * (terms[t].activations + terms[t].history) for t in stages) + extra
+        level += sum(terms[t].params for t in graded)
+        if level > best[0]:
+            best[:] = [level, dict(held), set(graded), extra]
+
     for action in actions:
         kind, s = action.computation_type.value, action.stage_index
         if kind == "F":
             held[s] += 1
-        extra = terms[s].transient if kind in ("B", "I") else 0
-        level = sum(held[t] * (terms[t].activations + terms[t].history) for t in stages) + extra
-        if level > best:
-            best, at, during = level, dict(held), extra
+            consider(0)
+        elif kind in ("B", "I"):
+            consider(terms[s].transient)
         if kind in ("B", "W"):
             held[s] -= 1
+            graded.add(s)
+            consider(0)
+    _, at, grads, during = best
     params = sum(terms[s].params for s in stages)
     history = sum(at[s] * terms[s].history + terms[s].history_buffers for s in stages)
-    return RankMemory(rank, stages, params, params, OPTIMIZERS[optimizer] * params,
+    return RankMemory(rank, stages, params, sum(terms[s].params for s in grads), OPTIMIZERS[optimizer] * params,
                       sum(terms[s].buffers for s in stages), sum(at[s] * terms[s].activations for s in stages),
                       history, during, [at[s] for s in stages], sum(at[s] * terms[s].host for s in stages))
 

@@ -237,7 +237,8 @@ def _inspect(args) -> int:
             stages, ranks, micro = layout
             with progress.stage("profiling one micro-batch"):
                 plan = plan_traced(traced, report, args.budget, stages, schedule=args.schedule, ranks=ranks,
-                                   micro_batches=micro, optimizer=args.optimizer, num_blocks=args.blocks)
+                                   micro_batches=micro, optimizer=args.optimizer, num_blocks=args.blocks,
+                                   block_size=args.block_size)
             report.data["memory_plan"] = plan.to_dict()
             if not args.json:
                 print(cli_words(str(report)) + "\n\n" + plan.table())

@@ -253,6 +253,7 @@ def test_inspect_budget_prints_the_memory_plan(capsys):
     assert all(r["peak"] <= 6 * 2**20 for r in plan["ranks"]) and [r["in_flight"] for r in plan["ranks"]] == [[2], [1]]
     assert [c["num_blocks"] for c in plan["candidates"]] == [8, 4, 2]
     assert [h["bytes"] for h in plan["hops"]] == [(1 + 4 + 1) * 128 * 64 * 4 + 3 * 8192]  # embedding + 4 sources, stream
+    assert plan["profile"]["layers"] == [f"model.layers.{i}" for i in range(4)] and plan["profile"]["tokens"] == 128
     least = plan["candidates"][-1]["peak"]
     assert main(["inspect", LLAMA, "--budget", str(least - 1), "--stages", "2", "--micro-batches", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

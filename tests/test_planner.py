@@ -60,8 +60,9 @@ def test_largest_aligned_n_that_fits(profile):
     assert smallest.num_blocks == 2 and max(r.peak for r in smallest.ranks) == peaks[2]
     with pytest.raises(ConfigError, match=rf"smallest budget that fits is {peaks[2]} B \(4\.\d MiB, Block N=2\)"):
         plan_memory(profile, peaks[2] - 1, 2, micro_batches=4)
-    with pytest.raises(ConfigError, match="does not align with the stage cuts at sublayers 4"):
+    with pytest.raises(ConfigError, match="N=3 .* does not align with the stage cuts at sublayers 4"):
         plan_memory(profile, 100 * GIB, 2, micro_batches=4, num_blocks=3)
+    assert plan_memory(profile, 100 * GIB, 2, micro_batches=4, block_size=2).num_blocks == 4
 
 
 def test_in_flight_micro_batches_follow_the_schedule(profile):

@@ -93,10 +93,10 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("hops", "profile")}
+        out["profile"] = self.profile.to_dict()
         for d, r in zip(out["ranks"], self.ranks):
             d["peak"] = r.peak
         out["hops"] = self.hops.to_dict()["hops"]
-        out["tokens"], out["width"], out["dtype"] = self.profile.tokens, self.profile.width, self.profile.dtype
         return out
 
     def table(self) -> str:
@@ -131,12 +131,12 @@ def _size(n: float) -> str:
 
 def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1b", ranks: int | None = None,
                 micro_batches: int | None = None, optimizer: str = "adam", checkpoint: SitePolicy | None = None,
-                offload: bool = False, num_blocks: int | None = None) -> MemoryPlan:
+                offload: bool = False, num_blocks: int | None = None, block_size: int | None = None) -> MemoryPlan:
     """The largest Block N (or Full) whose boundaries fall on the cuts of `stages` even stages and
     whose predicted peak fits `budget` bytes on every rank; ConfigError naming the smallest budget
     that fits when none does. `ranks`: default stages / stages per rank of the schedule (1 for
-    gpipe/1f1b, 2 for interleaved/zbv); `micro_batches`: default `stages`; `num_blocks`: plan only
-    this N (its block size must divide the cuts)."""
+    gpipe/1f1b, 2 for interleaved/zbv); `micro_batches`: default `stages`; `num_blocks` (or
+    `block_size`): plan only this N (or B; the block size must divide the cuts)."""
     ranks, micro_batches, order = check_layout(stages, schedule, ranks, micro_batches, optimizer)
     if stages > len(profile.layers):
         raise ConfigError(f"{stages} stages, but the model has {len(profile.layers)} layers: use 2 to "
@@ -147,9 +147,12 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
     total = sum(profile.links)
     cuts = [sum(profile.links[:profile.layers.index(s)]) for s in starts]
     sizes = sorted({math.ceil(total / n) for n in ([num_blocks] if num_blocks else range(1, total + 1))})
-    if num_blocks and any(c % sizes[0] for c in cuts):
-        raise ConfigError(f"Block N={num_blocks} (blocks of {sizes[0]} sublayers) does not align with the stage cuts "
-                          f"at sublayers {', '.join(map(str, cuts))}: drop --blocks to let the planner choose")
+    if block_size:
+        sizes = [min(block_size, total)]
+    if (num_blocks or block_size) and any(c % sizes[0] for c in cuts):
+        raise ConfigError(f"Block N={math.ceil(total / sizes[0])} (blocks of {sizes[0]} sublayers) does not align with "
+                          f"the stage cuts at sublayers {', '.join(map(str, cuts))}: drop --blocks/--block-size to let "
+                          f"the planner choose")
     candidates = []
     for size in (b for b in sizes if all(c % b == 0 for c in cuts)):
         plan = _evaluate(profile, size, stage_of_layer, stage_ranks, order, micro_batches, optimizer, checkpoint,

@@ -148,14 +148,18 @@ def main(argv=None):
     ref_losses, ref_grads, ref_seconds = reference(gm, data, args.micro, args.lr)
     pp_losses = next(r["losses"] for r in ranks if r["losses"][0] is not None)
     loss_diff = max(abs(a - b) for ra, rb in zip(pp_losses, ref_losses) for a, b in zip(ra, rb))
-    grad_diff, grad_max = 0.0, 0.0
+    grad_diff, grad_max, step_diffs = 0.0, 0.0, []
     for step, want in enumerate(ref_grads):
         got = {k: v for r in ranks for k, v in r["grads"][step].items()}
-        for k, w in want.items():
-            grad_diff = max(grad_diff, (torch.tensor(got[k]) - w).abs().max().item())
-            grad_max = max(grad_max, w.abs().max().item())
+        diffs = {k: (torch.tensor(got[k]) - w).abs().max().item() for k, w in want.items()}
+        grad_diff = max(grad_diff, *diffs.values())
+        grad_max = max(grad_max, *(w.abs().max().item() for w in want.values()))
+        worst = max(diffs, key=lambda k: diffs[k] / want[k].abs().max().item())  # relative to the query's largest
+        step_diffs.append({"max": max(diffs.values()), "worst_relative": worst,
+                           "relative": diffs[worst] / want[worst].abs().max().item()})
     result = {"args": vars(args), "plan": ranks[0]["plan"], "pipeline_losses": pp_losses, "reference_losses": ref_losses,
               "max_loss_diff": loss_diff, "max_query_grad_diff": grad_diff, "max_query_grad": grad_max,
+              "query_grad_diff_per_step": step_diffs,
               "pipeline_seconds_per_step": [max(r["seconds"][i] for r in ranks) for i in range(args.steps)],
               "reference_seconds_per_step": ref_seconds,
               "params_per_stage": [p for _, p in sorted((int(i), p) for r in ranks for i, p in r["params"].items())],
@@ -168,6 +172,9 @@ def main(argv=None):
     for i, (a, b) in enumerate(zip(pp_losses, ref_losses)):
         print(f"step {i}: pipeline {['%.6f' % v for v in a]}  one process {['%.6f' % v for v in b]}")
     print(f"max |loss diff| {loss_diff:.2e}; max |query grad diff| {grad_diff:.2e} (largest query grad {grad_max:.2e})")
+    for i, d in enumerate(step_diffs):
+        print(f"step {i}: max |query grad diff| {d['max']:.2e}; relative to its query's largest at most "
+              f"{d['relative']:.2e} ({d['worst_relative']})")
     print(f"seconds per step: pipeline {['%.2f' % s for s in result['pipeline_seconds_per_step']]}, "
           f"one process {['%.2f' % s for s in ref_seconds]}")
     if args.out:

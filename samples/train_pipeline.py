@@ -34,7 +34,7 @@ from attnres_compile.distributed import schedule_stage_ranks, split_stages
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=4, heads=2, seq=16, batch=8, micro=4)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "interleaved-zb")
 
 
 def setup(variant: str, steps: int, seed: int = 0):
@@ -79,7 +79,7 @@ def _schedule_class(schedule: str):
     from torch.distributed import pipelining as pp
 
     return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-            "zbv": pp.ScheduleZBVZeroBubble}[schedule]
+            "zbv": pp.ScheduleZBVZeroBubble, "interleaved-zb": pp.ScheduleInterleavedZeroBubble}[schedule]
 
 
 def counting_stage():

@@ -136,7 +136,8 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     world, P)`): a hop into a stage whose rank already holds some of its values for this
     micro-batch leaves them out, and the stage reads them from its rank's `StageCache`
     (`module.stage_cache`; see `stage_cache.py`); `plan.hops[h].sent_bytes` is what the hop then
-    carries. Stages on one rank must share the process (one cache per rank value).
+    carries. Stages on one rank must share the process (one cache per rank value; a deep copy
+    of a stage gets its own copy of the cache).
     """
     if stage_ranks is not None and num_stages is not None:
         check_ranks(stage_ranks, num_stages)  # before the export, which takes a while

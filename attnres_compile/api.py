@@ -141,6 +141,12 @@ def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     config = as_config(config)
     with progress.stage("tracing"):
         traced = trace(model, example_inputs, dynamic_shapes, dynamic)
+    return inspect_traced(traced, config)
+
+
+def inspect_traced(traced: Traced, config: AttnResConfig | None = None) -> Report:
+    """`inspect` of a model `trace` returned (the memory planner profiles the same trace)."""
+    config = as_config(config)
     view, plan = _analyze(traced, config)
     return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
 

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from . import __version__, env_checks, outputs, progress
-from .cli_args import factory_file, load_factory, seconds
+from .cli_args import byte_size, count, factory_file, load_factory, seconds
 from .errors import (INTERRUPTED_EXIT, TERMINATED_EXIT, AttnResError, ConfigError, InputError, Interrupted,
                      VerificationError, cli_words, first_line)
 from .file_kind import check_file
@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--heatmap", metavar="OUT.png", help="with --weights: where to write the heatmap "
                      "(default: beside the checkpoint, .png)")
     ins.add_argument("--force", action="store_true", help="with --weights: overwrite an existing heatmap")
+    _budget_args(ins)
     _config_args(ins)
 
     rw = sub.add_parser("rewrite", help="rewrite a model to AttnRes and verify it")
@@ -86,6 +87,41 @@ def _parser() -> argparse.ArgumentParser:
     add_generate_command(sub)
     add_bench_commands(sub)
     return p
+
+
+def _budget_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline memory plan (factory models; docs/distributed.md)")
+    g.add_argument("--budget", type=byte_size, metavar="SIZE",
+                   help="memory per rank (e.g. 40GiB): choose the largest Block N (or Full) aligned with the stage "
+                        "cuts whose predicted peak fits, and print each rank's figures; the example inputs are one "
+                        "micro-batch")
+    g.add_argument("--stages", type=count, help="with --budget: pipeline stages (default: 2 per rank for interleaved/zbv, "
+                                                "else one per rank; 2 if neither is given)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbv"], default="1f1b",
+                   help="with --budget: torch's pipeline schedule (default 1f1b)")
+    g.add_argument("--ranks", type=count, help="with --budget: pipeline ranks (default: stages / stages per rank)")
+    g.add_argument("--micro-batches", type=count, metavar="M", help="with --budget: micro-batches per step (default: stages)")
+    g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam",
+                   help="with --budget: optimizer whose state is counted (adam: 2 tensors per parameter; default)")
+
+
+def _budget_layout(args):
+    """(stages, ranks, micro-batches) of `inspect --budget`, checked before any work; a pipeline flag
+    without --budget, or --budget where it cannot apply, is one line."""
+    given = [f for f, v in (("--stages", args.stages), ("--ranks", args.ranks), ("--micro-batches", args.micro_batches))
+             if v is not None]
+    if args.budget is None:
+        if given:
+            raise ConfigError(f"{given[0]} applies with --budget SIZE (the pipeline memory plan)")
+        return None
+    if args.weights or (args.model and is_onnx_path(args.model)):
+        raise ConfigError("--budget applies to package.module:factory models: the planner runs the model once in torch "
+                          "on its example inputs (one micro-batch)")
+    from .distributed.planner import STAGES_PER_RANK, check_layout
+
+    stages = args.stages or (args.ranks or 2) * STAGES_PER_RANK[args.schedule]
+    ranks, micro, _ = check_layout(stages, args.schedule, args.ranks, args.micro_batches, args.optimizer)
+    return stages, ranks, micro
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -133,6 +169,8 @@ def _plan_outputs(args) -> tuple[list[Output], list[Path], bool]:
         check_file(Path(model), "an ONNX model" if args.command != "compile" else "a model file")
     if hasattr(args, "variant") and not getattr(args, "weights", None):
         _config(args)  # its errors (--blocks 0), also before the imports
+    if args.command == "inspect":
+        _budget_layout(args)
     if args.command == "rewrite":
         out = _rewrite_output(args)
         if is_onnx_path(args.model):
@@ -183,13 +221,28 @@ def _inspect(args) -> int:
         _no_dynamic_for_onnx(args)
         report = inspect_onnx(args.model, _config(args), parse_input_shapes(args.input_shape))
     else:
-        from .api import inspect
+        from .api import inspect_traced, trace
         from .passes.dynamic_dims import parse
 
         _no_input_shape_for_factory(args)
         parse(args.dynamic)
+        layout = _budget_layout(args)
         model, example = load_factory(args.model)
-        report = inspect(model, example, _config(args), dynamic=args.dynamic)
+        with progress.stage("tracing"):
+            traced = trace(model, example, dynamic=args.dynamic)
+        report = inspect_traced(traced, _config(args))
+        if layout:
+            from .distributed.planner import plan_traced
+
+            stages, ranks, micro = layout
+            with progress.stage("profiling one micro-batch"):
+                plan = plan_traced(traced, report, args.budget, stages, schedule=args.schedule, ranks=ranks,
+                                   micro_batches=micro, optimizer=args.optimizer, num_blocks=args.blocks,
+                                   block_size=args.block_size)
+            report.data["memory_plan"] = plan.to_dict()
+            if not args.json:
+                print(cli_words(str(report)) + "\n\n" + plan.table())
+                return 0
     print(report.to_json() if args.json else cli_words(str(report)))
     return 0
 

@@ -1,6 +1,6 @@
 """What the command line's arguments name, read the same by cli.py and the command modules it
 registers (backends/tvm/cli.py, generate_cmd.py) without those importing cli.py: a number of
-seconds, and a `package.module:factory` spec."""
+seconds, a size in bytes, a count, and a `package.module:factory` spec."""
 
 from __future__ import annotations
 
@@ -23,6 +23,31 @@ def seconds(text: str) -> float:
         value = float("nan")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$")
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes: 40GiB, 512 MiB, 1.5GB (decimal), 1e9 (an argparse type)."""
+    match = _SIZE.match(text.lower())
+    value = float(match.group(1)) * _UNITS[match.group(2)] if match and match.group(2) in _UNITS else 0
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a size such as 40GiB, 512MiB or 1.5GB, got {text!r}")
+    return int(value)
+
+
+def count(text: str) -> int:
+    """A whole number of at least 1 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return value
 
 

@@ -239,3 +239,44 @@ def test_paper_mode_verdict_does_not_fail_the_run(tmp_path, capsys):
     out = tmp_path / "paper.onnx"
     assert main(["rewrite", str(chain_model(tmp_path / "c.onnx", feature=8)), "-o", str(out), "--scale", "paper"]) == 0
     assert out.is_file() and "✗" in capsys.readouterr().out
+
+
+LLAMA = "samples.pipeline_memory:model_and_inputs"
+
+
+def test_inspect_budget_prints_the_memory_plan(capsys):
+    """`inspect --budget`: the report, then the pipeline memory plan (with --json, `memory_plan`);
+    a budget nothing fits is one line naming the smallest that does (docs/distributed.md)."""
+    assert main(["inspect", LLAMA, "--budget", "6MiB", "--stages", "2", "--micro-batches", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["memory_plan"]
+    assert (plan["variant"], plan["schedule"], plan["micro_batches"], plan["stage_ranks"]) == ("full", "1f1b", 4, [0, 1])
+    assert all(r["peak"] <= 6 * 2**20 for r in plan["ranks"]) and [r["in_flight"] for r in plan["ranks"]] == [[2], [1]]
+    assert [c["num_blocks"] for c in plan["candidates"]] == [8, 4, 2]
+    assert [h["bytes"] for h in plan["hops"]] == [(1 + 4 + 1) * 128 * 64 * 4 + 3 * 8192]  # embedding + 4 sources, stream
+    assert plan["profile"]["layers"] == [f"model.layers.{i}" for i in range(4)] and plan["profile"]["tokens"] == 128
+    least = plan["candidates"][-1]["peak"]
+    assert main(["inspect", LLAMA, "--budget", str(least - 1), "--stages", "2", "--micro-batches", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"smallest budget that fits is {least} B ({least / 2**20:.1f} MiB, Block N=2)" in err[0], err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "40XB"], "argument --budget: expected a size such as 40GiB"),
+    (["--stages", "4"], "--stages applies with --budget SIZE"),
+    (["--budget", "1GiB", "--ranks", "0"], "argument --ranks: expected a whole number of at least 1, got '0'"),
+    (["--budget", "1GiB", "--stages", "3", "--schedule", "zbv"], "zbv needs stages 2 per rank"),
+    (["--budget", "1GiB", "--stages", "4", "--micro-batches", "2"], "1F1B schedule refuses 2 micro-batches on 4 ranks"),
+    (["--budget", "1GiB", "--schedule", "pipedream"], "argument --schedule: invalid choice"),
+])
+def test_inspect_budget_values_are_checked_before_any_work(args, message, capsys, tmp_path):
+    try:
+        code = main(["inspect", "tests.missing_module:factory", *args])  # the factory is never loaded
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    onnx_file = tmp_path / "m.onnx"
+    onnx_file.write_bytes(b"")
+    assert main(["inspect", str(onnx_file), "--budget", "1GiB"]) == 2
+    assert "--budget applies to package.module:factory models" in capsys.readouterr().err

@@ -206,16 +206,17 @@ def _static(gm: fx.GraphModule, args: tuple, kwargs: dict) -> fx.GraphModule:
     return static
 
 
-def _blocks(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, str]]:
+def _blocks(nodes: list[fx.Node], marks: set[fx.Node] | None = None) -> tuple[list[str], dict[fx.Node, str]]:
     """The blocks (module scopes holding sites, at the first scope depth where sites differ) in
-    graph order, and the block of each node inside one."""
+    graph order, and the block of each node inside one. `marks`: other nodes to find the blocks
+    by instead of the sites (an original model's residual adds, for the memory profile)."""
     stacks = {n: [path for path, _ in n.meta.get("nn_module_stack", {}).values()] for n in nodes}
-    sites = [stacks[n] for n in nodes if is_attnres_op(n.target)]
+    sites = [stacks[n] for n in nodes if (n in marks if marks is not None else is_attnres_op(n.target))]
     depth = next((d for d in range(max(map(len, sites), default=0))
                   if len({s[d] if len(s) > d else None for s in sites}) > 1), None)
     if depth is None:
-        raise ConfigError("the rewritten model has fewer than two blocks holding depth-attention sites: "
-                          "nothing to split into pipeline stages")
+        held = "depth-attention sites" if marks is None else "residual links"
+        raise ConfigError(f"the model has fewer than two blocks holding {held}: nothing to split into pipeline stages")
     block_names = {s[depth] for s in sites if len(s) > depth}
     block_of = {n: s[depth] for n, s in stacks.items() if len(s) > depth and s[depth] in block_names}
     return list(dict.fromkeys(block_of[n] for n in nodes if n in block_of)), block_of

@@ -1,0 +1,185 @@
+"""The fused site + norm pair: the op `attnres.depth_attention_norm` (op_site_norm.py) against the
+unfused pair and float64, and the fx pass that puts it in rewritten HF models (passes/fx_site_norm.py).
+
+In mode eager the pair computes the unfused ops themselves, so a fused model's outputs equal the
+unfused one's bit for bit; its gradients come from the analytic backward, equal to autograd's
+through the unfused ops up to float32 rounding. The fused TVM kernels (mode auto) differ from the
+eager pair by float32 rounding in both directions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import attnres_compile as ac
+from attnres_compile import op as op_module
+from attnres_compile.op_site_norm import norm_reference
+from attnres_compile.passes.fx_site_norm import PAIR, SITE, fuse_norms, unfuse_norms
+from samples import hf_models, hf_zoo, models
+
+pair = torch.ops.attnres.depth_attention_norm.default
+NORMS = [("layer", True, True), ("layer", False, False), ("rms", True, False), ("rms", False, False)]
+
+
+def _inputs(size=64, rows=(2, 5), count=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*rows, size, generator=g) + i).requires_grad_() for i in range(count)]
+    return sources, (torch.randn(size, generator=g) / size**0.5).requires_grad_(), g
+
+
+@pytest.fixture
+def eager():
+    previous = op_module.set_kernel("eager")
+    yield
+    op_module.set_kernel(previous)
+
+
+@pytest.mark.parametrize("kind, weight, bias", NORMS)
+@pytest.mark.parametrize("mode", ["eager", "auto"])
+def test_pair_equals_the_unfused_site_and_norm(mode, kind, weight, bias):
+    """Outputs and every gradient (sources, query, weight, bias), with a gradient on `mixed` too (a
+    site read by its norm and something else), against the unfused ops under autograd: equal in mode
+    eager, within float32 rounding of the outputs' scale with the fused kernels."""
+    previous = op_module.set_kernel(mode)
+    try:
+        sources, query, g = _inputs()
+        w = torch.randn(64, generator=g).requires_grad_() if weight else None
+        b = torch.randn(64, generator=g).requires_grad_() if bias else None
+        params = [t for t in (*sources, query, w, b) if t is not None]
+        up_n, up_m = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
+        mixed, normed = pair(sources, query, 1e-6, 3.0, -1, w, b, 1e-5, kind)
+        got = torch.autograd.grad((normed * up_n).sum() + (mixed * up_m).sum(), params)
+        ref_mixed = torch.ops.attnres.depth_attention(sources, query, 1e-6, 3.0, -1)
+        ref_normed = norm_reference(ref_mixed, w, b, 1e-5, kind)
+        want = torch.autograd.grad((ref_normed * up_n).sum() + (ref_mixed * up_m).sum(), params)
+        if mode == "eager":
+            assert torch.equal(mixed, ref_mixed) and torch.equal(normed, ref_normed)
+        for a, r in [(mixed, ref_mixed), (normed, ref_normed), *zip(got, want)]:
+            torch.testing.assert_close(a, r, rtol=0, atol=1e-5 * float(r.detach().abs().max()))
+    finally:
+        op_module.set_kernel(previous)
+
+
+@pytest.mark.parametrize("kind, bias", [("layer", True), ("rms", False)])
+def test_gradcheck_float64(kind, bias):
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randn(2, 2, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)]
+    query, weight = (torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    b = torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+
+    def both(query, weight, *sources):
+        return pair(list(sources), query, 1e-6, 3.0, -1, weight, b, 1e-5, kind)
+
+    def normed_only(query, *sources):  # `mixed` unread: the backward gets no gradient for it
+        return pair(list(sources), query, 1e-6, 3.0, -1, None, None, 1e-5, kind)[1]
+
+    assert torch.autograd.gradcheck(both, (query, weight, *sources), fast_mode=True)
+    assert torch.autograd.gradcheck(normed_only, (query, *sources), fast_mode=True)
+
+
+def test_export_keeps_the_pair_one_node():
+    class Tail(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.norm = nn.Parameter(torch.randn(16)), nn.LayerNorm(16)
+
+        def forward(self, a, b):
+            return pair([a, b], self.query, 1e-6, 2.0, -1, self.norm.weight, self.norm.bias, 1e-5, "layer")[1]
+
+    args = (torch.randn(2, 3, 16), torch.randn(2, 3, 16))
+    program = torch.export.export(Tail(), args)
+    assert [n.target for n in program.graph.nodes if n.op == "call_function"].count(PAIR) == 1
+    model = Tail()
+    torch.testing.assert_close(torch.export.export(model, args).module()(*args), model(*args))
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    sources, query, _ = _inputs(size=8)
+    with pytest.raises(ValueError, match="dim must be -1"):
+        pair(sources, query, 1e-6, 1.0, 1, None, None, 1e-5, "rms")
+    with pytest.raises(ValueError, match="an RMSNorm has no bias"):
+        pair(sources, query, 1e-6, 1.0, -1, None, torch.zeros(8), 1e-5, "rms")
+    with pytest.raises(ValueError, match="norm_kind must be one of layer, rms"):
+        pair(sources, query, 1e-6, 1.0, -1, None, None, 1e-5, "group")
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \[8\]"):
+        pair(sources, query, 1e-6, 1.0, -1, torch.ones(4), None, 1e-5, "layer")
+
+
+# ---- the fx pass on rewritten models ---------------------------------------------------------------
+
+def _norm_swapped(make_norm):
+    """The sample PreNorm GPT with its LayerNorms replaced (aten.rms_norm, norms without parameters)."""
+    model, inputs = models.gpt_factory(layers=2)
+    for name, module in list(model.named_modules()):
+        for child, norm in list(module.named_children()):
+            if isinstance(norm, nn.LayerNorm):
+                setattr(module, child, make_norm(norm.normalized_shape[0]))
+    return model.eval(), inputs
+
+
+FACTORIES = {
+    "llama": hf_models.llama_factory,  # HF RMSNorm, torch.export's casts and metadata checks
+    "qwen2": hf_zoo.qwen2_factory,
+    "gpt2": hf_models.gpt2_factory,  # aten.layer_norm with weight and bias
+    "rms_norm": lambda: _norm_swapped(nn.RMSNorm),  # aten.rms_norm with weight
+    "plain_norms": lambda: _norm_swapped(lambda d: nn.LayerNorm(d, elementwise_affine=False)),
+}
+KINDS = {"llama": ("rms", True, False), "qwen2": ("rms", True, False), "gpt2": ("layer", True, True),
+ "rms_norm": ("rms", True, False), "plain_norms": ("layer", False, False)}
+
+
+def _outputs(module, inputs):
+    """The logits and, of an HF model, its hidden states (sites returned beside their norm: `mixed`)."""
+    out = module(*inputs) if isinstance(inputs, tuple) else module(**inputs)
+    return [out.logits, *(out.hidden_states or ())] if hasattr(out, "logits") else [out]
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_pass_fuses_every_site_and_is_exact(eager, name):
+    """Every site of a PreNorm model is read by a norm (the next sublayer's, or the final one) and
+    becomes a pair, also where it is returned as a hidden state (that reader gets `mixed`); logits
+    and hidden states equal bit for bit, every parameter's gradient within float32 rounding."""
+    model, inputs = FACTORIES[name]()
+    if isinstance(inputs, dict):
+        inputs = {**inputs, "output_hidden_states": True}
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full"), verify_outputs=False).graph_module
+    fused = copy.deepcopy(gm)
+    assert fuse_norms(fused).modified
+    sites = [n for n in gm.graph.nodes if n.target is SITE]
+    pairs = [n for n in fused.graph.nodes if n.target is PAIR]
+    assert len(pairs) == len(sites) >= 4 and not any(n.target is SITE for n in fused.graph.nodes)
+    assert {(n.args[8], n.args[5] is not None, n.args[6] is not None) for n in pairs} == {KINDS[name]}
+    params = [dict(gm.named_parameters()), dict(fused.named_parameters())]
+    for p in (*params[0].values(), *params[1].values()):
+        p.requires_grad_(True)
+    before, after = _outputs(gm, inputs), _outputs(fused, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    grads = [torch.autograd.grad(out[0].square().sum(), list(p.values()), allow_unused=True)
+             for out, p in zip((before, after), params)]
+    for key, a, b in zip(params[0], *grads):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-5 * float(a.abs().max()) + 1e-12, msg=key)
+    assert not fuse_norms(fused).modified  # nothing left to fuse
+    assert unfuse_norms(fused).modified and torch.equal(_outputs(fused, inputs)[0], before[0])
+    assert [n.target for n in fused.graph.nodes].count(SITE) == len(sites)
+
+
+def test_pass_with_the_fused_kernels_matches_the_unfused_model():
+    """GPT-2 (one layer: two sites, one kernel per source count) with the fused TVM kernels: the
+    logits and gradients of the unfused model within float32 rounding."""
+    model, inputs = hf_models.gpt2_factory(layers=1)
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full"), verify_outputs=False).graph_module
+    fused = copy.deepcopy(gm)
+    fuse_norms(fused)
+    outs, grads = [], []
+    for module in (gm, fused):
+        params = [p.requires_grad_(True) for p in module.parameters()]
+        outs.append(_outputs(module, inputs)[0])
+        grads.append(torch.autograd.grad(outs[-1].square().sum(), params, allow_unused=True))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5 * float(outs[0].abs().max()))
+    for a, b in zip(*grads):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4 * float(a.abs().max()) + 1e-12)

@@ -106,9 +106,12 @@ def backward_reference(sources, query, weight, bias, grad_mixed, grad_normed, ep
 def _forward(sources, query, eps, scale, dim, weight, bias, norm_eps, kind):
     """The CPU and CUDA kernel."""
     fused = op.fused_kernels()
-    if fused:
-        check(sources, query, dim, weight, bias, kind)
-        pair = fused.forward_norm(sources, query, weight, bias, eps, scale, dim, norm_eps, kind)
+    if fused and kind in KINDS and (kind == "layer" or bias is None):
+        try:
+            pair = fused.forward_norm(sources, query, weight, bias, eps, scale, dim, norm_eps, kind)
+        except Exception:
+            check(sources, query, dim, weight, bias, kind)  # bad arguments get the reference's message
+            raise
         if pair is not None:
             return pair
     return forward_reference(sources, query, eps, scale, dim, weight, bias, norm_eps, kind)
@@ -164,6 +167,8 @@ def _autograd(sources, query, eps, scale, dim, weight, bias, norm_eps, kind):
     params = [t for t in (weight, bias) if t is not None]
     direct = op.plain_eager(sources, query) and all(type(t) in op._PLAIN for t in params)
     args = (sources, query, eps, scale, dim, weight, bias, norm_eps, kind)
+    if direct and not torch.is_grad_enabled():  # inference (a decode step): straight to the kernel
+        return _forward(*args)
     if op.wants_grad(query, *sources, *params):
         return _SiteNorm.apply(direct, query, weight, bias, eps, scale, dim, norm_eps, kind, *sources)
     if direct:

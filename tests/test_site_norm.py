@@ -37,12 +37,12 @@ def eager():
     op_module.set_kernel(previous)
 
 
-@pytest.mark.parametrize("kind, weight, bias", NORMS)
-@pytest.mark.parametrize("mode", ["eager", "auto"])
+@pytest.mark.parametrize("mode, kind, weight, bias", [("eager", *n) for n in NORMS] + [("auto", "rms", False, False)])
 def test_pair_equals_the_unfused_site_and_norm(mode, kind, weight, bias):
     """Outputs and every gradient (sources, query, weight, bias), with a gradient on `mixed` too (a
     site read by its norm and something else), against the unfused ops under autograd: equal in mode
-    eager, within float32 rounding of the outputs' scale with the fused kernels."""
+    eager, within float32 rounding of the outputs' scale with the fused kernels (one configuration
+    here: the others are GPT-2's below and tests/test_tvm_kernel.py's)."""
     previous = op_module.set_kernel(mode)
     try:
         sources, query, g = _inputs()
@@ -110,13 +110,15 @@ def test_bad_arguments_are_refused_in_one_line():
 
 # ---- the fx pass on rewritten models ---------------------------------------------------------------
 
-def _norm_swapped(make_norm):
-    """The sample PreNorm GPT with its LayerNorms replaced (aten.rms_norm, norms without parameters)."""
+def _other_norms():
+    """The sample PreNorm GPT with its attention norms as nn.RMSNorm (aten.rms_norm with a weight) and
+    its MLP and final norms as LayerNorms without parameters."""
     model, inputs = models.gpt_factory(layers=2)
     for name, module in list(model.named_modules()):
         for child, norm in list(module.named_children()):
             if isinstance(norm, nn.LayerNorm):
-                setattr(module, child, make_norm(norm.normalized_shape[0]))
+                size = norm.normalized_shape[0]
+                setattr(module, child, nn.RMSNorm(size) if child == "ln1" else nn.LayerNorm(size, elementwise_affine=False))
     return model.eval(), inputs
 
 
@@ -124,11 +126,10 @@ FACTORIES = {
     "llama": hf_models.llama_factory,  # HF RMSNorm, torch.export's casts and metadata checks
     "qwen2": hf_zoo.qwen2_factory,
     "gpt2": hf_models.gpt2_factory,  # aten.layer_norm with weight and bias
-    "rms_norm": lambda: _norm_swapped(nn.RMSNorm),  # aten.rms_norm with weight
-    "plain_norms": lambda: _norm_swapped(lambda d: nn.LayerNorm(d, elementwise_affine=False)),
+    "other_norms": _other_norms,  # aten.rms_norm with a weight, aten.layer_norm without parameters
 }
 KINDS = {"llama": ("rms", True, False), "qwen2": ("rms", True, False), "gpt2": ("layer", True, True),
- "rms_norm": ("rms", True, False), "plain_norms": ("layer", False, False)}
+ "other_norms": ("rms", True, False)}
 
 
 def _outputs(module, inputs):
@@ -151,7 +152,8 @@ def test_pass_fuses_every_site_and_is_exact(eager, name):
     sites = [n for n in gm.graph.nodes if n.target is SITE]
     pairs = [n for n in fused.graph.nodes if n.target is PAIR]
     assert len(pairs) == len(sites) >= 4 and not any(n.target is SITE for n in fused.graph.nodes)
-    assert {(n.args[8], n.args[5] is not None, n.args[6] is not None) for n in pairs} == {KINDS[name]}
+    kinds = {(n.args[8], n.args[5] is not None, n.args[6] is not None) for n in pairs}
+    assert kinds == ({KINDS[name]} if name != "other_norms" else {KINDS[name], ("layer", False, False)})
     params = [dict(gm.named_parameters()), dict(fused.named_parameters())]
     for p in (*params[0].values(), *params[1].values()):
         p.requires_grad_(True)
@@ -179,7 +181,72 @@ def test_pass_with_the_fused_kernels_matches_the_unfused_model():
         params = [p.requires_grad_(True) for p in module.parameters()]
         outs.append(_outputs(module, inputs)[0])
         grads.append(torch.autograd.grad(outs[-1].square().sum(), params, allow_unused=True))
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5 * float(outs[0].abs().max()))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5 * float(outs[0].detach().abs().max()))
     for a, b in zip(*grads):
         if a is not None:
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4 * float(a.abs().max()) + 1e-12)
+
+
+# ---- the ONNX file and the TVM lowering ------------------------------------------------------------
+
+def _site_kernels(imported) -> dict:
+    from attnres_compile.backends.tvm import pipeline
+    from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, calls
+
+    lowered, _ = pipeline.lower(imported.mod, pipeline.make_target("llvm"), len(imported.sites))
+    return {k: n for k, n in calls(lowered).items() if k.startswith(KERNEL_PREFIX)}
+
+
+def test_onnx_keeps_the_pair_one_function_node_and_tvm_runs_it_as_one_kernel(tmp_path):
+    """A fused Llama exported to ONNX: every pair is one attnres.DepthAttentionNorm function node that
+    check_sites accepts and onnxruntime runs (the torch model's logits within float32 rounding);
+    TVM's importer maps each pair, from the ONNX file and from the torch program, onto the lowering's
+    fused-norm site kernel (`_rms`), and the ONNX file compiles and matches onnxruntime."""
+    import onnxruntime as ort
+
+    from attnres_compile.backends.tvm import importers
+    from attnres_compile.backends.tvm.artifact import compile_model
+    from attnres_compile.passes.onnx_export import export
+    from attnres_compile.passes.onnx_function import PAIR as ONNX_PAIR
+    from attnres_compile.passes.onnx_io import write
+    from attnres_compile.passes.onnx_site_check import check_sites
+
+    model, inputs = hf_models.llama_factory(layers=1)
+    gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full"), verify_outputs=False).graph_module
+    fuse_norms(gm)
+    proto = export(gm, (), inputs)
+    assert [n.op_type for n in proto.graph.node if n.domain == "attnres"] == [ONNX_PAIR] * 2
+    assert check_sites(proto) == 2
+    path = tmp_path / "llama.onnx"
+    write(proto, path)
+    session = ort.InferenceSession(str(path))
+    got = session.run(None, {i.name: inputs[i.name].numpy() for i in session.get_inputs()})[0]
+    want = gm(**inputs).logits.detach().numpy()
+    torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=0, atol=1e-5 * abs(want).max())
+    expected = {"attnres_depth_attention_n2_d32_float32_rms": 1, "attnres_depth_attention_n3_d32_float32_rms": 1}
+    assert _site_kernels(importers.import_model(path)) == expected
+    assert _site_kernels(importers.import_model(torch.export.export(gm, (), inputs))) == expected
+    compile_model(path, tmp_path / "tvm")  # builds, then checks its outputs against onnxruntime's
+
+
+def test_a_damaged_pair_node_is_refused(tmp_path):
+    import onnx
+
+    from attnres_compile.errors import CorruptModelError
+    from attnres_compile.passes.onnx_function import pair_node
+    from attnres_compile.passes.onnx_grouping import finalize_sites
+    from attnres_compile.passes.onnx_site_check import check_sites
+
+    x = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 4]) for n in ("a", "b")]
+    q = onnx.numpy_helper.from_array(torch.zeros(4).numpy(), "q")
+    node = pair_node(["a", "b"], "q", [], ["mixed", "normed"], eps=1e-6, scale=2.0, norm_eps=1e-5, norm="rms")
+    out = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 4]) for n in ("mixed", "normed")]
+    model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", x, out, [q]),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert finalize_sites(model) == 1 and check_sites(model) == 1
+    for name, value in (("norm", b"group"), ("affine", 2), ("norm_eps", 0.0)):
+        damaged = copy.deepcopy(model)
+        attr = next(a for a in damaged.graph.node[0].attribute if a.name == name)
+        setattr(attr, {"norm": "s", "affine": "i", "norm_eps": "f"}[name], value)
+        with pytest.raises(CorruptModelError, match=f"attnres DepthAttentionNorm node .* is malformed: .*{name}"):
+            check_sites(damaged)

@@ -135,6 +135,7 @@ def _parts(spec: Spec) -> tuple[str, str]:
     return f"tvm-{importlib.metadata.version('apache-tvm')}", f"{spec.device}-{_machine(spec.device)}-t{spec.threads}"
 
 
+@cache
 def norm_spec(kind: str, eps: float, weight: bool, bias: bool, grad_mixed: bool = False) -> str:
     """Spec.norm of the fused pair's kernels: the norm's kind and eps, which parameters it has (w, b) and,
     for the backward, whether the mixed output has a gradient of its own (g)."""

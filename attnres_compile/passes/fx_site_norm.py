@@ -170,6 +170,8 @@ def _aten_norm(node: fx.Node, x: fx.Node, size: int, rank: int) -> _Norm | None:
         return None
     if list(shape) != [size] or any(p is not None and not _vector(p, size) for p in (weight, bias)):
         return None
+    if bias is not None and weight is None:  # a form no nn module writes; the pair's ONNX node has no slot for it
+        return None
     last = _through_casts(node)
     return _Norm(kind, float(eps), weight, bias, last, _walk(node, last))
 

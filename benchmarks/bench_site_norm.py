@@ -20,7 +20,12 @@ g and writes S gradients (2S + 1); the norm's backward reads its input and gradi
 one, +3; the fused backward recomputes the mixed row in cache and reads only the normed output's
 gradient, 2S + 1.
 
-    python benchmarks/bench_site_norm.py [--sources 5] [--rounds 7] [--out FOLDER]
+`--models`: whole models instead, HF Llama (RMSNorm) and GPT-2 (LayerNorm) from configs of width
+256 and 12 layers (24 sublayers), rewritten to Block N=8, batch 1, 128 tokens, in eager torch at
+1 thread: the rewritten module (`rewritten`, twice: `rewritten_copy` is the control) against the
+same module after `fuse_norms` (`fused`), forward under no_grad and forward + backward.
+
+    python benchmarks/bench_site_norm.py [--sources 5] [--rounds 7] [--models] [--out FOLDER]
 """
 
 from __future__ import annotations
@@ -118,6 +123,61 @@ def measure(args) -> list[dict]:
     return rows
 
 
+def model_candidates(name: str, train: bool) -> dict:
+    import copy
+
+    import transformers as tf
+
+    import attnres_compile as ac
+
+    torch.manual_seed(0)
+    if name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=12, hidden_size=256, intermediate_size=688,
+                                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=1000))
+    else:
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=12, n_embd=256, n_head=4, vocab_size=1000, n_positions=256))
+    ids = torch.randint(0, 1000, (1, 128))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    gm = ac.rewrite(model.eval(), inputs, ac.AttnResConfig(variant="block", num_blocks=8), verify_outputs=False).graph_module
+    fused = ac.fuse_norms(copy.deepcopy(gm)).graph_module
+    params = [p for m in (gm, fused) for p in m.parameters()]
+    for p in params:
+        p.requires_grad_(train)
+
+    def run(module):
+        def call():
+            if train:
+                module(**inputs).logits.square().mean().backward()
+            else:
+                with torch.no_grad():
+                    module(**inputs)
+        return call
+
+    with torch.no_grad():
+        want, got = gm(**inputs).logits, fused(**inputs).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    return {"rewritten": run(gm), "rewritten_copy": run(gm), "fused": run(fused)}
+
+
+def measure_models(args) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for name in ("llama", "gpt2"):
+        for train in (False, True):
+            samples = interleaved_clocks(model_candidates(name, train), rounds=args.rounds, min_time=args.min_time)
+            ms = {k: statistics.median(v["cpu"]) * 1e3 for k, v in samples.items()}
+            low, high, cover = ratio_interval(samples["fused"]["cpu"], samples["rewritten"]["cpu"])
+            rows.append({"model": name, "pass": "forward+backward" if train else "forward", "ms": ms,
+                         "fused_over_rewritten": paired_ratio(samples["fused"]["cpu"], samples["rewritten"]["cpu"]),
+                         "interval": [low, high, cover],
+                         "copy_over_rewritten": paired_ratio(samples["rewritten_copy"]["cpu"], samples["rewritten"]["cpu"])})
+            r = rows[-1]
+            print(f"{name:5s} {r['pass']:16s} rewritten {ms['rewritten']:8.2f} ms (copy x{r['copy_over_rewritten']:.3f})  "
+                  f"fused {ms['fused']:8.2f} ms  x{r['fused_over_rewritten']:.3f} ({low:.3f}..{high:.3f}, {cover:.0%})",
+                  flush=True)
+    return rows
+
+
 def _line(r: dict) -> str:
     ms, b = r["ms"], r["bytes"]
     low, high, _ = r["interval"]
@@ -133,16 +193,19 @@ def main() -> None:
     parser.add_argument("--sources", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--min-time", type=float, default=0.1)
+    parser.add_argument("--models", action="store_true", help="whole models instead of one site")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.time()
-    rows = measure(args)
+    rows = measure_models(args) if args.models else measure(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"argv": sys.argv, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                 "seconds": round(time.time() - started)}
-        (args.out / "site_norm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (args.out / "site_norm.txt").write_text("\n".join(map(_line, rows)) + "\n")
+        stem = "models" if args.models else "site_norm"
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if not args.models:
+            (args.out / "site_norm.txt").write_text("\n".join(map(_line, rows)) + "\n")
 
 
 if __name__ == "__main__":

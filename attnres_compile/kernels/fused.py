@@ -245,10 +245,11 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra
 # ---- the fused site + norm pair (op_site_norm.py) ---------------------------------------------------
 
 def _pair_kernel(kind: str, sources: list[torch.Tensor], dim: int, eps: float, scale: float, threads: int, norm: str):
-    """The pair's compiled kernel, or False: float32 storage only (the norm's arithmetic is the
-    model's float32 one) and at most CHAIN_ABOVE sources (a longer list runs the reference)."""
+    """The pair's compiled kernel, or False: float32 storage on the CPU only (the norm's arithmetic is
+    the model's float32 one; the CUDA schedules build and compile but have not run on a GPU yet) and
+    at most CHAIN_ABOVE sources (a longer list runs the reference)."""
     s0 = sources[0]
-    if s0.dtype != torch.float32 or len(sources) > CHAIN_ABOVE:
+    if s0.dtype != torch.float32 or not s0.is_cpu or len(sources) > CHAIN_ABOVE:
         return False
     key = (kind, len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads, norm)
     fn = _KERNELS.get(key)

@@ -162,6 +162,9 @@ class _SiteNorm(torch.autograd.Function):
                 None, None, None, None, None, *grads)
 
 
+_apply = super(torch.autograd.Function, _SiteNorm).apply  # without Function.apply's Python wrapper (op.py)
+
+
 def _autograd(sources, query, eps, scale, dim, weight, bias, norm_eps, kind):
     """The Autograd kernel: the autograd.Function when a gradient is wanted, else the backend kernel."""
     params = [t for t in (weight, bias) if t is not None]
@@ -170,7 +173,8 @@ def _autograd(sources, query, eps, scale, dim, weight, bias, norm_eps, kind):
     if direct and not torch.is_grad_enabled():  # inference (a decode step): straight to the kernel
         return _forward(*args)
     if op.wants_grad(query, *sources, *params):
-        return _SiteNorm.apply(direct, query, weight, bias, eps, scale, dim, norm_eps, kind, *sources)
+        return (_apply if direct else _SiteNorm.apply)(direct, query, weight, bias, eps, scale, dim, norm_eps, kind,
+                                                       *sources)
     if direct:
         return _forward(*args)
     with torch._C._AutoDispatchBelowAutograd():

@@ -135,7 +135,8 @@ def model_candidates(name: str, train: bool) -> dict:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=12, hidden_size=256, intermediate_size=688,
                                                    num_attention_heads=4, num_key_value_heads=4, vocab_size=1000))
     else:
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=12, n_embd=256, n_head=4, vocab_size=1000, n_positions=256))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=12, n_embd=256, n_head=4, vocab_size=1000, n_positions=256,
+                                                 bos_token_id=0, eos_token_id=0))
     ids = torch.randint(0, 1000, (1, 128))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     gm = ac.rewrite(model.eval(), inputs, ac.AttnResConfig(variant="block", num_blocks=8), verify_outputs=False).graph_module

@@ -84,21 +84,11 @@ def _stats(name: str, rows: tuple, src, others: Sequence[Callable]) -> list:
     """stats_<name>[_<g>] stages: sum(src^2), then sum(src * other(vr, vd)) for each other term.
     Returns the [rows] buffers in that order. The sums go two per reduction block (TVM registers
     a sum reducer for one or two buffers, not more); the schedules load src[row, d] once for all."""
-    size = src.shape[-1]
-    outs = [(_alloc(f"ss_{name}", *rows), lambda x, vr, vd: x * x)]
-    outs += [(_alloc(f"dot{q}_{name}", *rows), lambda x, vr, vd, o=o: x * o(vr, vd)) for q, o in enumerate(others)]
-    for g in range(0, len(outs), 2):
-        group = outs[g : g + 2]
-        with T.grid(*rows, size) as (*rs, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
-            vr, vd = tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs)), T.axis.reduce(size, d)
-            with T.init():
-                for buf, _ in group:
-                    T.buffer_store(buf, T.float32(0), list(vr))
-            x = _f32(src, *vr, vd)
-            new = [T.Bind(buf[vr] + term(x, vr, vd)) for buf, term in group]
-            for (buf, _), v in zip(group, new):
-                T.buffer_store(buf, v, list(vr))
-    return [buf for buf, _ in outs]
+    def x(vr, vd):
+        return _f32(src, *vr, vd)
+
+    terms = [lambda vr, vd: x(vr, vd) * x(vr, vd)] + [lambda vr, vd, o=o: x(vr, vd) * o(vr, vd) for o in others]
+    return _row_sums(name, rows, src.shape[-1], terms, ["ss"] + [f"dot{q}" for q in range(len(others))])
 
 
 def _rinv(ss, vr: tuple, size: int, eps: float):
@@ -465,21 +455,17 @@ def depth_attention_backward_func(
                     _elementwise(rows, D, f"ds_{k}", lambda vr, vd, k=k, s=s, ds=ds: (
                         ds, [*vr, vd],
                         cg[(*vr, k)] * _f32(g, *vr, vd) + ca[(*vr, k)] * w[vd] - cb[(*vr, k)] * _f32(s, *vr, vd)))
-                with T.grid(*rows, D) as (*rs, d), T.sblock("dw"):
-                    vr, vd = tuple(T.axis.reduce(n, r) for n, r in zip(rows, rs)), T.axis.spatial(D, d)
-                    with T.init():
-                        T.buffer_store(dw, T.float32(0), [vd])
-                    share = _weighted([(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)])
-                    T.buffer_store(dw, dw[vd] + share, [vd])
+                _row_reduction("dw", rows, D, [(dw, lambda vr, vd: _weighted(
+                    [(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]))])
     return ib.get()
 
 
 # ---- the fused site + norm pair (op_site_norm.py) ------------------------------------------------
 
-def _row_sums(name: str, rows: tuple, size: int, terms: Sequence[Callable]) -> list:
+def _row_sums(name: str, rows: tuple, size: int, terms: Sequence[Callable], names: Sequence[str] = ()) -> list:
     """stats_<name>[_<g>] stages: for each term (vr, vd) -> float32 value, its sum over the features
-    of each row, two per reduction block (as `_stats`, for terms that are not one source's products)."""
-    outs = [_alloc(f"sum{q}_{name}", *rows) for q in range(len(terms))]
+    of each row into a [rows] buffer (`names`, default sum<q>), two per reduction block."""
+    outs = [_alloc(f"{names[q] if names else f'sum{q}'}_{name}", *rows) for q in range(len(terms))]
     for g in range(0, len(terms), 2):
         group = list(zip(outs[g : g + 2], terms[g : g + 2]))
         with T.grid(*rows, size) as (*rs, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
@@ -652,6 +638,7 @@ def _row_reduction(name: str, rows: tuple, size: int, outs: list) -> None:
         with T.init():
             for buf, _ in outs:
                 T.buffer_store(buf, T.float32(0), [vd])
-        new = [T.Bind(buf[vd] + term(vr, vd)) for buf, term in outs]
+        new = [buf[vd] + term(vr, vd) for buf, term in outs]
+        new = [T.Bind(v) for v in new] if len(outs) > 1 else new  # two sums: TVM's reducer takes them bound
         for (buf, _), v in zip(outs, new):
             T.buffer_store(buf, v, [vd])

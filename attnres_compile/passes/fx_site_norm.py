@@ -84,11 +84,11 @@ def unfuse_norms(gm: fx.GraphModule) -> PassResult:
             norm = (graph.call_function(aten.layer_norm.default, (site, size, weight, bias, norm_eps)) if kind == "layer"
                     else graph.call_function(aten.rms_norm.default, (site, size, weight, norm_eps)))
         site.meta.update({k: v for k, v in pair.meta.items() if k != "val"})
-        for user in list(pair.users):
-            if user.target is operator.getitem:
-                norm.meta.update(user.meta) if user.args[1] == 1 else site.meta.update(val=user.meta.get("val"))
-                user.replace_all_uses_with(site if user.args[1] == 0 else norm)
-                graph.erase_node(user)
+        for user in list(pair.users):  # getitem 0 (mixed), 1 (normed)
+            value = site if user.args[1] == 0 else norm
+            value.meta.update(user.meta)
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
         graph.erase_node(pair)
     if pairs:
         graph.lint()
@@ -246,11 +246,9 @@ def _replace(graph: fx.Graph, site: fx.Node, norm: _Norm) -> int:
     mixed.meta.update(site.meta)
     normed.meta.update(norm.last.meta)
     norm.last.replace_all_uses_with(normed)
-    for node in sorted(gone, key=position.get, reverse=True):
+    for node in sorted(gone, key=position.get, reverse=True):  # readers first: each step is read by the next only
         for check in [u for u in node.users if u.target is _ASSERT]:
             graph.erase_node(check)
-        if node is not norm.last:
-            node.replace_all_uses_with(mixed)  # a cast of the site no step reads any more
         graph.erase_node(node)
     for check in [u for u in site.users if u.target is _ASSERT]:
         graph.erase_node(check)

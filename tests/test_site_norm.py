@@ -250,3 +250,22 @@ def test_a_damaged_pair_node_is_refused(tmp_path):
         setattr(attr, {"norm": "s", "affine": "i", "norm_eps": "f"}[name], value)
         with pytest.raises(CorruptModelError, match=f"attnres DepthAttentionNorm node .* is malformed: .*{name}"):
             check_sites(damaged)
+
+
+def test_rewrite_onnx_fuses_the_norms_exporters_write(tmp_path):
+    """rewrite_onnx(fuse_norms=True) on HF Llama as the TorchScript exporter writes it (the RMSNorm
+    between float32 casts, 1 / sqrt as Div, its weights deduplicated behind Identity nodes): every
+    site and its norm become one pair node, and the file matches the original in onnxruntime."""
+    from attnres_compile.onnx_api import rewrite_onnx
+    from attnres_compile.passes import onnx_io
+
+    model, inputs = hf_models.llama_factory()
+    path = tmp_path / "llama.onnx"
+    names = ["input_ids", "attention_mask"]
+    torch.onnx.export(hf_models.CausalLMLogits(model).eval(), tuple(inputs[n] for n in names), str(path), dynamo=False,
+                      opset_version=17, input_names=names, output_names=["logits"],
+                      dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "logits"]})
+    result = rewrite_onnx(path, tmp_path / "out.onnx", ac.AttnResConfig(variant="full"), fuse_norms=True)
+    assert all(row["ok"] for row in result.report["verification"])
+    written = onnx_io.load(tmp_path / "out.onnx", with_data=False)
+    assert [n.op_type for n in written.graph.node if n.domain == "attnres"] == ["DepthAttentionNorm"] * 4

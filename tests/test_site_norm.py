@@ -127,9 +127,11 @@ FACTORIES = {
     "qwen2": hf_zoo.qwen2_factory,
     "gpt2": hf_models.gpt2_factory,  # aten.layer_norm with weight and bias
     "other_norms": _other_norms,  # aten.rms_norm with a weight, aten.layer_norm without parameters
+    "opt": hf_models.opt_factory,  # the norm reads the site viewed as [batch * seq, D]
 }
 KINDS = {"llama": ("rms", True, False), "qwen2": ("rms", True, False), "gpt2": ("layer", True, True),
- "other_norms": ("rms", True, False)}
+ "other_norms": ("rms", True, False),
+         "opt": ("layer", True, True)}
 
 
 def _outputs(module, inputs):
@@ -151,7 +153,7 @@ def test_pass_fuses_every_site_and_is_exact(eager, name):
     assert fuse_norms(fused).modified
     sites = [n for n in gm.graph.nodes if n.target is SITE]
     pairs = [n for n in fused.graph.nodes if n.target is PAIR]
-    assert len(pairs) == len(sites) >= 4 and not any(n.target is SITE for n in fused.graph.nodes)
+    assert len(pairs) == len(sites) >= (2 if name == "opt" else 4) and not any(n.target is SITE for n in fused.graph.nodes)
     kinds = {(n.args[8], n.args[5] is not None, n.args[6] is not None) for n in pairs}
     assert kinds == ({KINDS[name]} if name != "other_norms" else {KINDS[name], ("layer", False, False)})
     params = [dict(gm.named_parameters()), dict(fused.named_parameters())]
@@ -161,9 +163,12 @@ def test_pass_fuses_every_site_and_is_exact(eager, name):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     grads = [torch.autograd.grad(out[0].square().sum(), list(p.values()), allow_unused=True)
              for out, p in zip((before, after), params)]
+    # float32 rounding of the largest gradient: a parameter whose gradient is zero but for rounding (a
+    # key projection's bias under softmax) differs by noise of that scale, not of its own
+    scale = max(float(a.abs().max()) for a in grads[0] if a is not None)
     for key, a, b in zip(params[0], *grads):
         if a is not None:
-            torch.testing.assert_close(b, a, rtol=0, atol=2e-5 * float(a.abs().max()) + 1e-12, msg=key)
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6 * scale, msg=key)
     assert not fuse_norms(fused).modified  # nothing left to fuse
     assert unfuse_norms(fused).modified and torch.equal(_outputs(fused, inputs)[0], before[0])
     assert [n.target for n in fused.graph.nodes].count(SITE) == len(sites)

@@ -14,6 +14,10 @@ which go with the nodes they check):
   `x * rsqrt(mean(x^2, -1, keepdim) + eps)`, optionally cast, then `* weight` (either operand
   order), each intermediate read by the next step only.
 
+also of a reshape of the site that keeps the feature size and only the norm reads (HF OPT views its
+stream as [batch * seq, D]): row-major, it maps rows to rows, so the pair's normed output gets that
+reshape instead.
+
 The pair's node goes before the norm's last node (its weight may be computed there, Gemma's
 `1 + weight`) when every other reader of the site comes after it; else right after the site,
 when the weight and bias exist there. Exact: in mode eager the pair computes the unfused ops
@@ -54,6 +58,7 @@ class _Norm:
     bias: fx.Node | None
     last: fx.Node
     steps: list[fx.Node] = field(default_factory=list)
+    view: fx.Node | None = None  # the reshape of the site the norm reads, if it reads one
 
 
 def fuse_norms(gm: fx.GraphModule) -> PassResult:
@@ -144,17 +149,31 @@ def _vector(node, size: int) -> bool:
 
 
 def _match(site: fx.Node) -> _Norm | None:
-    """The norm that reads `site` (or a same-dtype cast of it), if exactly one does."""
-    values = [site] + [u for u in _readers(site) if _cast_of(u, site)]
-    size, rank = _val(site).shape[-1], _val(site).dim()
+    """The norm that reads `site` (or a same-dtype cast of it, or a row view), if exactly one does."""
+    values = [site] + [u for u in _readers(site) if _cast_of(u, site) or _row_view(u, site)]
+    size = _val(site).shape[-1]
     found = []
     for x in values:
         for user in _readers(x):
-            norm = _aten_norm(user, x, size, rank) or _hf_rms(user, x, values, size, rank)
-            if norm is not None:
-                norm.steps += [x] if x is not site and not (set(_readers(x)) - set(norm.steps)) else []
-                found.append(norm)
+            norm = _aten_norm(user, x, size, _val(x).dim()) or _hf_rms(user, x, values, size, _val(x).dim())
+            if norm is None:
+                continue
+            alone = x is not site and not (set(_readers(x)) - set(norm.steps))
+            if _row_view(x, site):
+                if not alone:
+                    continue  # a view others read too: the pair's normed output has no place to get it
+                norm.view = x
+            norm.steps += [x] if alone else []
+            found.append(norm)
     return found[0] if len(found) == 1 else None
+
+
+def _row_view(node: fx.Node, site: fx.Node) -> bool:
+    """A reshape of the site's value that keeps its feature size last (rows map to rows)."""
+    if not _call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default) or node.args[0] is not site:
+        return False
+    a, b = _val(node), _val(site)
+    return a is not None and a.dim() >= 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[-1]
 
 
 def _aten_norm(node: fx.Node, x: fx.Node, size: int, rank: int) -> _Norm | None:
@@ -229,8 +248,8 @@ def _replace(graph: fx.Graph, site: fx.Node, norm: _Norm) -> int:
     others = [u for u in _readers(site) if u not in gone]
     params = [p for p in (norm.weight, norm.bias) if p is not None]
     if all(position[u] > position[norm.last] for u in others):
-        anchor = norm.last  # insert before it: every parameter is computed by then
-    elif all(p.op in ("placeholder", "get_attr") or position[p] < position[site] for p in params):
+        anchor = norm.last  # insert before it: every parameter (and a view's sizes) is computed by then
+    elif norm.view is None and all(p.op in ("placeholder", "get_attr") or position[p] < position[site] for p in params):
         anchor = site.next
     else:
         return 0
@@ -241,11 +260,13 @@ def _replace(graph: fx.Graph, site: fx.Node, norm: _Norm) -> int:
         pair = graph.call_function(PAIR, (sources, query, eps, scale, dim, weight, bias, norm.eps, norm.kind))
         mixed = graph.call_function(operator.getitem, (pair, 0))
         normed = graph.call_function(operator.getitem, (pair, 1))
+        out = normed if norm.view is None else graph.call_function(norm.view.target, (normed, *norm.view.args[1:]))
     pair.meta.update({k: v for k, v in site.meta.items() if k not in ("val", "tensor_meta")})
-    pair.meta["val"] = (_val(site), _val(norm.last))
+    pair.meta["val"] = (_val(site), _val(site) if norm.view is not None else _val(norm.last))
     mixed.meta.update(site.meta)
-    normed.meta.update(norm.last.meta)
-    norm.last.replace_all_uses_with(normed)
+    normed.meta.update(site.meta if norm.view is not None else norm.last.meta)
+    out.meta.update(norm.last.meta)
+    norm.last.replace_all_uses_with(out)
     for node in sorted(gone, key=position.get, reverse=True):  # readers first: each step is read by the next only
         for check in [u for u in node.users if u.target is _ASSERT]:
             graph.erase_node(check)

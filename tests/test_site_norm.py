@@ -16,6 +16,7 @@ from torch import nn
 
 import attnres_compile as ac
 from attnres_compile import op as op_module
+from attnres_compile.monitor import DepthMonitor
 from attnres_compile.op_site_norm import norm_reference
 from attnres_compile.passes.fx_site_norm import PAIR, SITE, fuse_norms, unfuse_norms
 from samples import hf_models, hf_zoo, models
@@ -170,6 +171,8 @@ def test_pass_fuses_every_site_and_is_exact(eager, name):
         if a is not None:
             torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6 * scale, msg=key)
     assert not fuse_norms(fused).modified  # nothing left to fuse
+    with pytest.raises(ValueError, match="fused with their norms"):
+        DepthMonitor(fused)
     assert unfuse_norms(fused).modified and torch.equal(_outputs(fused, inputs)[0], before[0])
     assert [n.target for n in fused.graph.nodes].count(SITE) == len(sites)
 

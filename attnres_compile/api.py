@@ -16,6 +16,7 @@ from .passes import dynamic_dims, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
 from .passes.fx_mode import make_mode_switchable
+from .passes.fx_site_norm import unfuse_norms
 from .passes.fx_two_phase import one_pass
 from .passes.fx_view import split_alpha, tensor_meta, view_from_fx
 from .plan_checks import as_config, has_work, plan_notes, split_inputs
@@ -55,11 +56,13 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dy
     GraphModule: a copy, shape-propagated from `example_inputs` if its nodes carry no shapes.
     Export-traced modules get working train()/eval() (passes/fx_mode.py); adds with
     `alpha != 1` are split into a scaling and a plain add (fx_view.split_alpha); two-phase
-    sites (`two_phase`) become one depth_attention each again (fx_two_phase.one_pass).
+    sites (`two_phase`) become one depth_attention each again (fx_two_phase.one_pass), and so do
+    fused site + norm pairs (`fuse_norms`; fx_site_norm.unfuse_norms).
     """
     traced = _trace(model, example_inputs, dynamic_shapes, dynamic)
     split_alpha(traced.graph_module)
     one_pass(traced.graph_module)  # a two-phase module's sites, as rewrite made them
+    unfuse_norms(traced.graph_module)  # and a fused module's
     return traced
 
 

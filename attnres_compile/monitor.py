@@ -22,12 +22,14 @@ import torch
 from torch import fx
 from torch.fx._pytree import tree_flatten_spec
 
+from . import op_site_norm as _pair  # noqa: F401  (registers torch.ops.attnres.depth_attention_norm)
 from . import op_two_phase as _ops  # noqa: F401  (registers torch.ops.attnres, the two-phase pair too)
 from .config import AttnResConfig
 from .errors import InputError, first_line
 
 DEPTH_ATTENTION = torch.ops.attnres.depth_attention.default
 MERGE = torch.ops.attnres.depth_attention_merge.default
+PAIR = torch.ops.attnres.depth_attention_norm.default
 _QUERY_NAME = re.compile(r"(chain\d+)\.site(\d+)$")
 
 
@@ -91,6 +93,10 @@ class DepthMonitor(fx.Interpreter):
             raise ValueError("the module is in the two-phase form (attnres_compile.two_phase), whose merged sites "
                              "are not watched: monitor the one-pass module, or undo the pass with "
                              "attnres_compile.passes.fx_two_phase.one_pass(gm)")
+        if any(n.op == "call_function" and n.target is PAIR for n in gm.graph.nodes):
+            raise ValueError("the module's sites are fused with their norms (attnres_compile.fuse_norms), which are "
+                             "not watched: monitor the module rewrite returned, or undo the pass with "
+                             "attnres_compile.passes.fx_site_norm.unfuse_norms(gm)")
         self.sites = sites
         if sites is None:
             self.sites = {n.name: site_key(n) for n in gm.graph.nodes if n.op == "call_function" and n.target is DEPTH_ATTENTION}

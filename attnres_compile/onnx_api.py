@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .api import rewrite
 from .config import AttnResConfig
-from . import outputs, progress
+from . import outputs, progress, pytree_warning
 from .errors import AttnResError, ModelRunError
 from .passes import onnx_contrib_ops, onnx_genai, onnx_io, verify
 from .passes.chain_analysis import analyze
@@ -113,7 +113,7 @@ def _analysis_notes(plan, view, input_shapes) -> list[str]:
 
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
                  verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 force: bool = False, verify_timeout: float | None = None) -> OnnxRewriteResult:
+                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False) -> OnnxRewriteResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
     Weights stay external (`<output>.data`) when the input kept them external, or when large.
@@ -122,7 +122,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     with `verify_timeout` seconds (default sized to the model), before the output is put in
     place, at the default and the all-1 shape sets (passes/onnx_dims.py; `input_shapes` fixes
     an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
-    file of the input, is refused unless `force`.
+    file of the input, is refused unless `force`. `fuse_norms`: each site that a norm reads is written
+    with that norm as one `attnres.DepthAttentionNorm` node (passes/onnx_site_norm.py).
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
@@ -144,7 +145,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
     onnx_io.load_data(model, path)
-    sites = apply_plan(model, plan, config, view)
+    sites = apply_plan(model, plan, config, view, fuse_norms)
     verification = None
     with onnx_io.staged(output) as stage:
         onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
@@ -202,7 +203,7 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
 
 def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
                 verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None,
-                with_past: bool = False) -> OnnxRewriteResult:
+                with_past: bool = False, fuse_norms: bool = False) -> OnnxRewriteResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
     `dynamic` picks the input dims that stay symbolic (passes/dynamic_dims.py; default batch
@@ -213,7 +214,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
 
     `with_past`: the decoder of an HF causal LM with its KV cache (decoder.py), named as optimum
     names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
-    out; batch, sequence and past length dynamic).
+    out; batch, sequence and past length dynamic). `fuse_norms`: the module exported is the rewritten
+    one after `fuse_norms` (passes/fx_site_norm.py): each pair one `attnres.DepthAttentionNorm` node.
     """
     from .passes import dynamic_dims, onnx_dims
     from .passes.onnx_export import export_or_static
@@ -236,7 +238,12 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
     notes = result.report.data["notes"]
     with onnx_io.staged(output) as stage:
         with progress.stage("exporting to ONNX"):
-            proto = export_or_static(result.graph_module, args or (), kwargs, spec, what, notes)
+            module = result.graph_module
+            if fuse_norms:
+                from .passes.fx_site_norm import fuse_norms as fuse
+
+                module = fuse(pytree_warning.deepcopy(module)).graph_module
+            proto = export_or_static(module, args or (), kwargs, spec, what, notes)
         if with_past:
             from . import decoder
             from .passes import onnx_decoder_names

@@ -5,8 +5,8 @@ whichever of the two a caller imports first.
 
 The hook is an import-system finder that finds nothing itself: for `torch` and for `op` it takes
 the spec the other finders give and, once that module has run, imports the next one (torch ->
-op -> op_two_phase). op_two_phase reads names from op, so it waits for op to finish, also when
-op is the module that first imported torch."""
+op -> op_two_phase -> op_site_norm). op_two_phase and op_site_norm read names from op, so they wait
+for op to finish, also when op is the module that first imported torch."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ import sys
 
 _OP = f"{__package__}.op"
 _TWO_PHASE = f"{__package__}.op_two_phase"
+_SITE_NORM = f"{__package__}.op_site_norm"
 
 
 def register_ops() -> None:
     """Import the op modules now if torch is loaded, else as soon as it is."""
     if "torch" in sys.modules:
         importlib.import_module(_TWO_PHASE)
+        importlib.import_module(_SITE_NORM)
     else:
-        sys.meta_path.insert(0, _AfterImport({"torch": _OP, _OP: _TWO_PHASE}))
+        sys.meta_path.insert(0, _AfterImport({"torch": _OP, _OP: _TWO_PHASE, _TWO_PHASE: _SITE_NORM}))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -23,6 +23,8 @@ from attnres_compile.kernels.tensorir import (
     depth_attention_func,
     depth_attention_merge_func,
     depth_attention_merge_indexed_func,
+    depth_attention_norm_backward_func,
+    depth_attention_norm_func,
     depth_attention_partial_func,
 )
 
@@ -265,6 +267,53 @@ def test_next_norm_of_the_output_is_fused(norm, ref_norm):
     assert np.isfinite(out).all()
 
 
+def _pair_reference(srcs, w, affine, norm, norm_eps, scale, grads):
+    """float64 torch autograd of the unfused pair: (mixed, normed) and the gradients of sources, w
+    and the affine parameters for the upstream (gm or None, gn)."""
+    import torch
+
+    ts = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in [*srcs, w, *affine]]
+    s, q, params = ts[: len(srcs)], ts[len(srcs)], ts[len(srcs) + 1 :]
+    v = torch.stack(s)
+    p = ((v @ q) / torch.sqrt((v**2).mean(-1) + 1e-6)).softmax(0)
+    h = scale * (p[..., None] * v).sum(0)
+    if norm == "layer":
+        n = torch.nn.functional.layer_norm(h, h.shape[-1:], *(params + [None, None])[:2], norm_eps)
+    else:
+        n = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + norm_eps) * (params[0] if params else 1)
+    gm, gn = (None if g is None else torch.tensor(g, dtype=torch.float64) for g in grads)
+    loss = (n * gn).sum() + (0 if gm is None else (h * gm).sum())
+    return [h.detach().numpy(), n.detach().numpy()], [g.numpy() for g in torch.autograd.grad(loss, ts)]
+
+
+@pytest.mark.parametrize("norm, weight, bias, with_gm", [("layer", True, True, True), ("rms", False, False, False)])
+def test_site_norm_pair_forward_and_backward(norm, weight, bias, with_gm):
+    """The fused pair (op_site_norm.py): depth_attention_norm_func stores both the site's output and
+    its norm; the backward, given the normed output's gradient (and the mixed output's, where it
+    has readers of its own), recomputes the mixed row in cache and returns the sources', the
+    query's and the weight's gradients (the bias's, sum_rows gn, is the binding's). Sources sit
+    around +1 .. +3: the LayerNorm's mean matters."""
+    S, rows, size, norm_eps, scale = 3, 37, 96, 1e-5, 3.0
+    rng = np.random.default_rng(5)
+    srcs = [s + k for k, s in enumerate(_sources(rng, S, rows, size, "float32"), start=1)]
+    w = _query(rng, size)
+    affine = [rng.standard_normal(size).astype(np.float32) for _ in range(weight + (bias and norm == "layer"))]
+    gm, gn = (rng.standard_normal((rows, size)).astype(np.float32) for _ in range(2))
+    outs, grads = _pair_reference(srcs, w, affine, norm, norm_eps, scale, (gm if with_gm else None, gn))
+    forward = build(depth_attention_norm_func(S, size, "float32", 1e-6, scale, 2, norm, norm_eps, weight, bias),
+                    host_target(2))
+    zeros = [np.zeros((rows, size), np.float32) for _ in range(2)]
+    for got, ref in zip(_run(forward, *srcs, w, *affine, *zeros)[-2:], outs):
+        _assert_close(got.numpy(), ref, "float32")
+    backward = build(depth_attention_norm_backward_func(S, size, "float32", 1e-6, scale, 2, norm, norm_eps, weight, bias,
+                                                        with_gm), host_target(2))
+    args = [*srcs, w, *affine, *([gm] if with_gm else []), gn, *[np.zeros((rows, size), np.float32)] * S,
+            *[np.zeros(size, np.float32)] * (1 + weight)]
+    got = [t.numpy() for t in _run(backward, *args)[-(S + 1 + weight):]]
+    for g, ref in zip(got, grads[: S + 1 + weight]):
+        _assert_close(g, ref, "float32")
+
+
 def test_unknown_norm_is_refused():
     with pytest.raises(ValueError, match="unknown fused norm 'group'"):
         depth_attention_func(2, 8, norm_eps=1e-5, norm="group")
@@ -379,7 +428,9 @@ def test_cuda_builds_and_compiles_with_nvcc(dtype):
              depth_attention_backward_func(3, 77, dtype, rank=3),
              depth_attention_backward_func(3, 77, dtype, rank=3, chunk=True)]
     if dtype == "float32":
-        funcs += [depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype),
+        funcs += [depth_attention_norm_func(3, 1024, dtype, norm="layer"),  # the fused site + norm pair
+                  depth_attention_norm_backward_func(3, 77, dtype, rank=3, norm="rms", grad_mixed=False),
+                  depth_attention_partial_func(3, 2, 1024, dtype), depth_attention_merge_func(2, 1024, dtype),
                   depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3),
                   depth_attention_partial_func(BLOCK_MAJOR, 3, 77, dtype, rank=3, start=True)]  # a chain's link
     for func in funcs:

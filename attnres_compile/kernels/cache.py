@@ -45,12 +45,14 @@ class Spec(NamedTuple):
     # of queries
     device: str  # "cpu" | "cuda"
     threads: int  # the backward's (and backward_chunk's) row chunks on the CPU (partial query gradients); else 1
+    norm: str = ""  # forward_norm, backward_norm (the fused site + norm pair): "<kind>_<eps>_<w><b><g>" (norm_spec)
 
 
 FUNCTION = {"forward": "depth_attention", "backward": "depth_attention_backward",
             "backward_chunk": "depth_attention_backward_chunk",
             "partial": "depth_attention_partial", "partial_link": "depth_attention_partial",
-            "merge": "depth_attention_merge", "merge_indexed": "depth_attention_merge"}
+            "merge": "depth_attention_merge", "merge_indexed": "depth_attention_merge",
+            "forward_norm": "depth_attention_norm", "backward_norm": "depth_attention_norm_backward"}
 PARTIAL_CHUNK = 8  # history sources per compiled partial kernel: a longer history is a chain (partial_links)
 
 
@@ -133,8 +135,16 @@ def _parts(spec: Spec) -> tuple[str, str]:
     return f"tvm-{importlib.metadata.version('apache-tvm')}", f"{spec.device}-{_machine(spec.device)}-t{spec.threads}"
 
 
+@cache
+def norm_spec(kind: str, eps: float, weight: bool, bias: bool, grad_mixed: bool = False) -> str:
+    """Spec.norm of the fused pair's kernels: the norm's kind and eps, which parameters it has (w, b) and,
+    for the backward, whether the mixed output has a gradient of its own (g)."""
+    return f"{kind}_{float(eps)!r}_{'w' * weight}{'b' * bias}{'g' * grad_mixed}"
+
+
 def _name(spec: Spec) -> str:
     name = f"{spec.kind}_n{spec.count}_r{spec.rank}_d{spec.size}_{spec.dtype}_{spec.eps!r}_{spec.scale!r}"
+    name += f"_{spec.norm}" if spec.norm else ""
     return f"{name}_{_source_digest()}.kernel"
 
 
@@ -155,6 +165,12 @@ def _func(spec: Spec):
     if spec.kind in ("partial", "partial_link"):
         return tensorir.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
                                                    spec.rank, spec.kind == "partial_link")
+    if spec.kind in ("forward_norm", "backward_norm"):
+        kind, eps, flags = spec.norm.split("_")
+        args = (spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank, kind, float(eps), "w" in flags, "b" in flags)
+        if spec.kind == "forward_norm":
+            return tensorir.depth_attention_norm_func(*args)
+        return tensorir.depth_attention_norm_backward_func(*args, "g" in flags)
     if spec.kind == "merge_indexed":
         return tensorir.depth_attention_merge_indexed_func(int(spec.scale), spec.count, spec.size, spec.dtype, spec.eps,
                                                            spec.rank)

@@ -81,14 +81,16 @@ def _cuda_ready(device: torch.device) -> bool:
     return bool(tvm.cuda(device.index or 0).exist)
 
 
-def _kernel(key: tuple):
-    """The compiled kernel for a call's key, or False where the fused kernels do not apply."""
+def _kernel(key: tuple, norm: str = ""):
+    """The compiled kernel for a call's key, or False where the fused kernels do not apply; `norm`:
+    the fused site + norm pair's cache.Spec.norm."""
     kind, count, dtype, device, rank, size, dim, eps, scale, threads = key
     if (dtype not in _DTYPES or device.type not in ("cpu", "cuda") or rank < 2 or dim not in (-1, rank - 1)
             or not available() or (device.type == "cuda" and not _cuda_ready(device))):
         return False
     threads = threads if device.type == "cpu" else 1
-    spec = kernel_cache.Spec(kind, count, rank, size, _DTYPES[dtype], float(eps), float(scale), device.type, threads)
+    spec = kernel_cache.Spec(kind, count, rank, size, _DTYPES[dtype], float(eps), float(scale), device.type, threads,
+                             norm)
     return kernel_cache.get(spec)
 
 
@@ -238,3 +240,60 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
     _run(fn, s0.device, [m[index], l[index], acc[index], *extra, query, out], threads)
     return out
+
+
+# ---- the fused site + norm pair (op_site_norm.py) ---------------------------------------------------
+
+def _pair_kernel(kind: str, sources: list[torch.Tensor], dim: int, eps: float, scale: float, threads: int, norm: str):
+    """The pair's compiled kernel, or False: float32 storage on the CPU only (the norm's arithmetic is
+    the model's float32 one; the CUDA schedules build and compile but have not run on a GPU yet) and
+    at most CHAIN_ABOVE sources (a longer list runs the reference)."""
+    s0 = sources[0]
+    if s0.dtype != torch.float32 or not s0.is_cpu or len(sources) > CHAIN_ABOVE:
+        return False
+    key = (kind, len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads, norm)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = _kernel(key[:10], norm)
+    return fn
+
+
+def _f32(t: torch.Tensor | None) -> list[torch.Tensor]:
+    return [] if t is None else [t if t.dtype == torch.float32 else t.float()]
+
+
+def forward_norm(sources: list[torch.Tensor], query: torch.Tensor, weight, bias, eps: float, scale: float, dim: int,
+                 norm_eps: float, kind: str):
+    """(mixed, normed) from the fused pair's kernel, or None if it does not apply."""
+    s0 = sources[0]
+    threads = _threads(len(sources) + 2, s0)
+    norm = kernel_cache.norm_spec(kind, norm_eps, weight is not None, bias is not None)
+    fn = _pair_kernel("forward_norm", sources, dim, eps, scale, threads, norm)
+    if fn is False:
+        return None
+    mixed, normed = (torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in range(2))
+    _run(fn, s0.device, [*sources, query, *_f32(weight), *_f32(bias), mixed, normed], threads)
+    return mixed, normed
+
+
+def backward_norm(sources: list[torch.Tensor], query: torch.Tensor, weight, bias, grad_mixed, grad_normed,
+                  eps: float, scale: float, dim: int, norm_eps: float, kind: str):
+    """(source gradients, query gradient, [weight gradient][, bias gradient]) from the fused pair's
+    backward, or None if it does not apply. The bias gradient, sum_rows grad_normed, is summed here
+    (tensorir.depth_attention_norm_backward_func: one row reduction per kernel)."""
+    s0 = sources[0]
+    threads = _threads(2 * len(sources) + 3, s0)
+    norm = kernel_cache.norm_spec(kind, norm_eps, weight is not None, bias is not None, grad_mixed is not None)
+    fn = _pair_kernel("backward_norm", sources, dim, eps, scale, threads, norm)
+    if fn is False:
+        return None
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    grad_query = query.new_empty(query.shape, dtype=torch.float32)
+    params = [query.new_empty(weight.shape, dtype=torch.float32)] if weight is not None else []
+    gn = grad_normed.to(s0.dtype).contiguous()
+    gm = [] if grad_mixed is None else [grad_mixed.to(s0.dtype).contiguous()]
+    _run(fn, s0.device, [*sources, query, *_f32(weight), *_f32(bias), *gm, gn, *grads, grad_query, *params], threads)
+    if bias is not None:
+        params.append(gn.sum(tuple(range(gn.dim() - 1)), dtype=torch.float32))
+    params = [p.to(t.dtype) for p, t in zip(params, [t for t in (weight, bias) if t is not None])]
+    return grads, grad_query.to(query.dtype), params

@@ -50,7 +50,9 @@ def _chunk_rows(sch: s_tir.Schedule, chunks: int) -> bool:
     (chunk, step) over rows step * chunks + chunk and rfactor dw over the chunks, so each chunk
     (a thread, or a CUDA thread block) accumulates its own partial dw and a last stage sums the
     partials. The chunk count is the constant (inner) split factor: a symbolic one would make
-    the partial's binding non-affine, which the loop primitives refuse. False if no dw."""
+    the partial's binding non-affine, which the loop primitives refuse. False if no dw. (One dw
+    block only: a second's partial sums would be merged into the row loop past the first's final
+    sum, which merge places before the loop.)"""
     if "dw" not in [name for name, _ in _stages(sch)]:
         return False
     dw = sch.get_sblock("dw")
@@ -140,13 +142,14 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
                 sch.merge(*loops)
         sch.vectorize(sch.get_loops(group[0])[-1])
     backward, sums = [], []
-    for name, block in stages:
+    last_stats = max(i for i, (name, _) in enumerate(stages) if name.startswith("stats"))
+    for i, (name, block) in enumerate(stages):
         loops = sch.get_loops(block)
         if len(loops) > depth and not name.startswith("stats") and name != "dw":
             # the backward's dw partial is a reduction: an exact split, as for the stats
             d_out, d_in = sch.split(loops[depth], [None, factor if chunked else lanes])
             sch.vectorize(d_in)
-            if chunked:
+            if chunked and i > last_stats:  # (the fused pair's earlier stages feed reductions)
                 backward.append(d_out)
             elif name.startswith("sum_"):
                 sums.append(d_out)
@@ -180,9 +183,11 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
         _merge_rows(sch)
     depth = 2 if chunked else 1
     row = next(sch.get_loops(b)[depth - 1] for n, b in _stages(sch) if n.startswith("softmax"))
+    allocated = list(sch.get(sch.get_sblock("root")).alloc_buffers)
+    written = [w.source for _, b in _stages(sch) for w in sch.get(b).writes]  # the fused pair's mixed row
     for name, block in _stages(sch):
         src = sch.get(block).reads[0].source if name.startswith("stats") else None
-        if src is not None and src.scope() == "global":
+        if src is not None and src.scope() == "global" and not any(src.same_as(b) for b in allocated + written):
             # registers hold the thread's slice of the source for all its stats and elementwise uses
             readers = [b for n, b in _stages(sch) if n != "dw" and any(r.source.same_as(src) for r in sch.get(b).reads)]
             cache = sch.cache_read(block, 0, "local", consumer_blocks=readers)
@@ -194,7 +199,6 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
     per_thread = max(1, min(128 // bits, _ceil_div(size, 32)))  # 16-byte loads when D allows
     threads = min(max_threads, _ceil_div(_ceil_div(size, per_thread), 32) * 32)
     per_thread = _ceil_div(size, threads)
-    allocated = list(sch.get(sch.get_sblock("root")).alloc_buffers)
 
     def registers(block) -> None:
         """The block's intermediates (not its output parameters) in each thread's registers."""
@@ -212,7 +216,9 @@ def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -
         if name.startswith("softmax"):  # per-row scalar stage: computed by every thread
             registers(block)
             continue
-        if name.startswith("sum_"):  # a block-major partial's running sums: each thread's own features
+        if not name.startswith("stats") and name != "dw_rf":
+            # a block-major partial's running sums, the fused pair's mixed row and its gradient:
+            # each thread's own features
             registers(block)
         tx, inner = sch.split(loops[-1], [threads, per_thread])
         sch.bind(tx, "threadIdx.x")

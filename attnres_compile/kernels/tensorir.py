@@ -84,21 +84,11 @@ def _stats(name: str, rows: tuple, src, others: Sequence[Callable]) -> list:
     """stats_<name>[_<g>] stages: sum(src^2), then sum(src * other(vr, vd)) for each other term.
     Returns the [rows] buffers in that order. The sums go two per reduction block (TVM registers
     a sum reducer for one or two buffers, not more); the schedules load src[row, d] once for all."""
-    size = src.shape[-1]
-    outs = [(_alloc(f"ss_{name}", *rows), lambda x, vr, vd: x * x)]
-    outs += [(_alloc(f"dot{q}_{name}", *rows), lambda x, vr, vd, o=o: x * o(vr, vd)) for q, o in enumerate(others)]
-    for g in range(0, len(outs), 2):
-        group = outs[g : g + 2]
-        with T.grid(*rows, size) as (*rs, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
-            vr, vd = tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs)), T.axis.reduce(size, d)
-            with T.init():
-                for buf, _ in group:
-                    T.buffer_store(buf, T.float32(0), list(vr))
-            x = _f32(src, *vr, vd)
-            new = [T.Bind(buf[vr] + term(x, vr, vd)) for buf, term in group]
-            for (buf, _), v in zip(group, new):
-                T.buffer_store(buf, v, list(vr))
-    return [buf for buf, _ in outs]
+    def x(vr, vd):
+        return _f32(src, *vr, vd)
+
+    terms = [lambda vr, vd: x(vr, vd) * x(vr, vd)] + [lambda vr, vd, o=o: x(vr, vd) * o(vr, vd) for o in others]
+    return _row_sums(name, rows, src.shape[-1], terms, ["ss"] + [f"dot{q}" for q in range(len(others))])
 
 
 def _rinv(ss, vr: tuple, size: int, eps: float):
@@ -144,12 +134,13 @@ def _check(count: int, what: str, size: int, dtype: str):
         raise ValueError(f"unsupported storage dtype {dtype!r}; expected one of {DTYPES}")
 
 
-def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None):
+def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None, mixed=None):
     """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l
     (`scale` a number, or a float32 argument of the function).
     `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
     (kind, gamma, beta, eps) a LayerNorm ("layer") or RMSNorm ("rms", beta None) over the
-    features applied to that sum before it is stored."""
+    features applied to that sum before it is stored; `mixed` a buffer that also keeps the sum
+    itself (the fused site + norm pair: both outputs), else the sum is a per-row intermediate."""
     stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
     K = len(srcs)
     e_buf, coef = _alloc("e", *rows, K + 1), _alloc("coef", *rows)
@@ -160,7 +151,7 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=N
             T.buffer_store(e_buf, x, [*vr, k])
         T.buffer_store(coef, (T.float32(scale) if isinstance(scale, (int, float)) else scale) / total, list(vr))
 
-    h = out if norm is None else _alloc("h", *rows, size)
+    h = out if norm is None else mixed if mixed is not None else _alloc("h", *rows, size)
 
     def body(vr, vd):
         terms = [(e_buf[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]
@@ -174,10 +165,17 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=N
         (_layer_norm if kind == "layer" else _rms_norm)(rows, size, h, out, *affine)
 
 
+def _affine(value, gamma, beta, vd):
+    """value * gamma + beta, either of them None: a norm without weight or bias."""
+    value = value if gamma is None else value * _f32(gamma, vd)
+    return value if beta is None else value + _f32(beta, vd)
+
+
 def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
     """out = (h - mean) / sqrt(var + eps) * gamma + beta over the features of each row, with
     mean and var from one pass (sum and sum of squares), as TVM's own layer_norm computes them;
-    var is clamped at 0, where rounding makes E[h^2] - mean^2 of a near-constant row negative."""
+    var is clamped at 0, where rounding makes E[h^2] - mean^2 of a near-constant row negative.
+    gamma or beta None: a LayerNorm without that parameter."""
     ss, total = _stats("h", rows, h, [lambda vr, vd: T.float32(1)])
     mean, rstd = _alloc("mean", *rows), _alloc("rstd", *rows)
     with _row_block(rows, "softmax_norm") as vr:
@@ -186,17 +184,17 @@ def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
         var = T.max(ss[vr] * T.float32(1.0 / size) - mu * mu, T.float32(0))
         T.buffer_store(rstd, T.rsqrt(var + T.float32(eps)), list(vr))
     _elementwise(rows, size, "normed", lambda vr, vd: (
-        out, [*vr, vd], (h[(*vr, vd)] - mean[vr]) * rstd[vr] * _f32(gamma, vd) + _f32(beta, vd)))
+        out, [*vr, vd], _affine((_f32(h, *vr, vd) - mean[vr]) * rstd[vr], gamma, beta, vd)))
 
 
 def _rms_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
-    """out = h / sqrt(mean(h^2) + eps) * gamma over the features of each row (beta is None):
-    the decomposed RMSNorm of HF Llama and its kin, in its order of operations."""
+    """out = h / sqrt(mean(h^2) + eps) * gamma over the features of each row (beta is None;
+    gamma None: no weight): the decomposed RMSNorm of HF Llama and its kin, in its order of operations."""
     (ss,) = _stats("h", rows, h, [])
     rstd = _alloc("rstd", *rows)
     with _row_block(rows, "softmax_norm") as vr:
         T.buffer_store(rstd, _rinv(ss, vr, size, eps), list(vr))
-    _elementwise(rows, size, "normed", lambda vr, vd: (out, [*vr, vd], h[(*vr, vd)] * rstd[vr] * _f32(gamma, vd)))
+    _elementwise(rows, size, "normed", lambda vr, vd: (out, [*vr, vd], _affine(_f32(h, *vr, vd) * rstd[vr], gamma, None, vd)))
 
 
 NORMS = ("layer", "rms")
@@ -457,10 +455,190 @@ def depth_attention_backward_func(
                     _elementwise(rows, D, f"ds_{k}", lambda vr, vd, k=k, s=s, ds=ds: (
                         ds, [*vr, vd],
                         cg[(*vr, k)] * _f32(g, *vr, vd) + ca[(*vr, k)] * w[vd] - cb[(*vr, k)] * _f32(s, *vr, vd)))
-                with T.grid(*rows, D) as (*rs, d), T.sblock("dw"):
-                    vr, vd = tuple(T.axis.reduce(n, r) for n, r in zip(rows, rs)), T.axis.spatial(D, d)
-                    with T.init():
-                        T.buffer_store(dw, T.float32(0), [vd])
-                    share = _weighted([(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)])
-                    T.buffer_store(dw, dw[vd] + share, [vd])
+                _row_reduction("dw", rows, D, [(dw, lambda vr, vd: _weighted(
+                    [(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]))])
     return ib.get()
+
+
+# ---- the fused site + norm pair (op_site_norm.py) ------------------------------------------------
+
+def _row_sums(name: str, rows: tuple, size: int, terms: Sequence[Callable], names: Sequence[str] = ()) -> list:
+    """stats_<name>[_<g>] stages: for each term (vr, vd) -> float32 value, its sum over the features
+    of each row into a [rows] buffer (`names`, default sum<q>), two per reduction block."""
+    outs = [_alloc(f"{names[q] if names else f'sum{q}'}_{name}", *rows) for q in range(len(terms))]
+    for g in range(0, len(terms), 2):
+        group = list(zip(outs[g : g + 2], terms[g : g + 2]))
+        with T.grid(*rows, size) as (*rs, d), T.sblock(f"stats_{name}" + (f"_{g // 2}" if g else "")):
+            vr, vd = tuple(T.axis.spatial(n, r) for n, r in zip(rows, rs)), T.axis.reduce(size, d)
+            with T.init():
+                for buf, _ in group:
+                    T.buffer_store(buf, T.float32(0), list(vr))
+            new = [T.Bind(buf[vr] + term(vr, vd)) for buf, term in group]
+            for (buf, _), v in zip(group, new):
+                T.buffer_store(buf, v, list(vr))
+    return outs
+
+
+def _pair_params(size: int, norm: str, weight: bool, bias: bool) -> tuple:
+    """(gamma, beta) parameters of the fused pair's norm, None where it has none (an RMSNorm has no beta)."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown fused norm {norm!r}; expected one of {NORMS}")
+    gamma = _param("gamma", (size,), F32) if weight else None
+    beta = _param("beta", (size,), F32) if bias and norm == "layer" else None
+    return gamma, beta
+
+
+def depth_attention_norm_func(
+    num_sources: int,
+    feature_size: int,
+    dtype: str = "float32",
+    eps: float = 1e-6,
+    scale: float | None = None,
+    rank: int = 2,
+    norm: str = "layer",
+    norm_eps: float = 1e-5,
+    weight: bool = True,
+    bias: bool = True,
+) -> tirx.PrimFunc:
+    """The fused site + norm pair `depth_attention_norm(s0, ..., w, [gamma], [beta], mixed, normed)`:
+    the site's output `mixed` (depth_attention_func's) and the next norm of it, `normed`, a LayerNorm
+    (norm="layer") or RMSNorm ("rms") over the features with or without weight and bias. One pass
+    over the sources per row: the softmax, the mixed row stored, then its norm from the row still
+    in cache (the stages of depth_attention_func's fused norm, which keeps the sum per row only)."""
+    _check(num_sources, "source", feature_size, dtype)
+    S, D, rows = num_sources, feature_size, _rows(rank)
+    scale = float(S) if scale is None else float(scale)
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("depth_attention_norm")
+            srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
+            w = _param("w", (D,), F32)
+            gamma, beta = _pair_params(D, norm, weight, bias)
+            mixed, normed = _param("mixed", (*rows, D), dtype), _param("normed", (*rows, D), dtype)
+            with T.sblock("root"):
+                _site(rows, D, srcs, w, normed, eps, scale, norm=(norm, gamma, beta, norm_eps), mixed=mixed)
+    return ib.get()
+
+
+def depth_attention_norm_backward_func(
+    num_sources: int,
+    feature_size: int,
+    dtype: str = "float32",
+    eps: float = 1e-6,
+    scale: float | None = None,
+    rank: int = 2,
+    norm: str = "layer",
+    norm_eps: float = 1e-5,
+    weight: bool = True,
+    bias: bool = True,
+    grad_mixed: bool = True,
+) -> tirx.PrimFunc:
+    """The fused pair's backward `depth_attention_norm_backward(s0, ..., w, [gamma], [beta], [gm], gn,
+    ds0, ..., dw, [dgamma])`, for the gradients gm of `mixed` (absent: nothing else read it)
+    and gn of `normed`. Per row, from one load of the sources (re-read from cache):
+        the softmax p and h = c sum_k p_k s_k again (the mixed row, never read from memory);
+        the norm's backward, with g = gn * gamma, n = (h - mean) r (RMSNorm: mean 0):
+            gh = gm + r (g - mean(g) - n mean(g n))         (RMSNorm: without the mean(g) term)
+        then depth_attention_backward_func's stages with gh as the upstream gradient;
+    dw and dgamma = sum_rows gn n are reductions over rows, in one block (per-thread partials: the
+    schedules take one such block). dbeta = sum_rows gn is left to the caller (fused.py): a third
+    sum has no reducer of its own in TVM, and a second row-reduction block no schedule."""
+    _check(num_sources, "source", feature_size, dtype)
+    S, D, rows = num_sources, feature_size, _rows(rank)
+    c = float(S) if scale is None else float(scale)
+    layer = norm == "layer"
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("depth_attention_norm_backward")
+            srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
+            w = _param("w", (D,), F32)
+            gamma, beta = _pair_params(D, norm, weight, bias)
+            gm = _param("gm", (*rows, D), dtype) if grad_mixed else None
+            gn = _param("gn", (*rows, D), dtype)
+            grads = [_param(f"ds{i}", (*rows, D), dtype) for i in range(S)]
+            dw = _param("dw", (D,), F32)
+            dgamma = _param("dgamma", (D,), F32) if gamma is not None else None
+            with T.sblock("root"):
+                stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
+                p_buf, z_buf, r_buf = (_alloc(name, *rows, S) for name in ("p", "z", "rinv"))
+                with _row_block(rows, "softmax") as vr:
+                    zr = [_logit(ss, dot, vr, D, eps) for ss, dot in stats]
+                    _, e, total, _ = _softmax([z for z, _ in zr])
+                    inv = T.Bind(T.float32(1) / total)
+                    for k, (x, (z, rinv)) in enumerate(zip(e, zr)):
+                        T.buffer_store(p_buf, x * inv, [*vr, k])
+                        T.buffer_store(z_buf, z, [*vr, k])
+                        T.buffer_store(r_buf, rinv, [*vr, k])
+                h = _alloc("h", *rows, D)
+                _elementwise(rows, D, "mix", lambda vr, vd: (
+                    h, [*vr, vd], _weighted([(p_buf[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)])
+                    * T.float32(c)))
+
+                def g(vr, vd):  # the normed output's gradient through the weight
+                    x = _f32(gn, *vr, vd)
+                    return x if gamma is None else x * _f32(gamma, vd)
+
+                terms = [lambda vr, vd: h[(*vr, vd)] * h[(*vr, vd)], lambda vr, vd: g(vr, vd) * h[(*vr, vd)]]
+                if layer:
+                    terms += [lambda vr, vd: h[(*vr, vd)], g]
+                sums = _row_sums("h", rows, D, terms)
+                mean, rstd, k0, kh = (_alloc(name, *rows) for name in ("mean", "rstd", "k0", "kh"))
+                with _row_block(rows, "softmax_norm") as vr:
+                    inv_d = T.float32(1.0 / D)
+                    if layer:
+                        mu = T.Bind(sums[2][vr] * inv_d)
+                        r = T.Bind(T.rsqrt(T.max(sums[0][vr] * inv_d - mu * mu, T.float32(0)) + T.float32(norm_eps)))
+                        mean_g = T.Bind(sums[3][vr] * inv_d)
+                        mean_gn = T.Bind((sums[1][vr] * inv_d - mu * mean_g) * r)  # mean(g n)
+                    else:
+                        mu, mean_g = T.float32(0), T.float32(0)
+                        r = T.Bind(T.rsqrt(sums[0][vr] * inv_d + T.float32(norm_eps)))
+                        mean_gn = T.Bind(sums[1][vr] * inv_d * r)
+                    # gh - gm = r g - r mean(g) - r mean(g n) (h - mu) r = r g + kh h + k0
+                    slope = T.Bind(T.float32(0) - r * r * mean_gn)
+                    T.buffer_store(mean, mu, list(vr))
+                    T.buffer_store(rstd, r, list(vr))
+                    T.buffer_store(kh, slope, list(vr))
+                    T.buffer_store(k0, T.float32(0) - r * mean_g - slope * mu, list(vr))
+                gh = _alloc("gh", *rows, D)
+
+                def grad_h(vr, vd):
+                    val = rstd[vr] * g(vr, vd) + kh[vr] * h[(*vr, vd)] + k0[vr]
+                    return gh, [*vr, vd], val if gm is None else _f32(gm, *vr, vd) + val
+
+                _elementwise(rows, D, "grad_h", grad_h)
+                us = [_row_sums(f"u{k}", rows, D, [lambda vr, vd, s=s: gh[(*vr, vd)] * _f32(s, *vr, vd)])[0]
+                      for k, s in enumerate(srcs)]
+                cg, ca, cb = (_alloc(name, *rows, S) for name in ("cg", "ca", "cb"))
+                with _row_block(rows, "softmax_bwd") as vr:
+                    p = [p_buf[(*vr, k)] for k in range(S)]
+                    ubar = T.Bind(_weighted([(pk, u[vr]) for pk, u in zip(p, us)]))
+                    for k, (pk, u) in enumerate(zip(p, us)):
+                        z, rinv = z_buf[(*vr, k)], r_buf[(*vr, k)]
+                        dz = T.Bind(T.float32(c) * pk * (u[vr] - ubar))
+                        T.buffer_store(cg, T.float32(c) * pk, [*vr, k])
+                        T.buffer_store(ca, dz * rinv, [*vr, k])
+                        T.buffer_store(cb, dz * z * rinv * rinv * T.float32(1.0 / D), [*vr, k])
+                for k, (s, ds) in enumerate(zip(srcs, grads)):
+                    _elementwise(rows, D, f"ds_{k}", lambda vr, vd, k=k, s=s, ds=ds: (
+                        ds, [*vr, vd],
+                        cg[(*vr, k)] * gh[(*vr, vd)] + ca[(*vr, k)] * w[vd] - cb[(*vr, k)] * _f32(s, *vr, vd)))
+                sums = [(dw, lambda vr, vd: _weighted([(ca[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]))]
+                if dgamma is not None:
+                    sums.append((dgamma, lambda vr, vd: _f32(gn, *vr, vd) * (h[(*vr, vd)] - mean[vr]) * rstd[vr]))
+                _row_reduction("dw", rows, D, sums)
+    return ib.get()
+
+
+def _row_reduction(name: str, rows: tuple, size: int, outs: list) -> None:
+    """A reduction over rows into [D] buffers, [(buffer, term(vr, vd))], at most two: the query's and
+    the norm weight's gradients (the schedules give each thread or thread block its own partial)."""
+    with T.grid(*rows, size) as (*rs, d), T.sblock(name):
+        vr, vd = tuple(T.axis.reduce(n, r) for n, r in zip(rows, rs)), T.axis.spatial(size, d)
+        with T.init():
+            for buf, _ in outs:
+                T.buffer_store(buf, T.float32(0), [vd])
+        new = [buf[vd] + term(vr, vd) for buf, term in outs]
+        new = [T.Bind(v) for v in new] if len(outs) > 1 else new  # two sums: TVM's reducer takes them bound
+        for (buf, _), v in zip(outs, new):
+            T.buffer_store(buf, v, [vd])

@@ -23,11 +23,12 @@ from onnxscript import ir
 
 from .. import hf_experts
 from .. import op as _op  # noqa: F401  (registers torch.ops.attnres)
+from .. import op_site_norm as _pair_op  # noqa: F401  (registers torch.ops.attnres.depth_attention_norm)
 from ..errors import TraceError, first_line
 from ..pt2 import drop_guards, output_names
 from . import dynamic_dims
 from .fx_two_phase import one_pass
-from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, negative_axis
+from .onnx_function import DOMAIN, DOMAIN_VERSION, OP_TYPE, PAIR, negative_axis
 from .onnx_grouping import finalize_sites
 from .onnx_optimize import exact_no_ops
 from .onnx_rewrite import PREFIX
@@ -43,6 +44,17 @@ _SCHEMA = OpSchema(
                 OpSchema.Attribute("axis", OpSchema.AttrType.INT, "")],
 )
 _DEPTH_ATTENTION = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), OP_TYPE, _SCHEMA)
+_PAIR_SCHEMA = OpSchema(  # the site + norm pair: sources, query, then the norm's weight and bias where it has them
+    PAIR, DOMAIN, DOMAIN_VERSION,
+    inputs=[OpSchema.FormalParameter("inputs", "T", param_option=OpSchema.FormalParameterOption.Variadic,
+                                     is_homogeneous=True, min_arity=2)],
+    outputs=[OpSchema.FormalParameter("mixed", "T"), OpSchema.FormalParameter("normed", "T")],
+    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"], "")],
+    attributes=[*_SCHEMA.attributes.values(), OpSchema.Attribute("norm_eps", OpSchema.AttrType.FLOAT, ""),
+                OpSchema.Attribute("norm", OpSchema.AttrType.STRING, ""),
+                OpSchema.Attribute("affine", OpSchema.AttrType.INT, "")],
+)
+_DEPTH_ATTENTION_NORM = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), PAIR, _PAIR_SCHEMA)
 
 
 def _translate(sources, query, eps: float, scale: float, dim: int):
@@ -51,7 +63,15 @@ def _translate(sources, query, eps: float, scale: float, dim: int):
     return _DEPTH_ATTENTION(*sources, query, eps=eps, scale=scale, axis=axis)
 
 
-TRANSLATION_TABLE = {torch.ops.attnres.depth_attention.default: _translate}
+def _translate_pair(sources, query, eps: float, scale: float, dim: int, weight, bias, norm_eps: float, norm: str):
+    """depth_attention_norm(...) -> attnres.DepthAttentionNorm(*sources, query[, weight[, bias]]) (onnx_function.py)."""
+    params = [p for p in (weight, bias) if p is not None]
+    return _DEPTH_ATTENTION_NORM(*sources, query, *params, eps=eps, scale=scale, axis=-1, norm_eps=norm_eps, norm=norm,
+                                 affine=len(params))
+
+
+TRANSLATION_TABLE = {torch.ops.attnres.depth_attention.default: _translate,
+                     torch.ops.attnres.depth_attention_norm.default: _translate_pair}
 _LOGGERS = ("torch.onnx", "onnx_ir", "onnxscript", "torch.export", "torch._dynamo",
             *dynamic_dims.EXPORT_LOGGERS)  # the exporter's per-step and per-initializer lines, torch.export's notices
 

@@ -17,6 +17,12 @@ standard ops only, in float32 (`onnx_grouping.finalize_sites` chooses between th
         acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history;
         columns [D, B] the B queries in float32, one per column.
         attributes eps, axis (-1), queries (B), carry (0 or 1).
+    attnres.DepthAttentionNorm(s_1..s_n, query[, weight[, bias]]) -> (mixed, normed)
+        one site and the norm that reads it (op_site_norm.py): mixed is DepthAttention's output,
+        normed = CastLike(LayerNorm or RMSNorm of it over the last axis, s_1), times weight plus
+        bias where given; attributes eps, scale, axis (-1), norm_eps, norm ("layer" | "rms"),
+        affine (0: no parameters, 1: weight, 2: weight and bias). The norm is written as the
+        decomposed ops onnxruntime fuses into LayerNormalization / SimplifiedLayerNormalization.
     attnres.DepthAttentionMerge(lse, acc, columns, e_1..e_E, query) -> out   one per site
         phase 2: row `index` of a Partial's state as one more term beside the site's own
         extras e (Block: its partial block sum; Full: the group's sources up to the site):
@@ -70,6 +76,8 @@ MIN_OPSET = 15  # CastLike
 IR_VERSION = 10
 PARTIAL = "DepthAttentionPartial"
 MERGE = "DepthAttentionMerge"
+PAIR = "DepthAttentionNorm"
+NORMS = ("layer", "rms")
 
 
 def site_node(inputs: list[str], query: str, output: str, *, eps: float, scale: float, axis: int, rank: int,
@@ -117,6 +125,17 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     n, axis, scale, eps = sig
     fn_name = overload(sig)
     b = Body()
+    b.op("CastLike", [_site_body(b, sig, opset), "s0"], "output")
+    fn = helper.make_function(DOMAIN, OP_TYPE, [f"s{i}" for i in range(n)] + ["query"], ["output"], b.nodes,
+                              [helper.make_opsetid("", opset)], attributes=["eps", "scale", "axis"],
+                              doc_string=f"AttnRes depth attention over {n} sources (attnres-compile): {fn_name}")
+    fn.overload = fn_name
+    return fn
+
+
+def _site_body(b: Body, sig: tuple[int, int, float, float], opset: int) -> str:
+    """A site's float32 output in `b`, from inputs s0..s{n-1} and query."""
+    n, axis, scale, eps = sig
     axes = b.const("axes", TensorProto.INT64, [axis])
     eps_c = b.const("eps", TensorProto.FLOAT, [eps], [])
     scale_c = b.const("scale", TensorProto.FLOAT, [scale], [])
@@ -124,12 +143,57 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     query = b.op("Reshape", [b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT), qshape], "qb")
     xs = [b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT) for i in range(n)]
     columns = (b.op("Unsqueeze", [query, b.const("col", TensorProto.INT64, [1])], "qcol"), None) if axis == -1 else None
-    b.op("CastLike", [_attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns), "s0"], "output")
-    fn = helper.make_function(DOMAIN, OP_TYPE, [f"s{i}" for i in range(n)] + ["query"], ["output"], b.nodes,
-                              [helper.make_opsetid("", opset)], attributes=["eps", "scale", "axis"],
-                              doc_string=f"AttnRes depth attention over {n} sources (attnres-compile): {fn_name}")
-    fn.overload = fn_name
-    return fn
+    return _attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns)
+
+
+# ---- the fused site + norm pair -------------------------------------------------------------------
+
+
+def pair_node(inputs: list[str], query: str, params: list[str], outputs: list[str], *, eps: float, scale: float,
+              norm_eps: float, norm: str, name: str = "") -> onnx.NodeProto:
+    """One site over `inputs` and the norm of its output ([mixed, normed] = `outputs`), over the last
+    axis, with `params` its weight and bias (as many as it has: [], [weight], [weight, bias])."""
+    return helper.make_node(PAIR, [*inputs, query, *params], outputs, name=name, domain=DOMAIN, eps=float(eps),
+                            scale=float(scale), axis=-1, norm_eps=float(norm_eps), norm=norm, affine=len(params))
+
+
+def pair_signature(node: onnx.NodeProto) -> tuple[int, int, float, float, str, float, int]:
+    """(arity, axis, scale, eps, norm, norm_eps, affine) of a pair node: what its function is specialised on."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    norm = attrs["norm"].decode() if isinstance(attrs["norm"], bytes) else attrs["norm"]
+    affine = int(attrs["affine"])
+    return (len(node.input) - 1 - affine, int(attrs["axis"]), float(attrs["scale"]), float(attrs["eps"]), norm,
+            float(attrs["norm_eps"]), affine)
+
+
+def pair_overload(sig: tuple) -> str:
+    """E.g. "n3_axis-1_scale3.0_eps1e-06_rms_eps1e-05_a1"."""
+    *site, norm, norm_eps, affine = sig
+    return f"{overload(tuple(site))}_{norm}_eps{str(np.float32(norm_eps))}_a{affine}"
+
+
+def pair_function(sig: tuple, opset: int) -> onnx.FunctionProto:
+    """The model-local function for pairs with signature `sig` (pair_signature), for `opset`."""
+    n, axis, scale, eps, norm, norm_eps, affine = sig
+    b = Body()
+    total = _site_body(b, (n, axis, scale, eps), opset)
+    b.op("CastLike", [total, "s0"], "mixed")
+    axes = b.const("norm_axes", TensorProto.INT64, [-1])
+    norm_eps_c = b.const("norm_eps", TensorProto.FLOAT, [norm_eps], [])
+    if norm == "layer":
+        mean = _reduce(b, "ReduceMean", total, axes, -1, "norm_mean", opset)
+        x = b.op("Sub", [total, mean], "norm_centred")
+    else:
+        x = total
+    var = _reduce(b, "ReduceMean", b.op("Mul", [x, x], "norm_sq"), axes, -1, "norm_var", opset)
+    out = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [var, norm_eps_c], "norm_vare")], "norm_std")], "norm_n")
+    params = ["weight", "bias"][:affine]
+    for i, (param, op_type) in enumerate(zip(params, ("Mul", "Add"))):
+        out = b.op(op_type, [out, b.op("Cast", [param], f"norm_p{i}", to=TensorProto.FLOAT)], f"norm_a{i}")
+    b.op("CastLike", [out, "s0"], "normed")
+    return _function(PAIR, pair_overload(sig), [f"s{i}" for i in range(n)] + ["query", *params], ["mixed", "normed"],
+                     b, opset, ["eps", "scale", "axis", "norm_eps", "norm", "affine"],
+                     f"AttnRes depth attention over {n} sources and the {norm} norm of its output")
 
 
 def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str, axis: int, opset: int,
@@ -183,6 +247,9 @@ def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.Function
     if node.op_type == PARTIAL:
         structure = partial_structure(node)
         return partial_overload(*structure), lambda opset: partial_function(*structure, opset)
+    if node.op_type == PAIR:
+        sig = pair_signature(node)
+        return pair_overload(sig), lambda opset: pair_function(sig, opset)
     extras = len(node.input) - 4
     return merge_overload(extras), lambda opset: merge_function(extras, opset)
 
@@ -209,7 +276,7 @@ def attach_functions(model: onnx.ModelProto) -> int:
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     if ours:
         model.ir_version = max(model.ir_version, IR_VERSION)
-    return sum(n.op_type in (OP_TYPE, MERGE) for n in ours)
+    return sum(n.op_type in (OP_TYPE, MERGE, PAIR) for n in ours)
 
 
 # ---- the two-phase pair ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from .onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node, partial_node
+from .onnx_function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, attach_functions, merge_node, partial_node
 
 MAX_GROUP = 16  # Full's group size beyond 256 sites: extras per site stay bounded, the file linear
 STATE_BYTES = 4  # a partial's state is float32
@@ -159,7 +159,7 @@ class Site:
 
 
 def sites(graph: onnx.GraphProto) -> list[Site]:
-    """The sites of `graph` in order (DepthAttention and Merge nodes), a Merge's sources resolved
+    """The sites of `graph` in order (DepthAttention, Merge and pair nodes), a Merge's sources resolved
     through its Partial (and the Partials it carries from) to the history entries plus its extras.
     Assumes a well-formed graph (onnx_site_check.check_sites)."""
     history: dict[str, list[str]] = {}  # lse output of a Partial -> its history entries
@@ -176,4 +176,7 @@ def sites(graph: onnx.GraphProto) -> list[Site]:
         elif node.op_type in (OP_TYPE, MERGE):
             sources = (history[node.input[0]] + list(node.input[3:-1])) if node.op_type == MERGE else list(node.input[:-1])
             out.append(Site(node, sources, node.input[-1], attrs["eps"], attrs["scale"], attrs["axis"]))
+        elif node.op_type == PAIR:
+            count = len(node.input) - 1 - attrs["affine"]
+            out.append(Site(node, list(node.input[:count]), node.input[count], attrs["eps"], attrs["scale"], attrs["axis"]))
     return out

@@ -21,6 +21,7 @@ from onnx import helper, numpy_helper
 
 from ..config import AttnResConfig
 from .onnx_function import site_node
+from . import onnx_site_norm
 from .onnx_grouping import FreshNames, finalize_sites
 from .onnx_view import STANDARD_DOMAINS, subgraph_reads
 from .plan import Chain, Plan, RewrittenSite
@@ -28,8 +29,10 @@ from .plan import Chain, Plan, RewrittenSite
 PREFIX = "attnres"
 
 
-def apply_plan(model: onnx.ModelProto, plan: Plan, config: AttnResConfig, view: nx.DiGraph) -> list[RewrittenSite]:
-    """Rewrite `model` in place for every chain of `plan` marked for rewriting; returns the sites."""
+def apply_plan(model: onnx.ModelProto, plan: Plan, config: AttnResConfig, view: nx.DiGraph,
+               fuse_norms: bool = False) -> list[RewrittenSite]:
+    """Rewrite `model` in place for every chain of `plan` marked for rewriting; returns the sites.
+    `fuse_norms`: each site a norm reads and that norm become one pair node (onnx_site_norm.py)."""
     graph = model.graph
     rewriter = _Rewriter(graph, view, config)
     sites: list[RewrittenSite] = []
@@ -47,6 +50,8 @@ def apply_plan(model: onnx.ModelProto, plan: Plan, config: AttnResConfig, view: 
     graph.ClearField("node")
     graph.node.extend(nodes)
     _prune_value_info(graph)
+    if fuse_norms:
+        onnx_site_norm.fuse_norms(graph, lambda name: name in view and view.nodes[name]["dtype"] == "float")
     finalize_sites(model)
     return sites
 

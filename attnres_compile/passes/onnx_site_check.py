@@ -4,10 +4,11 @@ A file may hold attnres nodes we did not write, or wrote and someone damaged: a 
 an edited attribute, a user function under our name. `check_sites` refuses such a model in one
 line (CorruptModelError, exit 9) before inspect, rewrite or compile trust its sites:
 
-- every node of the `attnres` domain is a DepthAttention, DepthAttentionPartial or
-  DepthAttentionMerge of the main graph (none inside subgraphs or functions), with its inputs,
+- every node of the `attnres` domain is a DepthAttention, DepthAttentionPartial,
+  DepthAttentionMerge or DepthAttentionNorm of the main graph (none inside subgraphs or functions), with its inputs,
   outputs and attributes (types, eps > 0 and finite, scale > 0 and finite, axis negative and,
-  for the two-phase pair, -1; index below the Partial's query count);
+  for the two-phase pair and the site + norm pair, -1; index below the Partial's query count; a
+  pair's norm_eps > 0 and finite, norm "layer" or "rms", affine 0 to 2, an RMSNorm's at most 1);
 - a Merge reads the lse, acc and columns outputs of one Partial, with the query that Partial holds at
   its index; a Partial with carry = 1 reads the history and rms outputs of an earlier Partial;
 - where types are known, the sources of a site share one float type and the query is a float
@@ -25,7 +26,8 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from ..errors import CorruptModelError
-from .onnx_function import DOMAIN, DOMAIN_VERSION, MERGE, OP_TYPE, PARTIAL, default_opset, definition, partial_structure
+from .onnx_function import (DOMAIN, DOMAIN_VERSION, MERGE, NORMS, OP_TYPE, PAIR, PARTIAL, default_opset, definition,
+                            partial_structure)
 
 FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 ATTRIBUTES = {  # op type: {attribute: type}
@@ -34,6 +36,8 @@ ATTRIBUTES = {  # op type: {attribute: type}
               "carry": AttributeProto.INT},
     MERGE: {"index": AttributeProto.INT, "eps": AttributeProto.FLOAT, "scale": AttributeProto.FLOAT,
             "axis": AttributeProto.INT},
+    PAIR: {"eps": AttributeProto.FLOAT, "scale": AttributeProto.FLOAT, "axis": AttributeProto.INT,
+           "norm_eps": AttributeProto.FLOAT, "norm": AttributeProto.STRING, "affine": AttributeProto.INT},
 }
 ADVICE = "the file is damaged or was not written by attnres-compile; rewrite the original model again"
 
@@ -70,7 +74,7 @@ def check_sites(model: onnx.ModelProto, types: dict[str, tuple[int, tuple | None
     if ours and not any(o.domain == DOMAIN and o.version == DOMAIN_VERSION for o in model.opset_import):
         raise CorruptModelError(f"the model uses attnres nodes without importing the attnres opset, version "
                                 f"{DOMAIN_VERSION}; {ADVICE}")
-    return sum(n.op_type in (OP_TYPE, MERGE) for n in ours)
+    return sum(n.op_type in (OP_TYPE, MERGE, PAIR) for n in ours)
 
 
 def _nested(model: onnx.ModelProto) -> str | None:
@@ -107,6 +111,13 @@ def _attributes(node: onnx.NodeProto) -> dict:
         raise _Bad(f"scale is {attrs['scale']}, must be positive and finite")
     if attrs["axis"] >= 0 or (node.op_type != OP_TYPE and attrs["axis"] != -1):
         raise _Bad(f"axis is {attrs['axis']}, must be {'negative' if node.op_type == OP_TYPE else '-1'}")
+    if node.op_type == PAIR:
+        attrs["norm"] = attrs["norm"].decode(errors="replace")
+        if not (math.isfinite(attrs["norm_eps"]) and attrs["norm_eps"] > 0):
+            raise _Bad(f"norm_eps is {attrs['norm_eps']}, must be positive and finite")
+        if attrs["norm"] not in NORMS or not 0 <= attrs["affine"] <= (2 if attrs["norm"] == "layer" else 1):
+            raise _Bad(f"norm {attrs['norm']!r} with affine {attrs['affine']}: expected layer with 0 to 2 or rms "
+                       "with 0 or 1 parameters")
     return attrs
 
 
@@ -119,6 +130,13 @@ def _check_node(node: onnx.NodeProto, partials: dict, types: dict) -> None:
         if len(node.input) < 2 or len(node.output) != 1:
             raise _Bad(f"{len(node.input)} inputs and {len(node.output)} outputs, expected sources, a query and one output")
         _check_types(list(node.input[:-1]), node.input[-1], attrs["axis"], types)
+        return
+    if node.op_type == PAIR:
+        count = len(node.input) - 1 - attrs["affine"]
+        if count < 1 or len(node.output) != 2:
+            raise _Bad(f"{len(node.input)} inputs and {len(node.output)} outputs, expected sources, a query, "
+                       f"{attrs['affine']} norm parameters and two outputs")
+        _check_types(list(node.input[:count]), node.input[count], -1, types)
         return
     if node.op_type == PARTIAL:
         queries, carry = attrs["queries"], attrs["carry"]

@@ -31,7 +31,7 @@ from onnx import TensorProto
 from ..errors import CorruptModelError
 from . import onnx_io
 from .graph_view import Kind, ViewNode, build_view
-from .onnx_function import DOMAIN, MERGE, OP_TYPE
+from .onnx_function import DOMAIN, MERGE, OP_TYPE, PAIR
 from .onnx_site_check import check_sites
 from .onnx_unfuse_skip_norm import DOMAIN as ORT_DOMAIN
 
@@ -312,7 +312,7 @@ def subgraph_reads(node: onnx.NodeProto) -> list[str]:
 
 
 def _kind(node: onnx.NodeProto, types: dict) -> Kind:
-    if node.domain == DOMAIN and node.op_type in (OP_TYPE, MERGE):
+    if node.domain == DOMAIN and node.op_type in (OP_TYPE, MERGE, PAIR):
         return Kind.DEPTH_ATTENTION
     if node.domain not in STANDARD_DOMAINS:
         return Kind.OP

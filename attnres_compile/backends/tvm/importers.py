@@ -7,7 +7,10 @@ ONNX: TVM's `from_onnx` keys converters on op_type only and has no hook for cust
 `_OnnxImporter` subclasses its graph importer and converts `attnres.DepthAttention` nodes
 itself (the function body attached to the model is never expanded). PyTorch: the
 `from_exported_program` frontend takes a `custom_convert_map`, keyed by the fx target's
-name, for `torch.ops.attnres.depth_attention.default`.
+name, for `torch.ops.attnres.depth_attention.default`. The fused site + norm pair
+(`attnres.DepthAttentionNorm`, `torch.ops.attnres.depth_attention_norm`) becomes the site's
+placeholder and the norm in the Relax forms norm_fusion.py fuses into that site's kernel
+(`_ln` / `_rms`): where only the norm reads the site, the lowering runs the pair as one kernel.
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ from ...decoder import GENERATION, flat_input_names, token_ids
 from ...errors import CompileError, first_line
 from ...passes import onnx_genai, onnx_io
 from ...passes.fx_two_phase import one_pass
-from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, default_opset
+from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, default_opset
 from ...passes.onnx_grouping import sites as onnx_sites
 from ...passes.onnx_site_check import check_sites
 from ...passes.onnx_view import value_types
+from .norm_fusion import emit_norm
 from .onnx_prepare import ConverterFixes, simplify
 from .program_prepare import convertible
 from .sites import site_call
 from .tile import symbolic, tile
 
 TORCH_OP_NAME = "depth_attention.default"
+TORCH_PAIR_NAME = "depth_attention_norm.default"
 
 
 class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
@@ -60,6 +65,12 @@ class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
         if op_name == OP_TYPE:
             *sources, query = [self.bb.normalize(x) for x in inputs]
             return self.bb.normalize(site_call(sources, query, attrs["eps"], attrs["scale"], attrs["axis"]))
+        if op_name == PAIR:
+            inputs = [self.bb.normalize(x) for x in inputs]
+            count = len(inputs) - 1 - attrs["affine"]
+            norm = attrs["norm"].decode() if isinstance(attrs["norm"], bytes) else attrs["norm"]
+            return _pair(self.bb, inputs[:count], inputs[count], attrs["eps"], attrs["scale"], attrs["axis"],
+                         inputs[count + 1:], attrs["norm_eps"], norm)
         if op_name == PARTIAL:
             inputs = list(inputs)  # onnx_input slices mishandle negative bounds
             carried = list(inputs[0].fields) if attrs["carry"] else []
@@ -115,7 +126,14 @@ def _dtype(value) -> str:
 
 
 def _is_attnres(node: onnx.NodeProto) -> bool:
-    return node.domain == DOMAIN and node.op_type in (OP_TYPE, PARTIAL, MERGE)
+    return node.domain == DOMAIN and node.op_type in (OP_TYPE, PARTIAL, MERGE, PAIR)
+
+
+def _pair(bb: relax.BlockBuilder, sources: list, query, eps: float, scale: float, axis: int, params: list,
+          norm_eps: float, norm: str) -> relax.Tuple:
+    """(mixed, normed) of a site + norm pair: the site's placeholder and the norm of its value."""
+    site = bb.emit(site_call(sources, query, eps, scale, axis))
+    return relax.Tuple([site, emit_norm(bb, site, params, norm_eps, norm)])
 
 
 def from_onnx(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tvm.IRModule:
@@ -164,13 +182,22 @@ def _convert_torch_site(node, importer) -> relax.Var:
     return importer.block_builder.emit(site_call(list(sources), query, eps, scale, dim))
 
 
+def _convert_torch_pair(node, importer) -> relax.Tuple:
+    """custom_convert_map entry: depth_attention_norm(...) -> (placeholder, its norm)."""
+    sources, query, eps, scale, dim, weight, bias, norm_eps, norm = importer.retrieve_args(node)
+    return _pair(importer.block_builder, list(sources), query, eps, scale, dim,
+                 [p for p in (weight, bias) if p is not None], norm_eps, norm)
+
+
 def from_exported_program(program) -> tvm.IRModule:
     """The Relax module of a torch.export program of a rewritten GraphModule (weights bound)."""
     from tvm.relax.frontend.torch import from_exported_program as convert
 
     from ... import op as _op  # noqa: F401  (registers torch.ops.attnres before decompositions run)
+    from ... import op_site_norm as _pair_op  # noqa: F401
 
-    return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, "view.default": _convert_reshape,
+    return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, TORCH_PAIR_NAME: _convert_torch_pair,
+                                                "view.default": _convert_reshape,
                                                 "reshape.default": _convert_reshape, "empty.default": _convert_empty,
                                                 "empty.memory_format": _convert_empty, "slice.Tensor": _convert_slice,
                                                 "repeat.default": _convert_repeat})
@@ -275,8 +302,8 @@ def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
     params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     sites = []
     for node in program.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == TORCH_OP_NAME:
-            sources, query, eps, scale, dim = node.args
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in (TORCH_OP_NAME, TORCH_PAIR_NAME):
+            sources, query, eps, scale, dim = node.args[:5]
             sites.append({"name": node.name, "query": params.get(query.name, query.name), "sources": len(sources),
                           "axis": int(dim), "eps": float(eps), "scale": float(scale)})
     try:

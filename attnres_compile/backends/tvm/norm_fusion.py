@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -60,6 +61,22 @@ class Plan:
                 self.norms[value] = norm
                 self.replaced[b.value[last]] = x
                 self.dropped.update(steps)
+
+
+def emit_norm(bb: relax.BlockBuilder, x: relax.Var, params: list, eps: float, kind: str) -> relax.Var:
+    """The norm of x (float32, a site's value) over its last axis, bound in `bb` in the forms `Plan.add`
+    fuses into the site's kernel: relax.nn.layer_norm, or RMSNorm as torch.export writes it
+    (x * rsqrt(mean(x^2) + eps), times the weight). `params`: [weight[, bias]] as given (the fused pair
+    of op_site_norm.py, an attnres.DepthAttentionNorm node); a missing weight is ones, a missing bias zeros."""
+    size = int(x.ty.shape.values[-1])
+    gamma = params[0] if params else relax.const(np.ones(size, "float32"))
+    if kind == "layer":
+        beta = params[1] if len(params) > 1 else relax.const(np.zeros(size, "float32"))
+        return bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=eps))
+    square = bb.emit(relax.op.power(x, relax.const(2.0, "float32")))
+    mean = bb.emit(relax.op.mean(square, axis=[-1], keepdims=True))
+    rinv = bb.emit(relax.op.rsqrt(bb.emit(relax.op.add(mean, relax.const(eps, "float32")))))
+    return bb.emit(relax.op.multiply(bb.emit(relax.op.multiply(x, rinv)), gamma))
 
 
 def _op(expr, *names: str) -> bool:

@@ -21,8 +21,9 @@ exported backward graphs keep it whole too.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -181,17 +182,45 @@ def fused_kernels():
 
 
 def _forward(sources, query, eps, scale, dim):
-    """The CPU and CUDA kernel."""
+    """The CPU and CUDA kernel: every real forward call (plain or under autograd, fused or eager,
+    compiled or not) reaches it once, so it is where observers see the calls."""
     fused = fused_kernels()
+    out = None
     if fused:
         try:
             out = fused.forward(sources, query, eps, scale, dim)
         except Exception:
             _check(sources, query, dim)  # bad arguments get the reference's message
             raise
-        if out is not None:
-            return out
-    return forward_reference(sources, query, eps, scale, dim)
+    if out is None:
+        out = forward_reference(sources, query, eps, scale, dim)
+    if _observers:
+        for observer in _observers:
+            observer(sources, query, eps, dim, out)
+    return out
+
+
+_observers: list[Callable] = []  # called as observer(sources, query, eps, dim, out) after each forward call
+
+
+@contextlib.contextmanager
+def observe(observer: Callable) -> Iterator[None]:
+    """Call `observer(sources, query, eps, dim, out)` after every CPU/CUDA forward call of the op
+    while the block runs (monitor.py collects the depth weights this way, without a second forward);
+    outside such a block the op pays one empty-list test per call."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def depth_weights(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+    """The softmax weights of one call as the reference computes them, shape [len(sources), *rows]
+    (rows: the sources' shape without `dim`), in float32 (float64 for float64 sources)."""
+    ctype = _compute_dtype(sources[0].dtype)
+    z, _ = _logits(_last(sources, dim), query.to(ctype), eps, ctype)
+    return torch.softmax(z, dim=0)
 
 
 def _backward(sources, query, grad, eps, scale, dim):

@@ -62,6 +62,7 @@ class DepthMonitor:
                              "attnres_compile.passes.fx_two_phase.one_pass(gm)")
         self.module, self.every, self.group, self.prefix = module, every, group, prefix
         self._queries: dict[int, tuple[tuple[str, int], str]] = {}
+        self._storages: dict[int, tuple[tuple[str, int], str]] = {}
         self._scan()
         if not self._queries:
             raise ValueError("no site to monitor: the module has no pseudo-query parameter named "
@@ -72,26 +73,34 @@ class DepthMonitor:
         self.reset()
 
     def _scan(self) -> None:
-        """Map the module's pseudo-queries, by object, to their sites. Called again on a watched step
-        that meets an unknown query: FSDP2 registers its unsharded parameters only during forward."""
+        """Map the module's pseudo-queries to their sites, by object and by storage. The storage
+        serves FSDP2, which registers its unsharded parameters only during forward (in new storage
+        each time) and hands the blocks aliases of them, so a missed call scans again."""
+        self._storages = {}
         for name, p in self.module.named_parameters():
             site = site_of(name)
             if site is not None:
                 self._queries[id(p)] = (site, name)
-        self._scanned = True
+                if p.numel() and type(p) in (torch.Tensor, torch.nn.Parameter):
+                    self._storages[p.data_ptr()] = (site, name)
 
     def reset(self) -> None:
         """Forget the sums (a watched step starts with this)."""
         self._sums: dict[tuple[str, int], SiteSums] = {}
         self._step = None
-        self._scanned = False
+
+    def _site(self, query: torch.Tensor) -> tuple[tuple[str, int], str] | None:
+        site = self._queries.get(id(query)) or self._storages.get(query.data_ptr())
+        if site is None:
+            self._scan()
+            site = self._storages.get(query.data_ptr())
+        return site
 
     def _observe(self, sources, query, eps, dim, out) -> None:
-        site = self._queries.get(id(query))
-        if site is None and not self._scanned:
-            self._scan()
-            site = self._queries.get(id(query))
-        if site is None or _in_backward() is not None:  # another module's site; a recomputation in the backward
+        if _in_backward() is not None:  # a site recomputed in the backward (activation checkpointing)
+            return
+        site = self._site(query)
+        if site is None:  # another module's site
             return
         key, name = site
         with torch.no_grad():

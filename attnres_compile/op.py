@@ -111,15 +111,12 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, dim: int) -> in
 # ---- the eager reference -----------------------------------------------------------------------
 
 def _logits(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float, ctype: torch.dtype):
-    """Per source, with the feature axis last: logits z_i and inverse RMS r_i (shape [...])."""
+    """Per source, with the feature axis last: logits z_i and inverse RMS r_i (shape [len(sources), ...]).
+    Two reductions per source (its norm, its dot with `w`), the rest on the stacked [S, ...] rows."""
     size = sources[0].shape[-1]
-    zs, rinvs = [], []
-    for s in sources:
-        sc = s.to(ctype)
-        rinv = torch.rsqrt(torch.linalg.vector_norm(sc, dim=-1).square_().div_(size).add_(eps))
-        zs.append(torch.matmul(sc, w).mul_(rinv))
-        rinvs.append(rinv)
-    return torch.stack(zs), torch.stack(rinvs)
+    srcs = [s.to(ctype) for s in sources]
+    rinv = torch.stack([torch.linalg.vector_norm(s, dim=-1) for s in srcs]).square_().div_(size).add_(eps).rsqrt_()
+    return torch.stack([torch.matmul(s, w) for s in srcs]).mul_(rinv), rinv
 
 
 def _last(sources: Sequence[torch.Tensor], dim: int) -> list[torch.Tensor]:

@@ -5,7 +5,9 @@ One training step (forward, backward, AdamW step) of a rewritten model, 1-thread
 `plain` (no monitor), `plain copy` (the same call again: the noise control), `unwatched` (inside
 `monitor.watch(step)` on a step it does not watch) and `watched` (on a step it watches: weights,
 entropy and RMS of every site computed from the op's own inputs). All four train the same module
-and optimizer, so they do the same work but for the monitor. Models: a tiny char GPT (width 64, 4
+and optimizer, so they do the same work but for the monitor. A busy machine widens the ratios'
+intervals, so the monitor's own CPU time in a watched step (its observer's calls, and the
+read-out as the step ends) is also clocked directly, and given as a share of the plain step. Models: a tiny char GPT (width 64, 4
 layers, Full) and a Llama of SmolLM2-135M's shape (width 576, 30 layers, GQA 9/3, random weights,
 Block N=8, as in docs/finetune.md).
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,6 +65,18 @@ def measure(build, rounds: int) -> dict:
     x, y = tokens[:, :-1], tokens[:, 1:]
     opt = torch.optim.AdamW(param_groups(gm, lr=1e-4, weight_decay=0.01), lr=1e-4)
     monitor = DepthMonitor(gm, every=2)
+    own = {"observer": [], "read_out": []}
+    observe, stats = monitor._observe, monitor.stats
+
+    def clocked(fn, into):
+        def run(*args):
+            start = time.process_time()
+            result = fn(*args)
+            own[into][-1] += time.process_time() - start
+            return result
+        return run
+
+    monitor._observe, monitor.stats = clocked(observe, "observer"), clocked(stats, "read_out")
 
     def step():
         loss = F.cross_entropy(logits_of(gm, x).flatten(0, 1), y.flatten())
@@ -71,20 +86,29 @@ def measure(build, rounds: int) -> dict:
 
     def watched_at(n):
         def run():
+            own["observer"].append(0.0)
+            own["read_out"].append(0.0)
             with monitor.watch(n):
                 step()
         return run
 
     samples = interleaved_clocks({"plain": step, "plain copy": step, "unwatched": watched_at(1), "watched": watched_at(0)},
                                  rounds=rounds, min_time=0.5)
-    sites = len(monitor.stats()["sites"])
+    sites = len(stats()["sites"])
+    plain_ms = statistics.median(samples["plain"]["cpu"]) * 1e3
+    watched = [i for i in range(len(own["observer"])) if own["observer"][i] > 0]
     result = {"model": what, "sites": sites, "rounds": rounds,
-              "cpu_ms": {k: statistics.median(v["cpu"]) * 1e3 for k, v in samples.items()}, "ratio": {}}
+              "cpu_ms": {k: statistics.median(v["cpu"]) * 1e3 for k, v in samples.items()}, "ratio": {},
+              "monitor_ms": {k: statistics.median(own[k][i] for i in watched) * 1e3 for k in own}}
     for name in ("plain copy", "unwatched", "watched"):
         low, high, cover = ratio_interval(samples[name]["cpu"], samples["plain"]["cpu"])
         result["ratio"][name] = {"median": paired_ratio(samples[name]["cpu"], samples["plain"]["cpu"]),
                                  "low": low, "high": high, "coverage": cover}
-    result["lines"] = side_by_side(samples, "plain")
+    result["lines"] = side_by_side(samples, "plain") + [
+        f"the monitor's own CPU time in a watched step (median of {len(watched)}): observer "
+        f"{result['monitor_ms']['observer']:.2f} ms ({sites} sites, {result['monitor_ms']['observer'] / sites * 1e3:.0f} us a site), "
+        f"read-out {result['monitor_ms']['read_out']:.2f} ms; together "
+        f"{100 * sum(result['monitor_ms'].values()) / plain_ms:.1f}% of the plain step"]
     return result
 
 

@@ -49,7 +49,7 @@ class SiteSums:
 
     def add_value(self, value: torch.Tensor) -> None:
         """Add the squares of a site's value (its output, or an original model's residual sum)."""
-        sq = torch.linalg.vector_norm(value.detach(), dtype=torch.float64).square()
+        sq = torch.linalg.vector_norm(value.detach()).double().square()  # in float64 it is ~40x slower on CPU
         self.sq = sq if self.sq is None else self.sq + sq
         self.numel += value.numel()
 

@@ -17,6 +17,10 @@ and costs a few microseconds per call (torch.library.custom_op's Python wrapper 
 price of a whole fused kernel at width 256). The backward is its own op,
 `attnres.depth_attention_backward` (fused kernel or the analytic eager form), so compiled and
 exported backward graphs keep it whole too.
+
+`observe(fn)` has every forward call of the CPU/CUDA kernel hand its sources, query and output to
+`fn` while a block runs: the depth-weight monitor (monitor/watch.py) collects through it, in the
+training forward itself.
 """
 
 from __future__ import annotations

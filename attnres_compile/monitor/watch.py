@@ -61,8 +61,8 @@ class DepthMonitor:
                              "are not watched: monitor the one-pass module, or undo the pass with "
                              "attnres_compile.passes.fx_two_phase.one_pass(gm)")
         self.module, self.every, self.group, self.prefix = module, every, group, prefix
-        self._queries: dict[int, tuple[tuple[str, int], str]] = {}
-        self._storages: dict[int, tuple[tuple[str, int], str]] = {}
+        self._queries: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}
+        self._storages: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}
         self._scan()
         if not self._queries:
             raise ValueError("no site to monitor: the module has no pseudo-query parameter named "
@@ -73,16 +73,18 @@ class DepthMonitor:
         self.reset()
 
     def _scan(self) -> None:
-        """Map the module's pseudo-queries to their sites, by object and by storage. The storage
-        serves FSDP2, which registers its unsharded parameters only during forward (in new storage
-        each time) and hands the blocks aliases of them, so a missed call scans again."""
+        """Map the module's pseudo-queries to their sites, by object and by storage (each entry keeps
+        the tensor, so a stale entry is recognised). By storage: FSDP2 registers its unsharded
+        parameters only during forward (in new storage each time) and hands the blocks aliases of
+        them, and a DTensor query reaches the op as its local tensor; a missed call scans again."""
         self._storages = {}
         for name, p in self.module.named_parameters():
             site = site_of(name)
             if site is not None:
-                self._queries[id(p)] = (site, name)
-                if p.numel() and type(p) in (torch.Tensor, torch.nn.Parameter):
-                    self._storages[p.data_ptr()] = (site, name)
+                self._queries[id(p)] = (site, name, p)
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.numel() and local.data_ptr():  # FSDP2 frees the unsharded storage between steps
+                    self._storages[local.data_ptr()] = (site, name, local)
 
     def reset(self) -> None:
         """Forget the sums (a watched step starts with this)."""
@@ -90,11 +92,16 @@ class DepthMonitor:
         self._step = None
 
     def _site(self, query: torch.Tensor) -> tuple[tuple[str, int], str] | None:
-        site = self._queries.get(id(query)) or self._storages.get(query.data_ptr())
-        if site is None:
-            self._scan()
-            site = self._storages.get(query.data_ptr())
-        return site
+        entry = self._queries.get(id(query))
+        if entry is not None and entry[2] is query:
+            return entry[:2]
+        for scanned in (False, True):
+            if scanned:
+                self._scan()
+            entry = self._storages.get(query.data_ptr())
+            if entry is not None and entry[2].data_ptr() == query.data_ptr():
+                return entry[:2]
+        return None
 
     def _observe(self, sources, query, eps, dim, out) -> None:
         if _in_backward() is not None:  # a site recomputed in the backward (activation checkpointing)

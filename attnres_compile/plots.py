@@ -83,7 +83,7 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
 def plot_weights_over_steps(history: list[dict], path: str | Path, panels: int = 12, title: str | None = None) -> Path:
     """Depth weights over training steps from a monitor's history (`DepthMonitor.history`,
     `monitor.read_csv`): the first panel the normalised entropy (entropy / log|S|, 1 = uniform) of
-    every site against the step, then up to `panels` sites (evenly spread over the depth, the
+    every site against the step, then up to `panels - 1` sites (evenly spread over the depth, the
     lowest-entropy one of the last step among them) with each source's mean weight against the step."""
     plt = _pyplot()
     keys = [(s["chain"], s["site"]) for s in history[-1]["sites"] if "weights" in s]
@@ -92,9 +92,11 @@ def plot_weights_over_steps(history: list[dict], path: str | Path, panels: int =
     steps = [h["step"] for h in history]
     by_key = [{(s["chain"], s["site"]): s for s in h["sites"]} for h in history]
     last = by_key[-1]
-    chosen = sorted({keys[round(i * (len(keys) - 1) / max(1, panels - 2))] for i in range(min(panels - 1, len(keys)))}
-                    | {min(keys, key=lambda k: last[k]["entropy"] / last[k]["max_entropy"])},
-                    key=keys.index)[:panels]
+    m = min(panels - 1, len(keys))
+    lowest = min(keys, key=lambda k: last[k]["entropy"] / last[k]["max_entropy"])
+    chosen = sorted({keys[round(i * (len(keys) - 1) / max(1, m - 1))] for i in range(m)}, key=keys.index)
+    if lowest not in chosen:  # in place of the spread's second-to-last
+        chosen = sorted([*chosen[:-2], chosen[-1], lowest], key=keys.index)
     cols = min(4, len(chosen) + 1)
     rows = math.ceil((len(chosen) + 1) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)

@@ -6,9 +6,9 @@ it the call's sources, query and output, from which it computes the softmax weig
 no_grad (a norm and a dot per source and token: the op's own logits) and adds, per site, the
 weights' sum and maximum per source, their entropy, and the output's sum of squares. On other
 steps nothing is added: the op tests an empty list. A site is named (chain, k) from its query
-parameter's name (`attnres.chain<i>.site<k>`), so the flat GraphModule, `called_blocks`' module
-and a DDP wrapper are watched alike. Calls recomputed during the backward (activation
-checkpointing) are not counted twice.
+parameter's name (`attnres.chain<i>.site<k>`), so the flat GraphModule, `called_blocks`' module,
+DDP and FSDP2 wrappers and DTensor-distributed modules are watched alike. Calls recomputed during
+the backward (activation checkpointing) are not counted twice.
 
 When torch.distributed is initialised, the sums are all_reduced over `group` (default: the world)
 as a watched step ends: every process then holds the statistics of the whole global batch, and a

@@ -17,12 +17,17 @@ and costs a few microseconds per call (torch.library.custom_op's Python wrapper 
 price of a whole fused kernel at width 256). The backward is its own op,
 `attnres.depth_attention_backward` (fused kernel or the analytic eager form), so compiled and
 exported backward graphs keep it whole too.
+
+`observe(fn)` has every forward call of the CPU/CUDA kernel hand its sources, query and output to
+`fn` while a block runs: the depth-weight monitor (monitor/watch.py) collects through it, in the
+training forward itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -110,15 +115,12 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, dim: int) -> in
 # ---- the eager reference -----------------------------------------------------------------------
 
 def _logits(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float, ctype: torch.dtype):
-    """Per source, with the feature axis last: logits z_i and inverse RMS r_i (shape [...])."""
+    """Per source, with the feature axis last: logits z_i and inverse RMS r_i (shape [len(sources), ...]).
+    Two reductions per source (its norm, its dot with `w`), the rest on the stacked [S, ...] rows."""
     size = sources[0].shape[-1]
-    zs, rinvs = [], []
-    for s in sources:
-        sc = s.to(ctype)
-        rinv = torch.rsqrt(torch.linalg.vector_norm(sc, dim=-1).square_().div_(size).add_(eps))
-        zs.append(torch.matmul(sc, w).mul_(rinv))
-        rinvs.append(rinv)
-    return torch.stack(zs), torch.stack(rinvs)
+    srcs = [s.to(ctype) for s in sources]
+    rinv = torch.stack([torch.linalg.vector_norm(s, dim=-1) for s in srcs]).square_().div_(size).add_(eps).rsqrt_()
+    return torch.stack([torch.matmul(s, w) for s in srcs]).mul_(rinv), rinv
 
 
 def _last(sources: Sequence[torch.Tensor], dim: int) -> list[torch.Tensor]:
@@ -181,17 +183,45 @@ def fused_kernels():
 
 
 def _forward(sources, query, eps, scale, dim):
-    """The CPU and CUDA kernel."""
+    """The CPU and CUDA kernel: every real forward call (plain or under autograd, fused or eager,
+    compiled or not) reaches it once, so it is where observers see the calls."""
     fused = fused_kernels()
+    out = None
     if fused:
         try:
             out = fused.forward(sources, query, eps, scale, dim)
         except Exception:
             _check(sources, query, dim)  # bad arguments get the reference's message
             raise
-        if out is not None:
-            return out
-    return forward_reference(sources, query, eps, scale, dim)
+    if out is None:
+        out = forward_reference(sources, query, eps, scale, dim)
+    if _observers:
+        for observer in _observers:
+            observer(sources, query, eps, dim, out)
+    return out
+
+
+_observers: list[Callable] = []  # called as observer(sources, query, eps, dim, out) after each forward call
+
+
+@contextlib.contextmanager
+def observe(observer: Callable) -> Iterator[None]:
+    """Call `observer(sources, query, eps, dim, out)` after every CPU/CUDA forward call of the op
+    while the block runs (monitor.py collects the depth weights this way, without a second forward);
+    outside such a block the op pays one empty-list test per call."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def depth_weights(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+    """The softmax weights of one call as the reference computes them, shape [len(sources), *rows]
+    (rows: the sources' shape without `dim`), in float32 (float64 for float64 sources)."""
+    ctype = _compute_dtype(sources[0].dtype)
+    z, _ = _logits(_last(sources, dim), query.to(ctype), eps, ctype)
+    return torch.softmax(z, dim=0)
 
 
 def _backward(sources, query, grad, eps, scale, dim):

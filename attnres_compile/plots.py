@@ -80,6 +80,52 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
     return _save(fig, plt, path)
 
 
+def plot_weights_over_steps(history: list[dict], path: str | Path, panels: int = 12, title: str | None = None) -> Path:
+    """Depth weights over training steps from a monitor's history (`DepthMonitor.history`,
+    `monitor.read_csv`): the first panel the normalised entropy (entropy / log|S|, 1 = uniform) of
+    every site against the step, then up to `panels - 1` sites (evenly spread over the depth, the
+    lowest-entropy one of the last step among them) with each source's mean weight against the step."""
+    plt = _pyplot()
+    keys = [(s["chain"], s["site"]) for s in history[-1]["sites"] if "weights" in s]
+    if not keys:
+        raise ValueError("no depth-attention weights in this history (an original model has none)")
+    steps = [h["step"] for h in history]
+    by_key = [{(s["chain"], s["site"]): s for s in h["sites"]} for h in history]
+    last = by_key[-1]
+    m = min(panels - 1, len(keys))
+    lowest = min(keys, key=lambda k: last[k]["entropy"] / last[k]["max_entropy"])
+    chosen = sorted({keys[round(i * (len(keys) - 1) / max(1, m - 1))] for i in range(m)}, key=keys.index)
+    if lowest not in chosen:  # in place of the spread's second-to-last
+        chosen = sorted([*chosen[:-2], chosen[-1], lowest], key=keys.index)
+    cols = min(4, len(chosen) + 1)
+    rows = math.ceil((len(chosen) + 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    cmap = plt.get_cmap("viridis")
+    ax = flat[0]
+    for i, key in enumerate(keys):
+        ax.plot(steps, [h[key]["entropy"] / h[key]["max_entropy"] if key in h else math.nan for h in by_key],
+                color=cmap(i / max(1, len(keys) - 1)), lw=0.8)
+    ax.set_title("entropy / log|S|, every site\n(colour: depth)", fontsize=8)
+    ax.set_xlabel("step", fontsize=7)
+    for ax, key in zip(flat[1:], chosen):
+        n = last[key]["sources"]
+        for j in range(n):
+            ax.plot(steps, [h[key]["weights"][j] if key in h else math.nan for h in by_key], marker=".", ms=3,
+                    color=cmap(j / max(1, n - 1)), label=f"src{j}" if n <= 10 else None)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{key[0]} site {key[1]}", fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        if n <= 10:
+            ax.legend(fontsize=5, ncol=2, loc="upper right")
+    for ax in flat:
+        ax.tick_params(labelsize=6)
+    for ax in flat[len(chosen) + 1:]:
+        ax.axis("off")
+    fig.suptitle(title or "mean depth weight per source over steps", fontsize=10)
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,22 @@ deviation is what rounding alone grows into under that optimizer). Reported per 
 every step and the largest relative deviation from the original's loss at the same step; and the
 gradient norms at step 0 (pseudo-queries against all other weights), the reason for the recipe.
 
+`--watch-every N --watch-out DIR` watches the recipe arm's depth weights every N steps
+(`attnres_compile.monitor.DepthMonitor`, with a `CollapseController` at its defaults) and writes,
+per recipe, DIR/RECIPE/weights.csv (one row per step, site and source), weights_over_steps.png and
+watch.txt (the last watched step's table, the controller's actions, watched and unwatched step times).
+
     python benchmarks/finetune_pretrained.py --steps 50 --out finetune.json
+    python benchmarks/finetune_pretrained.py --steps 20 --recipes adamw-3e-4 --watch-every 5 --watch-out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +36,7 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from attnres_compile import AttnResConfig, rewrite  # noqa: E402
+from attnres_compile.monitor import CollapseController, DepthMonitor, find_collapse, format_stats  # noqa: E402
 from attnres_compile.pytree_warning import deepcopy  # noqa: E402
 from attnres_compile.training import QUERY_LR_SCALE, is_query, param_groups, query_warmup  # noqa: E402
 from samples import smollm2  # noqa: E402
@@ -52,7 +61,9 @@ def optimizer(kind: str, params, lr: float):
 
 
 def train(model, data, kind: str, lr: float, recipe: bool, frozen: bool = False,
-          query_lr_scale: float = QUERY_LR_SCALE) -> list[float]:
+          query_lr_scale: float = QUERY_LR_SCALE, watch: dict | None = None) -> list[float]:
+    """The loss at each step. `watch` ({"every", "out"}): the depth weights watched (module docstring);
+    it receives the monitor, the controller and each step's CPU seconds."""
     if recipe or frozen:
         groups = param_groups(model, lr, weight_decay=0.0 if kind == "sgd" else 0.01, query_lr_scale=query_lr_scale)
         if frozen:
@@ -61,16 +72,47 @@ def train(model, data, kind: str, lr: float, recipe: bool, frozen: bool = False,
         sched = query_warmup(opt)
     else:
         opt, sched = optimizer(kind, model.parameters(), lr), None
+    monitor = contextlib.nullcontext
+    if watch is not None:
+        watch["monitor"] = DepthMonitor(model, every=watch["every"], csv=watch["out"] / "weights.csv")
+        watch["controller"], watch["cpu_s"] = CollapseController(opt, model), []
+        monitor = watch["monitor"].watch
     losses = []
-    for x, y in data:
+    for step, (x, y) in enumerate(data):
+        cpu = time.process_time()
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model, x, y)
+        with monitor(step):
+            loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         if sched is not None:
             sched.step()
         losses.append(loss.item())
+        if watch is not None:
+            watch["cpu_s"].append(time.process_time() - cpu)
+            if watch["monitor"].watching(step):
+                watch["controller"].update(watch["monitor"].stats())
     return losses
+
+
+def watch_report(watch: dict, out: Path) -> None:
+    """weights_over_steps.png and watch.txt in `out` (the module docstring)."""
+    from attnres_compile.plots import plot_weights_over_steps
+
+    monitor, controller = watch["monitor"], watch["controller"]
+    history = monitor.history
+    plot_weights_over_steps(history, out / "weights_over_steps.png",
+                            title="SmolLM2-135M, the recipe arm: mean depth weight per source over steps")
+    watched = [t for i, t in enumerate(watch["cpu_s"]) if monitor.watching(i)]
+    unwatched = [t for i, t in enumerate(watch["cpu_s"]) if not monitor.watching(i)]
+    last = history[-1]
+    lines = [f"watched steps {[h['step'] for h in history]} of {len(watch['cpu_s'])}; CPU seconds per step (process, "
+             f"forward + backward + AdamW; a shared machine): watched {statistics.median(watched):.2f} "
+             f"(median of {len(watched)}), unwatched {statistics.median(unwatched):.2f} (median of {len(unwatched)})",
+             f"controller actions: {controller.actions or 'none'}", "",
+             f"step {last['step']} (the last watched):", format_stats(last, find_collapse(last))]
+    (out / "watch.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:2]), flush=True)
 
 
 def grad_norms(gm, x, y) -> dict:
@@ -96,8 +138,12 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     p.add_argument("--query-lr-scale", type=float, default=QUERY_LR_SCALE, help="the recipe's query learning-rate scale")
+    p.add_argument("--watch-every", type=int, help="watch the recipe arm's depth weights every N steps")
+    p.add_argument("--watch-out", help="folder for the watched weights (CSV, plot, table)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if (args.watch_every is None) != (args.watch_out is None):
+        p.error("--watch-every and --watch-out go together")
     torch.manual_seed(0)
     model, tokenizer = smollm2.load()
     data = batches(tokenizer, args.steps, args.batch, args.seq)
@@ -114,7 +160,10 @@ def main(argv=None):
         t = time.perf_counter()
         original = train(copy.deepcopy(model), data, kind, lr, recipe=False)
         plain = train(deepcopy(gm), data[: args.plain_steps], kind, lr, recipe=False)
-        recommended = train(deepcopy(gm), data, kind, lr, recipe=True, query_lr_scale=args.query_lr_scale)
+        watch = {"every": args.watch_every, "out": Path(args.watch_out) / name} if args.watch_every else None
+        recommended = train(deepcopy(gm), data, kind, lr, recipe=True, query_lr_scale=args.query_lr_scale, watch=watch)
+        if watch is not None:
+            watch_report(watch, watch["out"])
         frozen = train(deepcopy(gm), data, kind, lr, recipe=False, frozen=True)
         arm = {"original": original, "converted_plain": plain, "converted_recipe": recommended,
                "converted_frozen": frozen, "max_rel_dev_plain": deviation(plain, original),

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.monitor import DepthMonitor
+from attnres_compile.monitor import DepthMonitor, ResidualProbe
 from samples.models import GPT
 
 QUERY_PREFIX = "attnres."  # pseudo-query parameters are named attnres.chain<i>.site<k>
@@ -85,7 +85,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return loss.item()
 
 
-def evaluate(model, batches, monitor: DepthMonitor | None = None) -> tuple[float, dict | None]:
+def evaluate(model, batches, monitor: DepthMonitor | ResidualProbe | None = None) -> tuple[float, dict | None]:
     """Mean loss over `batches`; through `monitor` (which then holds the depth stats of these batches) if given."""
     call = model if monitor is None else monitor
     if monitor is not None:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from attnres_compile import op
-from attnres_compile.monitor import DepthMonitor, find_collapse, trace_sites
+from attnres_compile.monitor import DepthMonitor, ResidualProbe, find_collapse, trace_sites
 from samples.char_lm import attnres, build_model, evaluate, load_text, lr_factor, make_opt, train_step, windows
 
 SCRATCH = ("baseline", "full", "block")
@@ -185,7 +185,7 @@ def run_arm(spec: dict) -> dict:
         state = build_model(spec["seed"], vocab, spec["layers"], cfg["dim"], cfg["heads"], cfg["seq"]).state_dict()
     gm, sites = instantiate(cfg, spec["layers"], spec["variant"], spec["scale"], state)
     opt = make_opt(gm, spec["lr"], spec["adam"], spec["query_lr"])
-    monitor = DepthMonitor(gm, sites)
+    monitor = DepthMonitor(gm) if sites is None else ResidualProbe(gm, sites)
     full = heldout_batches(spec["eval"], cfg)
     curve_batches = spread(full, cfg["curve_batches"])
     steps, phase = spec["steps"], 1 if spec["kind"] == "ft" else 0

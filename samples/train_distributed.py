@@ -9,7 +9,8 @@ Modes: `ddp` and `fsdp` wrap the flat GraphModule (FSDP2 on the root only: its g
 parameter through get_attr and calls no submodule). `fsdp_blocks`, `fsdp_offload` and
 `fsdp_checkpoint` train the same model as called blocks (attnres_compile.distributed.called_blocks):
 `fully_shard` per block and on the root, the last two with `CPUOffloadPolicy` and with every block
-checkpointed (sites recomputed, `SitePolicy(save_sites=False)`).
+checkpointed (sites recomputed, `SitePolicy(save_sites=False)`). Every other step is watched by a
+`DepthMonitor` (its stats all_reduced over the processes: those of the whole global batch).
 
     python -m samples.train_distributed --modes ddp fsdp fsdp_blocks --world 2 --steps 5
 """
@@ -31,11 +32,13 @@ from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import SitePolicy, block_names, called_blocks, checkpoint_blocks
+from attnres_compile.monitor import DepthMonitor
 from attnres_compile.op import is_attnres_op
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=2, heads=2, seq=16, micro=4)
 MODES = ("ddp", "fsdp", "fsdp_blocks", "fsdp_offload", "fsdp_checkpoint")
+WATCH_EVERY = 2  # the monitor watches steps 0, 2, ...
 
 
 def setup(variant: str, steps: int, world: int, seed: int = 0):
@@ -68,12 +71,25 @@ def _queries(gm) -> dict[str, list[float]]:
     return out
 
 
+def _watched(module, opt, batches, shard) -> tuple[list[float], list[dict]]:
+    """Train `module` on `shard(x), shard(y)` of each global batch, watching every WATCH_EVERY-th
+    step; (losses, the monitor's history)."""
+    monitor, losses = DepthMonitor(module, every=WATCH_EVERY), []
+    for step, (x, y) in enumerate(batches):
+        with monitor.watch(step):
+            loss = _step(module, opt, shard(x), shard(y))
+        if dist.is_initialized():
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses, monitor.history
+
+
 def reference(variant: str = "full", steps: int = 5, world: int = 2, lr: float = 1e-2) -> dict:
-    """Single-process training on the whole global batches: {"losses", "queries"}."""
+    """Single-process training on the whole global batches: {"losses", "queries", "depth" (the
+    monitor's history)}."""
     gm, batches = setup(variant, steps, world)
-    opt = torch.optim.Adam(gm.parameters(), lr=lr)
-    losses = [_step(gm, opt, x, y).item() for x, y in batches]
-    return {"losses": losses, "queries": _queries(gm)}
+    losses, depth = _watched(gm, torch.optim.Adam(gm.parameters(), lr=lr), batches, lambda t: t)
+    return {"losses": losses, "queries": _queries(gm), "depth": depth}
 
 
 def _wrap(mode: str, gm, example: torch.Tensor, world: int) -> tuple[torch.nn.Module, dict]:
@@ -103,16 +119,12 @@ def _wrap(mode: str, gm, example: torch.Tensor, world: int) -> tuple[torch.nn.Mo
 
 
 def _train(mode: str, gm, batches, rank: int, world: int, lr: float) -> dict:
-    """Train `gm` wrapped for `mode` on this rank's shards; {"losses" (averaged over ranks), "queries"}
-    and, for the called-block modes, the blocks sharded and the sites recomputed."""
+    """Train `gm` wrapped for `mode` on this rank's shards; {"losses" (averaged over ranks), "queries",
+    "depth" (reduced over ranks)} and, for the called-block modes, the blocks sharded and the sites recomputed."""
     wrapped, info = _wrap(mode, gm, batches[0][0], world)
     opt = torch.optim.Adam(wrapped.parameters(), lr=lr)
-    losses = []
-    for x, y in batches:
-        loss = _step(wrapped, opt, x.chunk(world)[rank], y.chunk(world)[rank])
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    out = {"losses": losses, "queries": _queries(wrapped.module if mode == "ddp" else wrapped)}
+    losses, depth = _watched(wrapped, opt, batches, lambda t: t.chunk(world)[rank])
+    out = {"losses": losses, "queries": _queries(wrapped.module if mode == "ddp" else wrapped), "depth": depth}
     if "blocks" in info:
         out["blocks"], out["sharded"] = info["blocks"], info["sharded"]
     if "policy" in info:

@@ -4,6 +4,9 @@ offload, with checkpointed blocks recomputing their sites).
 
 It is traced at the global batch and each rank runs half of it: the rewritten module takes any
 batch size (a module guarded on the traced batch fails with `Guard failed: ids.size()[0] == 8`).
+Every other step is watched by a `DepthMonitor`, whose stats, reduced over the two processes,
+are those of one process watching the whole global batch (FSDP2's unsharded queries found by
+name, checkpointed sites counted once).
 """
 
 import pytest
@@ -23,7 +26,24 @@ def _check(modes, variant):
         for name, q in ref["queries"].items():
             assert results[mode]["queries"][name] == pytest.approx(q, abs=1e-5), (mode, name)
     assert any(abs(v) > 1e-3 for q in ref["queries"].values() for v in q)  # the pseudo-queries trained
+    assert [h["step"] for h in ref["depth"]] == [0, 2]
+    for mode in modes:
+        _same_depth_stats(results[mode]["depth"], ref["depth"], mode)
     return results
+
+
+def _same_depth_stats(got, ref, mode):
+    assert [h["step"] for h in got] == [h["step"] for h in ref], mode
+    for g, r in zip(got, ref):
+        assert [(s["chain"], s["site"], s["rows"], s["sources"]) for s in g["sites"]] == \
+            [(s["chain"], s["site"], s["rows"], s["sources"]) for s in r["sites"]], mode
+        for a, b in zip(g["sites"], r["sites"]):
+            for key in ("weights", "weights_max"):
+                assert a[key] == pytest.approx(b[key], abs=1e-6), (mode, g["step"], a["site"], key)
+            assert a["entropy"] == pytest.approx(b["entropy"], abs=1e-6), (mode, g["step"], a["site"])
+            assert a["rms"] == pytest.approx(b["rms"], rel=1e-5), (mode, g["step"], a["site"])
+    # by step 2 the weights moved off uniform: the stats compared are not all the same number
+    assert any(abs(w - 1 / s["sources"]) > 1e-4 for s in ref[-1]["sites"] for w in s["weights"])
 
 
 def test_ddp_and_fsdp2_match_single_process():

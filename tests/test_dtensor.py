@@ -2,7 +2,8 @@
 processes distribute the same seeded sources and query, run the ops forward and backward, and the
 gathered results (`full_tensor()`) match the single-process op; sharding the feature axis is
 refused in one line. A rewritten tiny GPT runs on sequence-sharded token ids, every site on
-sequence-sharded sources, with the logits and pseudo-query gradients of one process.
+sequence-sharded sources, with the logits and pseudo-query gradients of one process, and a
+`DepthMonitor` watching it (each rank its rows, reduced over both) sees one process's depth weights.
 
 One spawn runs every case (a child's start, torch and the package imported, costs seconds) and
 rank 0 hands back, per case, the placements it saw and the largest difference from the
@@ -10,6 +11,7 @@ reference relative to the reference's largest magnitude. The eager reference com
 rows in the children and the reference alike (the fused TVM kernels would be built per child).
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -151,25 +153,38 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out
 
 
-def _train_step(gm, mesh, partition, inputs, dinputs, target, dtarget) -> dict:
+def _train_step(gm, mesh, partition, inputs, dinputs, target, dtarget, watch: bool = False) -> dict:
     """One loss and backward of `gm` on `inputs` in one process and, its parameters placed by
     `partition` (distribute_module's partition_fn), on `dinputs`: the logits and the pseudo-queries'
-    gradients, gathered, against the process's."""
+    gradients, gathered, against the process's; `watch`: both watched by a DepthMonitor (rows
+    split over the ranks: data or sequence parallel, not tensor parallel)."""
     from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.experimental import implicit_replication
 
+    from attnres_compile.monitor import DepthMonitor
+
     ref = copy.deepcopy(gm)
-    ref_logits = _logits(ref(*inputs))
+    if watch:  # the reference watched alone: a group of this process only (new_group is called by every rank)
+        alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    ref_monitor = DepthMonitor(ref, group=alone) if watch else None
+    with ref_monitor.watch(0) if watch else contextlib.nullcontext():
+        ref_logits = _logits(ref(*inputs))
     F.cross_entropy(ref_logits.flatten(0, 1), target.flatten()).backward()
-    run = _Gathered(distribute_module(gm, mesh, partition), mesh)
+    module = distribute_module(gm, mesh, partition)
+    run = _Gathered(module, mesh)
+    monitor = DepthMonitor(module) if watch else None
     with implicit_replication():  # the graph's own plain tensors (positions from arange, masks) as replicated
-        logits = _logits(run.run(*dinputs))
+        with monitor.watch(0) if watch else contextlib.nullcontext():
+            logits = _logits(run.run(*dinputs))
         F.cross_entropy(logits.flatten(0, 1), dtarget.flatten()).backward()
     queries = {n: p.grad for n, p in gm.named_parameters() if n.startswith("attnres.")}
     want = dict(ref.named_parameters())
-    return {"sites": run.sites, "logits": _names(logits), "logits_diff": _rel(logits.full_tensor(), ref_logits),
-            "query_grads": sorted({str(_names(q)) for q in queries.values()}), "queries": len(queries),
-            "query_grad_diff": max(_rel(q.full_tensor(), want[n].grad) for n, q in queries.items())}
+    out = {"sites": run.sites, "logits": _names(logits), "logits_diff": _rel(logits.full_tensor(), ref_logits),
+           "query_grads": sorted({str(_names(q)) for q in queries.values()}), "queries": len(queries),
+           "query_grad_diff": max(_rel(q.full_tensor(), want[n].grad) for n, q in queries.items())}
+    if watch:
+        out["depth"], out["depth_ref"] = monitor.stats(), ref_monitor.stats()
+    return out
 
 
 def _gpt(mesh) -> dict:
@@ -185,7 +200,8 @@ def _gpt(mesh) -> dict:
     x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
     gm = rewrite(model, (x,), AttnResConfig()).graph_module
     shard = [Shard(1)]
-    return _train_step(gm, mesh, None, (x,), (distribute_tensor(x, mesh, shard),), y, distribute_tensor(y, mesh, shard))
+    return _train_step(gm, mesh, None, (x,), (distribute_tensor(x, mesh, shard),), y, distribute_tensor(y, mesh, shard),
+                       watch=True)
 
 
 _COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Megatron-style tensor parallelism
@@ -322,6 +338,13 @@ def test_rewritten_gpt_runs_sequence_sharded(results):
     assert all(site == [["S(1)"]] * (len(site) - 1) + [["R"]] for site in r["sites"])  # sources S(1), query R
     assert r["logits"] == ["S(1)"] and r["query_grads"] == [str(["P(sum)"])]
     assert r["logits_diff"] <= TOLERANCE and r["query_grad_diff"] <= TOLERANCE, r
+    # the monitor found the replicated queries' local tensors and summed both ranks' rows
+    got, want = r["depth"]["sites"], r["depth_ref"]["sites"]
+    assert [(s["site"], s["rows"], s["sources"]) for s in got] == [(s["site"], s["rows"], s["sources"]) for s in want]
+    assert len(got) == r["queries"] and got[0]["rows"] == 32
+    for a, b in zip(got, want):
+        assert a["weights"] == pytest.approx(b["weights"], abs=1e-6) and a["entropy"] == pytest.approx(b["entropy"], abs=1e-6)
+        assert a["rms"] == pytest.approx(b["rms"], rel=1e-5)
 
 
 def test_rewritten_llama_runs_tensor_parallel(results):

@@ -53,6 +53,8 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def _make_forward(geometry: decoder.Geometry):
+    presents = geometry.output_names()[1:]
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
         """The rewritten decoder on HF's arguments: the cache's keys/values in, a new cache out."""
@@ -75,10 +77,25 @@ def _make_forward(geometry: decoder.Geometry):
         logits = out["logits"]
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
-        present = [out[name] for name in geometry.output_names()[1:]]
-        return CausalLMOutputWithPast(logits=logits, cache=decoder.fresh_cache(present) if use_cache is not False else None)
+        present = [out[name] for name in presents]
+        return CausalLMOutputWithPast(logits=logits, cache=_holding(cache, present) if use_cache is not False else None)
 
     return forward
+
+
+def _holding(cache, present: list[torch.Tensor]):
+    """A DynamicCache holding `present`: `cache` itself, each layer's keys and values replaced (HF's own
+    forward grows the cache it is given in place too), when it is a plain DynamicCache of filled
+    DynamicLayers (every decode step after the first); else a new one (the prefill's, or a cache of
+    another kind), as every step made before: no per-layer lazy initialisation and empty cats per token."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = cache.layers if type(cache) is DynamicCache else ()
+    if 2 * len(layers) != len(present) or not all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
+        return decoder.fresh_cache(present)
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = present[2 * i], present[2 * i + 1]
+    return cache
 
 
 def torch_step(graph_module: fx.GraphModule, names: list[str]):

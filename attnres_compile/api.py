@@ -12,7 +12,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import hf_experts, progress, pytree_warning
 from .config import AttnResConfig
 from .errors import ConfigError, InputError, TraceError, first_line
-from .passes import dynamic_dims, verify
+from .passes import dynamic_dims, input_guards, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
 from .passes.fx_mode import make_mode_switchable
@@ -57,9 +57,11 @@ def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dy
     Export-traced modules get working train()/eval() (passes/fx_mode.py); adds with
     `alpha != 1` are split into a scaling and a plain add (fx_view.split_alpha); two-phase
     sites (`two_phase`) become one depth_attention each again (fx_two_phase.one_pass), and so do
-    fused site + norm pairs (`fuse_norms`; fx_site_norm.unfuse_norms).
+    fused site + norm pairs (`fuse_norms`; fx_site_norm.unfuse_norms). The export's input checks
+    run compiled, not through sympy on every call (passes/input_guards.py).
     """
     traced = _trace(model, example_inputs, dynamic_shapes, dynamic)
+    input_guards.install(traced.graph_module)  # torch.export's per-call sympy input checks, compiled once
     split_alpha(traced.graph_module)
     one_pass(traced.graph_module)  # a two-phase module's sites, as rewrite made them
     unfuse_norms(traced.graph_module)  # and a fused module's

@@ -16,7 +16,8 @@ Autograd kernel: it stays one node through torch.export and an opaque op under t
 and costs a few microseconds per call (torch.library.custom_op's Python wrapper cost tens, the
 price of a whole fused kernel at width 256). The backward is its own op,
 `attnres.depth_attention_backward` (fused kernel or the analytic eager form), so compiled and
-exported backward graphs keep it whole too.
+exported backward graphs keep it whole too. A plain eager inference call (a decode step's
+sites) skips the dispatcher: the op's OpOverload calls the backend kernel itself (`_SiteOverload`).
 
 `observe(fn)` has every forward call of the CPU/CUDA kernel hand its sources, query and output to
 `fn` while a block runs: the depth-weight monitor (monitor/watch.py) collects through it, in the
@@ -184,8 +185,9 @@ def fused_kernels():
 
 def _forward(sources, query, eps, scale, dim):
     """The CPU and CUDA kernel: every real forward call (plain or under autograd, fused or eager,
-    compiled or not) reaches it once, so it is where observers see the calls."""
-    fused = fused_kernels()
+    compiled or not, through the dispatcher or `_SiteOverload`) reaches it once, so it is where
+    observers see the calls."""
+    fused = _fused if _fused is not None else _resolve()  # fused_kernels(), inline: the decode hot path
     out = None
     if fused:
         try:
@@ -292,6 +294,49 @@ def _autograd(sources, query, eps, scale, dim):
     with torch._C._AutoDispatchBelowAutograd():
         return _OP(sources, query, eps, scale, dim)
 
+
+def _shortcut(sources, query, eps, scale, dim) -> bool:
+    """Whether an eager call may go straight to the backend kernel: where the dispatcher would reach
+    it anyway (plain_eager, and no gradient wanted), with the schema's own argument types, and
+    nothing that watches the dispatcher (a torch-function mode, the profiler, a jit trace,
+    forward-mode AD). One pass over the sources: this runs on every site of every decode step."""
+    if (type(sources) is not list or not sources or type(query) not in _PLAIN or type(eps) is not float
+            or type(scale) is not float or type(dim) is not int or _modes() or _functorch() or _function_modes()
+            or _profiling() or _tracing() is not None or _forward_ad._current_level >= 0):
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and query.requires_grad:
+        return False
+    for s in sources:
+        if type(s) not in _PLAIN or grad and s.requires_grad:
+            return False
+    return sources[0].is_cpu or sources[0].is_cuda
+
+
+_function_modes = torch._C._is_torch_function_mode_enabled
+_profiling = torch.autograd._profiler_enabled
+_tracing = torch._C._get_tracing_state
+_forward_ad = torch.autograd.forward_ad
+
+
+class _SiteOverload(type(_OP)):
+    """`torch.ops.attnres.depth_attention.default`'s class: the OpOverload, plus one eager shortcut.
+
+    A decode step calls the op at [B, 1, D], where the dispatcher's round trip into the Python
+    Autograd kernel (boxing the arguments, ~3 us a call warm, ~25 us a site inside a decode step)
+    costs more than the fused kernel. A plain eager inference call (`_shortcut`) goes straight
+    to `_forward`, the kernel the dispatcher would reach; every other call (autograd, export,
+    fake tensors, torch.compile, modes, keyword arguments) takes the dispatcher as before. The
+    object is the same (identity and `is_attnres_op` hold); torch has Python `__call__`
+    subclasses of OpOverload of its own (TorchBindOpOverload)."""
+
+    def __call__(self, /, *args, **kwargs):
+        if not kwargs and len(args) == 5 and _shortcut(*args):
+            return _forward(*args)
+        return self._op(*args, **kwargs)
+
+
+_OP.__class__ = _SiteOverload
 
 for _key in ("CPU", "CUDA"):
     _LIB.impl("depth_attention", _forward, _key)

@@ -49,3 +49,28 @@ def test_site_costs_and_targets(quick):
     assert verdicts == {("tvm", "block"): "not measured", ("onnxruntime", "block"): "not measured",
                         ("eager", "block"): "not measured"}  # the quick matrix has no width-1024 rows
     assert "overhead over the original: onnxruntime decode, Block" in (out / "decode.txt").read_text()
+
+
+def test_generate_route_candidates_are_checked_and_timed(tmp_path):
+    """The generate runtime's job in-process (decode_route.py): HF generate() on the model, an
+    identical copy, causal_lm over the trace and over the Block rewrite give the same step logits
+    and are timed; --factory runs the generate route only."""
+    import argparse
+
+    import numpy as np
+
+    from attnres_compile.bench import decode_route, decode_worker
+    from attnres_compile.errors import ConfigError
+
+    ids = np.random.default_rng(0).integers(0, 100, (1, 9), dtype=np.int64)
+    np.savez(tmp_path / "inputs.npz", input_ids=ids)
+    job = {"inputs": str(tmp_path / "inputs.npz"), "prefill": 6, "steps": 3, "model": "llama", "layers": 1,
+           "width": 32, "blocks": 8, "factory": None, "rounds": 1, "min_time": 0.0, "threads": 1,
+           "candidates": decode_route.candidates()}
+    out = decode_worker.time_decode(job)
+    assert set(out["samples"]) == {f"generate {v}" for v in decode_route.VARIANTS}
+    for name, check in out["checks"].items():
+        assert check["error"] is None and check["max_abs_err"] < 1e-4, (name, check)
+    with pytest.raises(ConfigError, match="--factory times the HF generate"):
+        decode.settings(argparse.Namespace(factory="samples.smollm2:factory", runtimes=["eager"]))
+    assert decode.settings(argparse.Namespace(factory="samples.smollm2:factory")).runtimes == ["generate"]

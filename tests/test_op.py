@@ -223,6 +223,60 @@ def test_plain_eager_calls_the_kernels_without_redispatch(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_eager_inference_calls_skip_the_dispatcher(monkeypatch):
+    """A plain eager inference call (a decode step's site) runs the backend kernel straight from the
+    op's __call__, giving the dispatcher's result bitwise; a call that wants a gradient, runs
+    under a mode, the profiler or torch.export, or bends the schema goes through the dispatcher."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    sources = [torch.randn(1, 1, 16) for _ in range(3)]
+    w = torch.nn.Parameter(torch.randn(16))
+    taken = []  # each call's decision (the shortcut's answer), in order
+    monkeypatch.setattr(op_module, "_shortcut", lambda *a, real=op_module._shortcut: taken.append(real(*a)) or taken[-1])
+    with torch.no_grad():
+        expected = op._op(sources, w, 1e-6, 3.0, -1)  # the dispatcher's way
+        assert torch.equal(op(sources, w, 1e-6, 3.0, -1), expected) and taken == [True]
+    assert torch.equal(op(sources, w.detach(), 1e-6, 3.0, -1), expected) and taken == [True, True]  # no grad wanted
+    through = {
+        "grad wanted": lambda: op(sources, w, 1e-6, 3.0, -1),
+        "keyword": lambda: op(sources, w, 1e-6, 3.0, dim=-1),
+        "tuple sources": lambda: op(tuple(sources), w, 1e-6, 3.0, -1),
+        "int eps": lambda: op(sources, w, 0, 3.0, -1),
+    }
+    for name, call in through.items():
+        taken.clear()
+        call()
+        assert True not in taken, name
+    with torch.no_grad():
+        for mode in (Functions(), Dispatch()):  # the mode sees the op (its own call of it may go direct)
+            with mode:
+                taken.clear(), seen.clear()
+                assert torch.equal(op(sources, w, 1e-6, 3.0, -1), expected) and taken[0] is False and op in seen
+        with torch.profiler.profile() as prof:
+            op(sources, w, 1e-6, 3.0, -1)
+        assert "attnres::depth_attention" in {e.name for e in prof.events()}
+
+    class Site(torch.nn.Module):
+        def forward(self, a, b):
+            return op([a, b], w, 1e-6, 2.0, -1)
+
+    graph = torch.export.export(Site(), (sources[0], sources[1]), strict=False).graph
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [op]
+
+
 def test_threads_follow_torch(one_thread):
     """The backward keeps a partial query gradient per thread: 1 and 2 threads agree."""
     g = torch.Generator().manual_seed(3)

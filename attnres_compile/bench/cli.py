@@ -99,9 +99,12 @@ def _decode_flags(p) -> None:
     p.add_argument("--models", type=_names(("llama", "gpt")), help="default llama")
     p.add_argument("--widths", type=_ints, help="hidden sizes (default 256,1024)")
     p.add_argument("--sublayers", type=_ints, help="depths in sublayers, two per layer (default 24,48)")
-    p.add_argument("--runtimes", type=_names(("eager", "onnxruntime", "tvm")), help="default eager,onnxruntime,tvm "
-                   "(eager: the traced decoder with past, and HF's own forward beside it; tvm: the .onnx compiled, "
-                   "default build; --quick: eager,onnxruntime)")
+    p.add_argument("--runtimes", type=_names(("eager", "onnxruntime", "tvm", "generate")),
+                   help="default eager,onnxruntime,tvm,generate (eager: the traced decoder with past, and HF's own "
+                   "forward beside it; tvm: the .onnx compiled, default build; generate: HF generate() on the model "
+                   "and through causal_lm; --quick: eager,onnxruntime)")
+    p.add_argument("--factory", help="module:function returning (model, example_inputs), e.g. samples.smollm2:factory: "
+                   "time that model's HF generate() route only, at its own size")
     p.add_argument("--prefill", type=int, help="prompt tokens before the timed decode steps (default 128)")
     p.add_argument("--steps", type=int, help="decode steps of one token per timed call (default 64)")
     p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")

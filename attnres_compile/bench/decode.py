@@ -9,7 +9,9 @@ its time over --steps is the per-token cost. Runtimes: torch eager (the traced .
 variant, and HF's own forward with a DynamicCache beside them as `hf`), onnxruntime (the
 decoder-with-past .onnx of every variant, exported alike) and TVM (that .onnx built by
 compile_model's pipeline into one library with dynamic batch, sequence and past, default
-schedules, no tuning; the presents stay TVM tensors from step to step). Timing, clocks and targets as in bench model: 1
+schedules, no tuning; the presents stay TVM tensors from step to step), and `generate`: HF
+generate() on the model against generation.causal_lm over its trace and its Block rewrite
+(decode_route.py; with --factory, that model alone). Timing, clocks and targets as in bench model: 1
 thread on CPU time decides, --threads on wall time beside; decode_sites.py adds what one site
 costs at [1, 1, D].
 """
@@ -28,7 +30,7 @@ import torch
 
 from ..config import AttnResConfig
 from ..errors import ConfigError, VerificationError
-from . import decode_sites, model_targets, results
+from . import decode_route, decode_sites, model_targets, results
 from .decode_report import plot, table  # noqa: F401  (the benchmark's views, for cli.py)
 from .decode_worker import time_decode
 from .model import HEADS, VOCAB, Progress, Variant, _timing_fields, identical_copy, make_model
@@ -36,7 +38,7 @@ from .model_targets import Target
 from .model_worker import WorkerError, Workers
 
 MODELS = ("llama", "gpt")
-RUNTIMES = ("eager", "onnxruntime", "tvm")
+RUNTIMES = ("eager", "onnxruntime", "tvm", "generate")
 FILES = {"eager": "pt2", "onnxruntime": "onnx", "tvm": "tvm"}
 TIMEOUT_S = 3600
 DEFAULTS = {"models": ["llama"], "runtimes": list(RUNTIMES), "widths": [256, 1024], "sublayers": [24, 48],
@@ -48,7 +50,9 @@ TARGETS = (
     Target("TVM decode, Block", "tvm", "block", "overhead", 5.0, LARGE),
     Target("onnxruntime decode, Block", "onnxruntime", "block", "overhead", 5.0, LARGE),
     Target("PyTorch eager decode, Block", "eager", "block", "overhead", 10.0, LARGE),
+    Target("HF generate() through causal_lm, Block", "generate", "block", "overhead", 5.0, ((256, 24),)),
 )
+FACTORY_TARGET = "HF generate() through causal_lm, Block"  # a --factory run's target, at the model's own size
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Settings:
     threads: int
     rounds: int
     min_time: float
+    factory: str | None = None  # `module:function` of the model (the generate route only)
 
 
 def settings(args) -> Settings:
@@ -79,7 +84,12 @@ def settings(args) -> Settings:
                  prefill=getattr(args, "prefill", None) or base["prefill"],
                  steps=getattr(args, "steps", None) or base["steps"], blocks=getattr(args, "blocks", None) or 8,
                  threads=getattr(args, "threads", None) or os.cpu_count() or 1,
-                 rounds=getattr(args, "rounds", None) or 5, min_time=base["min_time"])
+                 rounds=getattr(args, "rounds", None) or 5, min_time=base["min_time"],
+                 factory=getattr(args, "factory", None))
+    if s.factory:
+        if getattr(args, "runtimes", None) not in (None, ["generate"]):
+            raise ConfigError("--factory times the HF generate() route only: drop --runtimes or give --runtimes generate")
+        s.runtimes = ["generate"]
     if any(d % 2 for d in s.sublayers):
         raise ConfigError(f"--sublayers must be even (two sublayers per layer), got {s.sublayers}")
     if any(w % HEADS for w in s.widths):
@@ -161,9 +171,12 @@ def reference_logits(model: torch.nn.Module, ids: np.ndarray, prefill: int) -> n
 def time_runtime(runtime: str, variants: list[Variant], base: dict, s: Settings, workers: Workers) -> dict:
     """{variant: row fields} of one runtime: every variant (and, in eager, HF's own forward as `hf`)
     checked against the runtime's original, then timed at 1 thread (CPU time) and at s.threads (wall)."""
-    kind = FILES[runtime]
-    candidates = [{"name": f"{runtime} {v.name}", "runtime": runtime, "artifact": str(v.files[kind]), "variant": v.name,
-                   "check": "reference" if v.name == "original" else f"{runtime} original"} for v in variants]
+    if runtime == "generate":
+        candidates = decode_route.candidates()
+    else:
+        candidates = [{"name": f"{runtime} {v.name}", "runtime": runtime, "artifact": str(v.files[FILES[runtime]]),
+                       "variant": v.name, "check": "reference" if v.name == "original" else f"{runtime} original"}
+                      for v in variants]
     if runtime == "eager":
         candidates.append({"name": "eager hf", "runtime": "hf", "variant": "hf", "check": "eager original"})
     measured = {}
@@ -208,7 +221,7 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress,
         base = {"inputs": str(folder / "inputs.npz"), "reference": str(folder / "reference.npz"),
                 "heads": geometry["heads"], "head_dims": geometry["head_dims"], "prefill": s.prefill, "steps": s.steps,
                 "model": name, "layers": sublayers // 2, "width": width, "rounds": s.rounds, "min_time": s.min_time}
-        for runtime in s.runtimes:
+        for runtime in [r for r in s.runtimes if r in FILES]:
             start = time.perf_counter()
             timed = time_runtime(runtime, variants, base, s, workers)
             for variant, fields in timed.items():
@@ -226,6 +239,28 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress,
     return rows, sites
 
 
+def bench_route(name: str, width: int, sublayers: int, s: Settings, log: Progress, workers: Workers) -> list[dict]:
+    """The generate runtime's rows of one configuration (decode_route.py): each candidate built and
+    timed in the worker, 1 thread (CPU time) and s.threads (wall)."""
+    keys = {"model": name, "width": width, "sublayers": sublayers}
+    ids = np.random.default_rng(0).integers(0, VOCAB, (1, s.prefill + s.steps), dtype=np.int64)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"attnres-decode-route-{name}-") as tmp:
+        np.savez(Path(tmp) / "inputs.npz", input_ids=ids)
+        base = {"inputs": str(Path(tmp) / "inputs.npz"), "prefill": s.prefill, "steps": s.steps, "model": name,
+                "layers": sublayers // 2, "width": width, "blocks": s.blocks, "factory": s.factory,
+                "rounds": s.rounds, "min_time": s.min_time}
+        timed = time_runtime("generate", [], base, s, workers)
+    rows = [{**keys, "runtime": "generate", "variant": v, "sites": None, "ops": None, **f} for v, f in timed.items()]
+    summary = ", ".join(f"{v} {f['cpu_overhead_pct']:+.1f}%" for v, f in timed.items()
+                        if v != "original" and "cpu_overhead_pct" in f)
+    first = timed["original"]
+    log.log(f"{name} {width}/{sublayers} generate: " + (f"original {first['cpu_token_ms']:.3f} ms/token CPU at 1 thread, "
+                                                         f"{summary}" if "cpu_token_ms" in first else str(first["error"]))
+            + f" ({time.perf_counter() - start:.1f} s)")
+    return rows
+
+
 def run(args, progress: TextIO) -> dict:
     """Every model x width x depth x runtime x variant: per-token decode time at 1 thread (CPU time)
     and at --threads (wall), overhead over the runtime's original (median of per-round ratios, with
@@ -240,14 +275,21 @@ def run(args, progress: TextIO) -> dict:
     with tempfile.TemporaryDirectory(prefix="attnres-decode-logs-") as logs:
         workers = Workers(Path(logs))
         workers.start()
-        for name in s.models:
-            for width in s.widths:
-                for sublayers in s.sublayers:
-                    more, site = bench_one(name, width, sublayers, s, log, workers)
-                    rows += more
-                    sites.append(site)
+        matrix = [(n, w, d) for n in s.models for w in s.widths for d in s.sublayers]
+        targets = TARGETS
+        if s.factory:  # one model at its own size
+            matrix = [decode_route.geometry(s.factory)]
+            s.models, s.widths, s.sublayers = [matrix[0][0]], [matrix[0][1]], [matrix[0][2]]
+            targets = (Target(FACTORY_TARGET, "generate", "block", "overhead", 5.0, (matrix[0][1:],)),)
+        for name, width, sublayers in matrix:
+            if set(s.runtimes) & set(FILES):
+                more, site = bench_one(name, width, sublayers, s, log, workers)
+                rows += more
+                sites.append(site)
+            if "generate" in s.runtimes:
+                rows += bench_route(name, width, sublayers, s, log, workers)
     log.log("decode benchmark done")
-    targets = model_targets.evaluate(rows, [], {}, TARGETS, tuple(s.models))
+    targets = model_targets.evaluate(rows, [], {}, targets, tuple(s.models))
     config = {**vars(s), "vocab": VOCAB, "heads": HEADS,
               "tvm": "default build (no tuning)" if "tvm" in s.runtimes else "not measured"}
     return {"benchmark": "decode", "environment": results.environment(s.threads, "cpu"), "config": config,

@@ -30,6 +30,11 @@ def table(data: dict) -> str:
                  f"traced original; 1T: 1 thread, process CPU time; {cfg['threads']}T: {cfg['threads']} threads, wall "
                  f"time; ovh = median over {cfg['rounds']} interleaved rounds of variant / original - 1; interval: "
                  f"where that median lies ({coverage_text(data['rows'])}); ops: operator calls of the traced step")
+    if any(r["runtime"] == "generate" for r in data["rows"]):
+        lines.append("generate: one greedy HF generate() call per round, prefill included, over the new tokens; "
+                     "original: the model's own generate(); copy: an identical model's; traced: generation.causal_lm "
+                     "over its traced decoder with past; block: causal_lm over the Block rewrite (each checked against "
+                     "original's step logits)")
     lines += clock_lines(data["rows"]) + floor_lines(data["rows"], cfg["threads"])
     lines += [site_line(s, data["rows"]) for s in data["sites"] if s.get("op_us")]
     lines += [model_targets.line(t, cfg["threads"]) for t in data["targets"]]

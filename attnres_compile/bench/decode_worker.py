@@ -7,8 +7,9 @@ last-position logits of every step, [steps, vocab], which are checked before tim
 
 Runtimes: "eager" (a .pt2 program's module, the traced decoder-with-past), "hf" (the HF model's
 own forward with a DynamicCache, rebuilt from its config and seed), "onnxruntime" (a
-decoder-with-past .onnx) and "tvm" (its TVM library, model_worker.load_tvm: the VM's main on TVM
-tensors, each step's presents fed back as they come, only the logits copied out).
+decoder-with-past .onnx), "tvm" (its TVM library, model_worker.load_tvm: the VM's main on TVM
+tensors, each step's presents fed back as they come, only the logits copied out) and "generate"
+(HF generate() on the model or through generation.causal_lm: decode_route.py).
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ def decoder_for(c: dict, ids: np.ndarray, job: dict) -> Decode:
         return _onnxruntime(c["artifact"], ids, job)
     if c["runtime"] == "tvm":
         return _tvm(c["artifact"], ids, job)
+    if c["runtime"] == "generate":
+        from .decode_route import decoder
+
+        return decoder(c["variant"], ids, job)
     raise ValueError(f"unknown decode runtime {c['runtime']!r}")
 
 
@@ -154,7 +159,7 @@ def time_decode(job: dict) -> dict:
 
     set_threads(job["threads"])
     ids = _load_npz(job["inputs"])["input_ids"]
-    reference = {"logits": _load_npz(job["reference"])["logits"]}
+    reference = {"logits": _load_npz(job["reference"])["logits"]} if job.get("reference") else {}
     calls, outputs = {}, {}
     for c in job["candidates"]:
         calls[c["name"]] = decoder_for(c, ids, job)

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import model_targets, profile, results
 
 PLOT_COLORS = {"eager": "tab:blue", "train": "tab:purple", "onnxruntime": "tab:orange", "tvm": "tab:green",
-               "tvm-tuned": "tab:olive"}
+               "tvm-tuned": "tab:olive", "generate": "tab:red"}
 PLOT_STYLES = {"original": ("^", ":"), "copy": ("x", ":"), "full": ("s", "--"), "block": ("o", "-")}  # marker, line
 
 

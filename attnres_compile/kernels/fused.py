@@ -109,11 +109,11 @@ def _threads(tensors: int, like: torch.Tensor) -> int:
     return 1 if size < 2 * BYTES_PER_THREAD else min(torch.get_num_threads(), size // BYTES_PER_THREAD)
 
 
-def _run(fn, device: torch.device, args: list, threads: int) -> None:
-    """Call the kernel on torch tensors; a strided or wrongly typed argument (which the kernel's
-    argument checks reject before running) is retried as a contiguous float copy. Never on the
-    common path: that is the kernel call alone."""
-    if device.type == "cpu":
+def _run(fn, like: torch.Tensor, args: list, threads: int) -> None:
+    """Call the kernel on torch tensors on `like`'s device; a strided or wrongly typed argument
+    (which the kernel's argument checks reject before running) is retried as a contiguous float
+    copy. Never on the common path: that is the kernel call alone."""
+    if like.is_cpu:
         if threads > 1 and _local.__dict__.get("threads") != threads and not _forked:
             _ffi.get_global_func("runtime.config_threadpool")(1, threads)
             _local.threads = threads
@@ -142,8 +142,8 @@ def forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale:
     fn = _lookup(("forward", len(sources), s0.dtype, s0.device, s0.dim(), s0.size(-1), dim, eps, scale, threads))
     if fn is False:
         return None
-    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    _run(fn, s0.device, [*sources, query, out], threads)
+    out = torch.empty_like(s0) if s0.is_contiguous() else torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0, [*sources, query, out], threads)
     return out
 
 
@@ -159,7 +159,7 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
         return None
     grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
     grad_query = query.new_empty(query.shape, dtype=torch.float32)
-    _run(fn, s0.device, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
+    _run(fn, s0, [*sources, query, grad.to(s0.dtype).contiguous(), *grads, grad_query], threads)
     return grads, grad_query.to(query.dtype)
 
 
@@ -174,7 +174,7 @@ def _forward_chain(sources: list[torch.Tensor], query: torch.Tensor, eps: float,
     if state is None:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    _run(fn, s0.device, [*state, *sources[split:], query, 0, float(scale), out], threads)
+    _run(fn, s0, [*state, *sources[split:], query, 0, float(scale), out], threads)
     return out
 
 
@@ -201,7 +201,7 @@ def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: tor
     grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
     shares = query.new_empty((len(chunks), query.shape[0]), dtype=torch.float32)
     for fn, (start, end), dw in zip(fns, chunks, shares):
-        _run(fn, s0.device, [*sources[start:end], query, g, m, l, ubar, *grads[start:end], dw], threads)
+        _run(fn, s0, [*sources[start:end], query, g, m, l, ubar, *grads[start:end], dw], threads)
     return grads, shares.sum(0).to(query.dtype)
 
 
@@ -221,7 +221,7 @@ def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim:
     for fn, (start, end) in zip(fns, links):
         m, l = (s0.new_empty((count, *rows), dtype=torch.float32) for _ in range(2))
         acc = s0.new_empty((count, *s0.shape), dtype=torch.float32)
-        _run(fn, s0.device, [*history[start:end], w, *state, m, l, acc], threads)
+        _run(fn, s0, [*history[start:end], w, *state, m, l, acc], threads)
         state = [m, l, acc]
     return tuple(state)
 
@@ -238,7 +238,7 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra
     if fn is False:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    _run(fn, s0.device, [m[index], l[index], acc[index], *extra, query, out], threads)
+    _run(fn, s0, [m[index], l[index], acc[index], *extra, query, out], threads)
     return out
 
 

@@ -272,7 +272,7 @@ def forward_norm(sources: list[torch.Tensor], query: torch.Tensor, weight, bias,
     if fn is False:
         return None
     mixed, normed = (torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in range(2))
-    _run(fn, s0.device, [*sources, query, *_f32(weight), *_f32(bias), mixed, normed], threads)
+    _run(fn, s0, [*sources, query, *_f32(weight), *_f32(bias), mixed, normed], threads)
     return mixed, normed
 
 
@@ -292,7 +292,7 @@ def backward_norm(sources: list[torch.Tensor], query: torch.Tensor, weight, bias
     params = [query.new_empty(weight.shape, dtype=torch.float32)] if weight is not None else []
     gn = grad_normed.to(s0.dtype).contiguous()
     gm = [] if grad_mixed is None else [grad_mixed.to(s0.dtype).contiguous()]
-    _run(fn, s0.device, [*sources, query, *_f32(weight), *_f32(bias), *gm, gn, *grads, grad_query, *params], threads)
+    _run(fn, s0, [*sources, query, *_f32(weight), *_f32(bias), *gm, gn, *grads, grad_query, *params], threads)
     if bias is not None:
         params.append(gn.sum(tuple(range(gn.dim() - 1)), dtype=torch.float32))
     params = [p.to(t.dtype) for p, t in zip(params, [t for t in (weight, bias) if t is not None])]

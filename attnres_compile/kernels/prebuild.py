@@ -24,8 +24,11 @@ from pathlib import Path
 
 from . import cache as kernel_cache
 
-MAX_WORKERS = 4  # each imports TVM (~1 s of CPU): more pay that without a core to run on
+MAX_WORKERS = 4  # each imports TVM (~1.3 s of CPU): more pay that without a core to run on
 SPECS_PER_WORKER = 4  # fewer specs than this per worker do not repay the worker's import
+MIN_SPECS = 8  # fewer missing kernels (~0.25 s of CPU each) are built in-process on first use, as
+# before: a worker's start would cost more CPU than it takes off the rewrite's path (and a test
+# suite's many small rewrites would each pay it)
 
 
 def forward_specs(gm) -> list[kernel_cache.Spec]:
@@ -98,11 +101,11 @@ class Worker:
 
 def start(specs: list[kernel_cache.Spec]) -> list[Worker]:
     """Start building the `specs` that are neither loaded nor cached; returns the workers (none if
-    no spec is missing or the cache folder is the private one, which a worker cannot share)."""
+    fewer than MIN_SPECS are missing or the cache folder is the private one, which a worker cannot share)."""
     missing = [s for s in specs if s not in kernel_cache._MEMORY and not kernel_cache.cached(s)]
-    folder = kernel_cache._folder(missing[0]) if missing else None
-    if not missing or not folder.keep:
+    if len(missing) < max(MIN_SPECS, 1) or not kernel_cache._folder(missing[0]).keep:
         return []
+    folder = kernel_cache._folder(missing[0])
     count = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)), len(missing) // SPECS_PER_WORKER))
     workers = [Worker(missing[i::count]) for i in range(count)]
     for i, spec in enumerate(missing):

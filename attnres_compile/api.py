@@ -12,6 +12,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import hf_experts, progress, pytree_warning
 from .config import AttnResConfig
 from .errors import ConfigError, InputError, TraceError, first_line
+from .kernels import prebuild
+from .op import fused_kernels
 from .passes import dynamic_dims, input_guards, verify
 from .passes.chain_analysis import analyze
 from .passes.fx_rewrite import apply_plan
@@ -187,9 +189,14 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     if verify_outputs and traced.args is not None:
         original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
         changes = any(c.changes_function for c in plan.to_rewrite)
-        with progress.stage("verifying in torch"):
-            verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
-                                                       verify.tolerance(config.scale, changes))
+        # the rewritten run's kernels build in the background meanwhile (kernels/prebuild.py)
+        workers = prebuild.start(prebuild.forward_specs(gm)) if fused_kernels() else []
+        try:
+            with progress.stage("verifying in torch"):
+                verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
+                                                           verify.tolerance(config.scale, changes))
+        finally:
+            prebuild.stop(workers)
         traced.notes += notes
         failed = [r for r in verification or [] if r.get("ok") is False]
         if failed and config.scale == "paper":

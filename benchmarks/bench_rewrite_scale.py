@@ -11,8 +11,9 @@ Prints JSON then tables.
 With --kernels, what depth costs the fused kernels instead: a deep PreNorm GPT (30 layers, 60
 sublayers, width 576, SmolLM2's depth and width) rewritten with Full and Block(8) AttnRes and
 verified (which runs the fused forward), then one training step (the fused backward), each in a
-fresh process with an empty kernel cache (ATTNRES_KERNEL_CACHE in a temporary folder): seconds and
-the kernels compiled. Then the per-call cost of the fused kernels' chained path for a long
+fresh process with an empty kernel cache (ATTNRES_KERNEL_CACHE in a temporary folder): seconds
+(wall; the CPU time of the process, which bounds the wall time on an idle machine when the
+kernels build beside it, and of its children: the kernel build workers and gcc), the load average, and the kernels compiled. Then the per-call cost of the fused kernels' chained path for a long
 source list (kernels/fused.py, CHAIN_ABOVE) against the one-kernel-per-count form it replaces.
     python benchmarks/bench_rewrite_scale.py --kernels [--out FILE]
 """
@@ -60,6 +61,12 @@ def onnx_full(links: int) -> dict:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process, and of its waited-for children (the kernel build workers, gcc)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), children.ru_utime + children.ru_stime
+
+
 def cold_rewrite(variant: str) -> dict:
     """Full or Block(8) AttnRes on the deep GPT with an empty kernel cache, in this process (run it
     in a fresh one): the verified rewrite's seconds, one training step's, the kernels compiled."""
@@ -72,15 +79,17 @@ def cold_rewrite(variant: str) -> dict:
         torch.manual_seed(0)
         model, (idx,) = GPT(dim=576, layers=30, heads=9).eval(), _tokens()
         cfg = ac.AttnResConfig(variant="block", num_blocks=8) if variant == "block8" else ac.AttnResConfig()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu()
         result = ac.rewrite(model, (idx,), cfg)
-        rewrite_s = time.perf_counter() - t
+        rewrite_s, (own, children) = time.perf_counter() - t, (b - a for a, b in zip(cpu, _cpu()))
         assert all(row.get("ok") is not False for row in result.report.data["verification"]), result.report
         forward_kernels = len(kernel_cache._MEMORY)
         t = time.perf_counter()
         result.graph_module(idx).float().square().mean().backward()
         step_s = time.perf_counter() - t
-        return {"variant": variant, "rewrite_s": round(rewrite_s, 1), "forward_kernels": forward_kernels,
+        return {"variant": variant, "rewrite_s": round(rewrite_s, 1), "rewrite_cpu_s": round(own, 1),
+                "children_cpu_s": round(children, 1),
+                "load": [round(x, 1) for x in os.getloadavg()], "forward_kernels": forward_kernels,
                 "train_step_s": round(step_s, 1), "kernels": len(kernel_cache._MEMORY)}
 
 
@@ -167,9 +176,10 @@ def kernels_main(out: str | None) -> None:
     result = {"model": "samples.models.GPT(dim=576, layers=30, heads=9), tokens [2, 16]", "cold": cold,
               "per_call": calls}
     text = json.dumps(result, indent=2)
-    lines = [f"{'variant':>8} {'rewrite s':>10} {'kernels':>8} {'train step s':>13} {'kernels':>8}"]
-    lines += [f"{r['variant']:>8} {r['rewrite_s']:>10} {r['forward_kernels']:>8} {r['train_step_s']:>13} {r['kernels']:>8}"
-              for r in cold]
+    lines = [f"{'variant':>8} {'rewrite s':>10} {'CPU s':>6} {'children':>9} {'kernels':>8} {'train step s':>13} "
+             f"{'kernels':>8}  load"]
+    lines += [f"{r['variant']:>8} {r['rewrite_s']:>10} {r['rewrite_cpu_s']:>6} {r['children_cpu_s']:>9} {r['forward_kernels']:>8} "
+              f"{r['train_step_s']:>13} {r['kernels']:>8}  {r['load'][0]}" for r in cold]
     lines += ["", "per call, sources of [2048, 576]: chained / per-count kernel (median, interval), "
               "1 thread process CPU time, 2 threads wall; traffic: the bytes each moves, chained / per-count"]
     for r in calls:

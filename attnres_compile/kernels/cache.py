@@ -119,13 +119,14 @@ def _machine(device: str) -> str:
 def target(device: str, threads: int):
     """The TVM target for `device`: this CPU with `threads` cores, or this machine's GPU (its
     sm_XY) with that CPU as host."""
-    import torch
     from tvm.target import Target
 
     from .target import host_target
 
     if device != "cuda":
         return host_target(threads)
+    import torch
+
     major, minor = torch.cuda.get_device_capability()
     return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
 
@@ -178,6 +179,7 @@ def _func(spec: Spec):
 
 
 _MEMORY: dict[Spec, object] = {}
+PENDING: dict[Spec, object] = {}  # spec -> the prebuild.Worker building it into the disk cache
 _FOLDERS: dict[tuple | None, Folder] = {}  # (base, parts) -> its folder (or the private one); None -> the private one
 _WARNED: set[str] = set()
 
@@ -256,6 +258,31 @@ def _store(folder: Folder, name: str, library: bytes) -> None:
               f"process", file=sys.stderr, flush=True)
 
 
+def cached(spec: Spec) -> bool:
+    """Whether the disk cache holds an entry for `spec` (unchecked: a load checks it)."""
+    try:
+        return path(spec).is_file()
+    except Untrusted:
+        return False
+
+
+def _build(spec: Spec, folder: Folder) -> tuple[object, bytes | None]:
+    """(the built module, its shared library's bytes stored as `spec`'s entry, or None if not exported)."""
+    from .schedule import build
+
+    module = build(_func(spec), target(spec.device, spec.threads))
+    library = _export(module, folder)
+    if library is not None:
+        _store(folder, _name(spec), library)
+    return module, library
+
+
+def build_to_disk(spec: Spec) -> bool:
+    """Build `spec` into the disk cache (prebuild.py's workers); False if it could not be stored."""
+    folder = _folder(spec)
+    return folder.keep and _build(spec, folder)[1] is not None and cached(spec)
+
+
 def get(spec: Spec):
     """The compiled kernel's function (arguments: torch tensors in the kernel's parameter order)."""
     fn = _MEMORY.get(spec)
@@ -263,21 +290,18 @@ def get(spec: Spec):
         return fn
     if spec.device == "cuda":
         import tvm  # noqa: F401  (its CUDA runtime loads the kernel's device code)
+    worker = PENDING.pop(spec, None)
+    if worker is not None:  # a prebuild worker builds it: wait for it, then load it as a cached entry
+        worker.wait_for(spec)
     folder, name = _folder(spec), _name(spec)
     library = _cached(folder, name)
     fn = _load(folder, library, spec) if library is not None else None
     if fn is None:
-        from .schedule import build
-
         print(f"attnres-compile: compiling the fused depth-attention {spec.kind} kernel ({spec.count} "
               f"{'blocks' if spec.kind.startswith('partial') else 'sources'}, D={spec.size}, {spec.dtype}, {spec.device}); "
               f"cached in {folder.path}", file=sys.stderr, flush=True)
-        module = build(_func(spec), target(spec.device, spec.threads))
-        library = _export(module, folder)
-        if library is not None:
-            _store(folder, name, library)
-            # the saved library, not the built module: its first call would JIT-compile the code again
-            fn = _load(folder, library, spec)
-        fn = fn or module[FUNCTION[spec.kind]]
+        module, library = _build(spec, folder)
+        # the saved library, not the built module: its first call would JIT-compile the code again
+        fn = (_load(folder, library, spec) if library is not None else None) or module[FUNCTION[spec.kind]]
     _MEMORY[spec] = fn
     return fn

@@ -1,0 +1,143 @@
+"""Build the kernels a rewritten model's forward will need in background processes, before it runs.
+
+A cold rewrite used to compile its kernels one after another inside the verification's run of
+the rewritten model (cache.get on first use: TVM build, export_library's gcc link, load), after
+tracing and the original's run had gone by on one core. Once the plan is applied the sites are
+known: `forward_specs` reads from the rewritten graph which kernels its depth-attention calls will
+look up (fused.py's routing: a kernel per source count up to CHAIN_ABOVE, else the partial chain's
+links and an indexed merge), and `start` hands those not yet cached to a few worker processes
+(`python -m attnres_compile.kernels.prebuild`: TVM without torch, ~1.3 s of CPU to start) that build them in first-use
+order and write them through the same checked store (store.py: checked folder, size and SHA-256,
+renamed into place). cache.get, on a miss for a spec a worker holds, waits for that worker to
+report it and loads it from the disk cache; a worker that failed or was stopped leaves nothing
+behind but its swept temporary files, and the kernel is built in-process as before (its own line).
+One stderr line announces the background build; `stop` ends the workers when the run is over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import cache as kernel_cache
+
+MAX_WORKERS = 4  # each imports TVM (~1.3 s of CPU): more pay that without a core to run on
+SPECS_PER_WORKER = 4  # fewer specs than this per worker do not repay the worker's import
+MIN_SPECS = 8  # fewer missing kernels (~0.25 s of CPU each) are built in-process on first use, as
+# before: a worker's start would cost more CPU than it takes off the rewrite's path (and a test
+# suite's many small rewrites would each pay it)
+
+
+def forward_specs(gm) -> list[kernel_cache.Spec]:
+    """The CPU kernels the forward of GraphModule `gm` looks up, in first-use order (duplicates
+    dropped), from its depth_attention nodes' source shapes (a symbolic dim at its example size)."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    from . import fused
+
+    op = torch.ops.attnres.depth_attention.default
+    specs: dict[kernel_cache.Spec, None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not op:
+            continue
+        sources, _, eps, scale, dim = node.args
+        val = getattr(sources[0], "meta", {}).get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype not in fused._DTYPES or val.device.type != "cpu" \
+                or val.dim() < 2 or dim not in (-1, val.dim() - 1):
+            continue  # no shape (a symbolic_trace graph) or no fused kernel: built on first use, if any
+        like = torch.empty((), dtype=val.dtype).expand(*(optimization_hint(n, 1) for n in val.shape))  # no storage
+        for kind, count, threads, spec_scale in _forward_keys(fused, len(sources), like, float(scale)):
+            specs[kernel_cache.Spec(kind, count, like.dim(), like.shape[-1], fused._DTYPES[val.dtype], float(eps),
+                                    spec_scale, "cpu", threads)] = None
+    return list(specs)
+
+
+def _forward_keys(fused, count: int, like, scale: float) -> list[tuple[str, int, int, float]]:
+    """(kind, count, threads, scale) of each kernel fused.forward looks up over `count` sources like `like`, in its order."""
+    if count <= fused.CHAIN_ABOVE:
+        return [("forward", count, fused._threads(count + 1, like), scale)]
+    split = kernel_cache.partial_links([0], count)[-2]
+    bounds = kernel_cache.partial_links([0], split)
+    threads = fused._threads(bounds[1] + 1, like)
+    links = [("partial_link" if start else "partial", end - start, threads, 1.0) for start, end in zip(bounds, bounds[1:])]
+    return [("merge_indexed", count - split, fused._threads(count - split + 2, like), 1.0), *links]
+
+
+class Worker:
+    """One build process: specs in on stdin (JSON lines), each built spec's entry name out on stdout."""
+
+    def __init__(self, specs: list[kernel_cache.Spec]):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, text=True)
+        self.done: set[str] = set()
+        try:
+            self.proc.stdin.write("".join(json.dumps(list(s)) + "\n" for s in specs))
+            self.proc.stdin.close()
+        except OSError:  # it ended at once (wait_for then finds it ended)
+            pass
+
+    def wait_for(self, spec: kernel_cache.Spec) -> None:
+        """Return once the worker has built `spec` or has ended (then the caller finds no entry)."""
+        name = kernel_cache._name(spec)
+        while name not in self.done:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                return
+            self.done.add(line.strip())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+def start(specs: list[kernel_cache.Spec]) -> list[Worker]:
+    """Start building the `specs` that are neither loaded nor cached; returns the workers (none if
+    fewer than MIN_SPECS are missing or the cache folder is the private one, which a worker cannot share)."""
+    missing = [s for s in specs if s not in kernel_cache._MEMORY and not kernel_cache.cached(s)]
+    if len(missing) < max(MIN_SPECS, 1) or not kernel_cache._folder(missing[0]).keep:
+        return []
+    folder = kernel_cache._folder(missing[0])
+    count = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)), len(missing) // SPECS_PER_WORKER))
+    workers = [Worker(missing[i::count]) for i in range(count)]
+    for i, spec in enumerate(missing):
+        kernel_cache.PENDING[spec] = workers[i % count]
+    counts = sorted({s.count for s in missing})
+    print(f"attnres-compile: compiling {len(missing)} fused depth-attention kernels ({_span(counts)} sources or "
+          f"blocks, D={missing[0].size}, {missing[0].dtype}, cpu) in {count} background process"
+          f"{'es' if count > 1 else ''}; cached in {folder.path}", file=sys.stderr, flush=True)
+    return workers
+
+
+def _span(counts: list[int]) -> str:
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+
+
+def stop(workers: list[Worker]) -> None:
+    """End the workers (those still building specs no call needed) and forget their pending specs."""
+    for worker in workers:
+        worker.stop()
+    for spec in [s for s, w in kernel_cache.PENDING.items() if w in workers]:
+        del kernel_cache.PENDING[spec]
+
+
+def main() -> None:
+    """The worker: build each spec read from stdin into the disk cache, print its entry name when stored.
+    It runs without torch (tvm_ffi imports it when it can: 2.5 s of CPU; a CPU kernel's build needs none of it)."""
+    sys.modules["torch"] = None
+    for line in sys.stdin:
+        spec = kernel_cache.Spec(*json.loads(line))
+        if kernel_cache.build_to_disk(spec):
+            print(kernel_cache._name(spec), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,7 @@ from attnres_compile import AttnResConfig
 from attnres_compile.backends.tvm import compile_model, load
 from attnres_compile.backends.tvm.artifact import dim_text
 from attnres_compile.backends.tvm.cli import add_commands
-from attnres_compile.backends.tvm.cpu_rules import Matmul, RowReduction, default_schedule
+from attnres_compile.backends.tvm.cpu_rules import PREPROC, DotProducts, Matmul, RowReduction, default_schedule
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX
 from attnres_compile.backends.tvm.pipeline import build, make_target
@@ -63,6 +63,12 @@ def _gemm(kind: str):
         k = te.reduce_axis((0, 8), name="k")
         out = te.compute((2, 5, 24), lambda s, i, j: te.sum(a[s, i, k] * bm[s, k, j], axis=k), name="bmm")
         return te.create_prim_func([a, bm, out]), lambda a, b: a @ b
+    if kind == "symbolic_batch_and_rows":  # [b, m, K] @ W[K, 80], b and m symbolic (a decode step's linear layer)
+        b, m, k64 = te.var("b", "int64"), te.var("m", "int64"), tvm.tirx.IntImm("int64", 8)
+        a, w = te.placeholder((b, m, k64), name="a"), te.placeholder((k64, tvm.tirx.IntImm("int64", 80)), name="w")
+        k = te.reduce_axis((0 * k64, k64), name="k")
+        out = te.compute((b, m, 80), lambda s, i, j: te.sum(a[s, i, k] * w[k, j], axis=k), name="matmul")
+        return te.create_prim_func([a, w, out]).with_attr("layout_free_buffers", [1]), lambda a, w: a @ w
     n, kdim = {"packed_padded": (40, 6), "packed": (64, 12), "k_blocked": (16, 1100),
                "symbolic_rows": (24, 8)}[kind]
     if kind == "symbolic_rows":  # int64 dims, as legalized Relax operators have
@@ -75,12 +81,19 @@ def _gemm(kind: str):
     return func, lambda a, w, b: (a @ w) / (1 + np.exp(-(a @ w + b)))
 
 
-@pytest.mark.parametrize("kind", ["packed_padded", "packed", "k_blocked", "symbolic_rows", "batched", "conv1x1_nchw"])
+@pytest.mark.parametrize("kind", ["packed_padded", "packed", "k_blocked", "symbolic_rows", "symbolic_batch_and_rows",
+                                  "batched", "conv1x1_nchw"])
 def test_gemm_rule_matches_numpy(kind):
+    """The GEMM rule schedules each (a weight pre-packed where there is one: with 80 columns and
+    rows that are a symbolic [batch, sequence], which `pad_einsum` cannot pad to the tile, in a
+    narrower tile that divides them) and matches numpy."""
     func, reference = _gemm(kind)
     target = make_target("llvm")
     with target:
-        assert Matmul().apply(func, target, False) is not None  # the GEMM rule, not a fallback
+        sch = Matmul().apply(func, target, False)
+    assert sch is not None  # the GEMM rule, not a fallback
+    if "layout_free_buffers" in func.attrs:
+        assert any(PREPROC in sch.get(b).annotations for b in sch.get_child_blocks(sch.get_sblock("root")))
     scheduled = default_schedule(func, target).mod["main"]
     rng = np.random.default_rng(0)
     shapes = [[int(d) if isinstance(d, tvm.tirx.IntImm) else 7 for d in p.shape] for p in func.params]
@@ -89,6 +102,32 @@ def test_gemm_rule_matches_numpy(kind):
     tvm.compile(scheduled.with_attr("global_symbol", "main"), target)(*args)
     expected = reference(*arrays[:-1])
     np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_scores_against_keys_as_stored_are_vectorised_dot_products():
+    """q[b, h, i, k] * K[b, h, j, k] * c (rewrites.KeysInPlace's scores; batch and keys symbolic):
+    the dot-product rule takes it, terms in vector lanes, and matches numpy at two key lengths; a
+    product reading its second operand along the rows (the batched GEMM) is left to the GEMM rule."""
+    b, t = te.var("b", "int64"), te.var("t", "int64")
+    dims = [tvm.tirx.IntImm("int64", v) for v in (4, 2, 32)]
+    q, keys = te.placeholder((b, dims[0], dims[1], dims[2]), name="q"), te.placeholder((b, dims[0], t, dims[2]), name="k")
+    k = te.reduce_axis((0 * dims[2], dims[2]), name="d")
+    out = te.compute((b, dims[0], dims[1], t), lambda s, h, i, j: te.sum(q[s, h, i, k] * (keys[s, h, j, k] * 0.5), axis=k),
+                     name="matmul")
+    func, target = te.create_prim_func([q, keys, out]), make_target("llvm")
+    with target:
+        assert DotProducts().apply(func, target, False) is not None
+        assert DotProducts().apply(_gemm("batched")[0], target, False) is None
+    scheduled = default_schedule(func, target).mod["main"]
+    assert "matmul_rf" in scheduled.script()  # the lane partials
+    build = tvm.compile(scheduled.with_attr("global_symbol", "main"), target)
+    rng = np.random.default_rng(0)
+    for keys_len in (1, 9):
+        arrays = [rng.standard_normal(s).astype(np.float32) for s in ((2, 4, 2, 32), (2, 4, keys_len, 32), (2, 4, 2, keys_len))]
+        args = [tvm.runtime.tensor(x) for x in arrays]
+        build(*args)
+        expected = arrays[0] @ (arrays[1].swapaxes(-1, -2) * np.float32(0.5))
+        np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 def test_a_matmul_over_one_term_with_a_symbolic_batch():

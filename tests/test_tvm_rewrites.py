@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from attnres_compile.backends.tvm.rewrites import WrapTakeIndices
+from attnres_compile.backends.tvm.rewrites import KeysInPlace, WrapTakeIndices
 
 
 def _take_module(mode: str) -> tvm.IRModule:
@@ -36,3 +36,59 @@ def test_wrapped_take_matches_torch_in_range_and_stays_in_bounds_past_it():
     for ids in ([0, 4, -1, -5], [5, 7, -6, 10**6]):
         got = vm["main"](tvm.runtime.tensor(table), tvm.runtime.tensor(np.array(ids, dtype="int64"))).numpy()
         np.testing.assert_array_equal(got, table[np.mod(ids, 5)])
+
+
+def _scores_module(scale, grouped: bool = False) -> tvm.IRModule:
+    """q @ (K as ONNX's scaled dot-product attention transposes it: through a [batch * heads, T, D]
+    view, its last two axes swapped, viewed back, times `scale`), batch, sequence and keys
+    symbolic; `grouped`: K has 2 heads, repeated to q's 4 first (HF's repeat_kv: expand, reshape)."""
+    b, s, t = (tvm.tirx.Var(n, "int64") for n in ("b", "s", "t"))
+    q = relax.Var("q", relax.TensorType((b, 4, s, 8), "float32"))
+    k = relax.Var("k", relax.TensorType((b, 2 if grouped else 4, t, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k]):
+        with bb.dataflow():
+            heads = k
+            if grouped:
+                wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(k, 2)), (b, 2, 2, t, 8)))
+                heads = bb.emit(relax.op.reshape(wide, (b, 4, t, 8)))
+            flat = bb.emit(relax.op.reshape(heads, (4 * b, t, 8)))
+            swapped = bb.emit(relax.op.permute_dims(flat, [0, 2, 1]))
+            keys = bb.emit(relax.op.multiply(bb.emit(relax.op.reshape(swapped, (b, 4, 8, t))), scale))
+            out = bb.emit_output(relax.op.matmul(q, keys))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ops(mod: tvm.IRModule) -> set[str]:
+    names = set()
+    relax.analysis.post_order_visit(mod["main"], lambda e: names.add(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return names
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_scores_read_the_keys_where_they_are_and_match(grouped):
+    """The transposed, scaled copy of the keys is gone (one call_tir instead; grouped heads keep
+    their repeat), and the scores match numpy and the unrewritten build at two key lengths."""
+    before = _scores_module(relax.const(0.35, "float32"), grouped)
+    after = KeysInPlace()(before)
+    assert {"relax.permute_dims", "relax.matmul", "relax.multiply"} <= _ops(before)
+    repeat = {"relax.expand_dims", "relax.broadcast_to", "relax.reshape"} if grouped else set()
+    assert _ops(relax.transform.DeadCodeElimination()(after)) == {"relax.call_tir", *repeat}  # the copies are dead
+    rng = np.random.default_rng(0)
+    with tvm.target.Target("llvm"):
+        vms = [relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(m), "llvm"), tvm.cpu())
+               for m in (before, after)]
+    for t in (1, 9):
+        q = rng.standard_normal((2, 4, 3, 8)).astype("float32")
+        k = rng.standard_normal((2, 2 if grouped else 4, t, 8)).astype("float32")
+        got, unrewritten = (vm["main"](tvm.runtime.tensor(q), tvm.runtime.tensor(k)).numpy() for vm in reversed(vms))
+        heads = np.repeat(k, 2, axis=1) if grouped else k
+        np.testing.assert_allclose(got, q @ (heads.swapaxes(-1, -2) * np.float32(0.35)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, unrewritten, rtol=1e-6, atol=1e-7)
+
+
+def test_scores_scaled_by_a_vector_are_left_alone():
+    before = _scores_module(relax.const(np.full((1,), 0.35, "float32").reshape(1, 1, 1, 1).repeat(8, 2)))
+    tvm.ir.assert_structural_equal(KeysInPlace()(before), before)

@@ -5,6 +5,9 @@ the rest, in the order `default_rules` applies them (the first rule that returns
 TVM can lower wins, lowerable.py: a rule that raises, or whose schedule `lowers` refuses, passes
 the operator on; the kernels, already scheduled, are never touched):
 
+- `DotProducts`: a contraction that reads every operand along its innermost axis and has no
+  weight (attention scores against the keys as stored: rewrites.KeysInPlace), one dot product
+  per output element with its terms in vector lanes.
 - `Matmul`: C[s, i, j] = sum_k A[s, i, k] * B[s, k, j] with an injective epilogue (bias,
   residual add, activation) computed per register tile. Tile: 4 rows x 4 vectors of the
   target's width (4 x 64 float32 on AVX-512, 16 of its 32 vector registers as accumulators;
@@ -15,6 +18,8 @@ the operator on; the kernels, already scheduled, are never touched):
   pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
   a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
   `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
+  Where `pad_einsum` cannot pad the columns (rows that are a symbolic [batch, sequence]), the
+  tile narrows to whole vectors that divide them.
 - dlight's `GEMV`, passing on an operator its own assertions refuse (a matmul over one term
   with a symbolic batch: HF LeViT's and MobileViT's attention over one token) or that it would
   vectorise around a loop (a build that did not finish).
@@ -56,7 +61,8 @@ PREPROC = "meta_schedule.layout_rewrite_preproc"
 
 def default_rules() -> list[dlight.ScheduleRule]:
     """The CPU rules in the order they are tried."""
-    rules = (Matmul(), dlight.cpu.GEMV(), RowReduction(), dlight.cpu.Reduction(), Injective(), Fallback())
+    rules = (DotProducts(), Matmul(), dlight.cpu.GEMV(), RowReduction(), dlight.cpu.Reduction(), Injective(),
+             Fallback())
     return [Lowerable(rule, lowers) for rule in rules]
 
 
@@ -131,6 +137,16 @@ class Matmul(_SafeRule):
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
+        """The tile as wide as the module docstring says; where padding the columns to it fails (a
+        weight of 688 columns read by rows that are a symbolic [batch, sequence] fused: not an
+        einsum to `pad_einsum`), the widest tile of whole vectors that divides the columns."""
+        try:
+            return self._tiled(sch.copy(), infos, func, target, pad=True)
+        except Exception:  # noqa: BLE001 - pad_einsum's ScheduleError
+            return self._tiled(sch, infos, func, target, pad=False)
+
+    def _tiled(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+               target: Target, pad: bool) -> s_tir.Schedule | None:
         reductions = [b for b in infos if not b.is_injective()]
         if len(reductions) != 1:
             return None
@@ -154,6 +170,8 @@ class Matmul(_SafeRule):
         vec = n if n is not None and n < lane else lane  # one short vector for narrow outputs
         vectors = VECTORS if vector_bits(target) >= 512 else VECTORS_NARROW
         cols = vec * (vectors if n is None else min(vectors, math.ceil(n / vec)))
+        if not pad and n is not None and n % cols:
+            cols = vec * _largest_divisor(n // vec, range(vectors, 0, -1))
         rows = ROWS if m is None else min(ROWS, m)
         _pack_weight(sch, main, func, cols, 1 if cols_kind == IterKind.kIter_J else 0)
         _fuse_epilogue(sch, main, writer)
@@ -178,6 +196,50 @@ class Matmul(_SafeRule):
         _vectorize_innermost(sch, writer, lane)
         sch.parallel(sch.fuse(s, jo))
         sch.decompose_reduction(main, init_at)
+        return sch
+
+
+class DotProducts(_SafeRule):
+    """A contraction that every operand reads along its innermost axis, none of them a weight
+    (attention scores against the keys as stored, q[.., i, k] * K[.., j, k]: rewrites.KeysInPlace):
+    one dot product per output element, its terms in vector lanes (rfactor) summed at the end of
+    the element, the output's loops fused and run in parallel when large. The GEMM tile vectorised
+    such an operator across the keys' rows, a gather per vector (a decode step's scores over 129
+    keys of 256 took 128 us, 4x the product of the same scores with the values). Producers are
+    inlined (the query's rotary embedding), as the GEMM rule does; an elementwise epilogue too."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
+                 target: Target) -> s_tir.Schedule | None:
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1 or (func.attrs and list(func.attrs.get("layout_free_buffers", []))):
+            return None
+        main = reductions[0].block_rv
+        position = [b.block_rv for b in infos].index(main)
+        block = sch.get(main)
+        kinds = reductions[0].dom_kind()
+        if kinds.count("R") != 1 or not kinds.endswith("R") or not block.writes[0].source.dtype.is_float:
+            return None
+        k = block.iter_vars[-1].var
+        if len(block.reads) < 2 or any(not r.region or not r.region[-1].min.same_as(k) for r in block.reads
+                                       if not r.source.same_as(block.writes[0].source)):
+            return None
+        for producer in infos[:position]:
+            sch.compute_inline(producer.block_rv)
+        for consumer in reversed(infos[position + 1:]):
+            sch.reverse_compute_inline(consumer.block_rv)
+        lane = lanes(target, block.writes[0].source.dtype.bits)
+        partials = _lane_partials(sch, main, lane)
+        if not partials:
+            return None
+        (name, lane_var), = partials.items()
+        rf = next(b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint == name)
+        loops = sch.get_loops(main)
+        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+        sch.compute_at(rf, outer, preserve_unit_loops=True)
+        _lanes_innermost(sch, rf, lane_var)
+        points = math.prod(_extent(sch, lp) or PARALLEL_MIN for lp in sch.get_loops(rf))
+        if cores(target) > 1 and points >= PARALLEL_MIN:
+            sch.parallel(outer)
         return sch
 
 

@@ -2,7 +2,8 @@
 
 The lowering runs first, on the imported module, so everything after it sees the kernels as
 already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
-multiplications (no scalar powf, no TVM warning), on CPU `FastMath` (TVM's FastMathTransform)
+multiplications (no scalar powf, no TVM warning), attention scores read the keys where they are
+(no transposed, scaled copy of the whole KV cache per call: rewrites.KeysInPlace), on CPU `FastMath` (TVM's FastMathTransform)
 swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization)
 and cumsum becomes a scan that builds with symbolic dims (cumsum.py); the module is legalized and
 fused. Then (`schedule`) every operator gets a default schedule: cpu_rules.py's on CPU
@@ -33,7 +34,8 @@ from . import cpu_rules, gpu_rules
 from .cumsum import LegalizeCumsum
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
-from .rewrites import ExpandSigmoid, FastMath, RewritePowers, RootBlocks, ScalarsIntoTirVars, WrapTakeIndices
+from .rewrites import (ExpandSigmoid, FastMath, KeysInPlace, RewritePowers, RootBlocks, ScalarsIntoTirVars,
+                       WrapTakeIndices)
 from .sites import PACKED_NAME
 
 TARGETS = ("llvm", "cuda")
@@ -120,7 +122,7 @@ def prepare(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Relax rewrites, legalization and fusion: the fused operators the schedules (or the tuner) see.
     Constants and weights are marked layout-free, so a schedule may pre-pack them."""
     cpu = target.kind.name == "llvm"
-    passes = [RewritePowers(), WrapTakeIndices(), *([ExpandSigmoid(), FastMath(), LegalizeCumsum()] if cpu else []),
+    passes = [RewritePowers(), WrapTakeIndices(), KeysInPlace(), *([ExpandSigmoid(), FastMath(), LegalizeCumsum()] if cpu else []),
               *relax.pipeline.library_dispatch_passes(target),
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
               relax.transform.FuseOps(), ScalarsIntoTirVars(), relax.transform.FuseTIR(),

@@ -23,6 +23,7 @@ evaluation with `attnres_compile.monitor.DepthMonitor` on one held-out batch.
     nice python -m samples.study_llm --out docs/study/smollm2                  # 3 seeds x 300 steps
     python -m samples.study_llm --steps 4 --seeds 1 --eval-every 2 --out /tmp/s   # minutes: a smoke run
     python -m samples.study_llm --report-only --out docs/study/smollm2
+    python -m samples.study_llm --resume --out docs/study/smollm2             # after a run was cut short
 
 Writes results.json (every curve), summary.md and PNGs; progress lines on stderr.
 """
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished runs of OUT/results.partial.json (same settings) and run the rest")
     args = p.parse_args(argv)
     for flag in ("seeds", "steps", "batch", "seq", "eval_every", "eval_rows", "final_rows", "workers", "blocks"):
         if getattr(args, flag) < 1:
@@ -218,6 +221,27 @@ def run_arm(spec: dict) -> dict:
 
 # ---------------------------------------------------------------- orchestration
 
+def resumed(partial: Path, fresh: dict, specs: list) -> tuple[dict, float, list]:
+    """A cut-short run's results, its elapsed seconds and the specs it has not finished.
+
+    Only a run with the same settings (arms and workers aside) continues: a finished run of other
+    settings would not pair with the new ones."""
+    if not partial.is_file():
+        raise SystemExit(f"study_llm: --resume: {partial} not found (nothing to resume; run without --resume)")
+    old = json.loads(partial.read_text())
+    differ = sorted(k for k in fresh["config"] if k not in ("arms", "workers", "resume")
+                    and old["config"].get(k) != fresh["config"][k])
+    if differ:
+        raise SystemExit(f"study_llm: --resume: {partial} was run with other settings ({', '.join(differ)}); "
+                         "give the same settings or another --out")
+    done = {(int(seed), arm) for seed, arms in old["runs"].items() for arm in arms}
+    old["command"] += " ; python -m samples.study_llm " + " ".join(fresh["command"].split()[3:])
+    old["config"]["arms"] = sorted(set(old["config"]["arms"]) | set(fresh["config"]["arms"]),
+                                   key=list(ARMS).index)
+    print(f"resuming: {len(done)} runs kept, {sum((s['seed'], s['arm']) not in done for s in specs)} to run",
+          file=sys.stderr, flush=True)
+    return old, old.get("elapsed_s", 0.0), [s for s in specs if (s["seed"], s["arm"]) not in done]
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -237,7 +261,10 @@ def main(argv=None) -> int:
                "environment": {"python": platform.python_version(), "cpu_count": multiprocessing.cpu_count(),
                                "workers": args.workers, "threads_per_worker": 1},
                "runs": {}}
-    start = time.perf_counter()
+    earlier = 0.0
+    if args.resume:
+        results, earlier, specs = resumed(out / "results.partial.json", results, specs)
+    start = time.perf_counter() - earlier
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
         futures = {pool.submit(run_arm, s): s for s in specs}

@@ -174,8 +174,8 @@ def main(argv=None):
               f"{100 * arm['max_rel_dev_plain']:.1f}% over {len(plain)} steps (loss {max(plain):.2f} at worst); with "
               f"the recipe: {100 * arm['max_rel_dev_recipe']:.3f}% over {len(recommended)} steps; queries frozen "
               f"(control): {100 * arm['max_rel_dev_frozen']:.3f}% [{arm['seconds']:.0f} s]", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.out:  # after every recipe: a run cut short keeps the recipes it finished (~14 min each for Full)
+            Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 

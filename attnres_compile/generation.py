@@ -4,7 +4,8 @@
 runs the rewritten graph (decoder.py's flat signature): HF's `generate()`, its logits
 processors, stopping criteria and cache bookkeeping work as they do on the original. Its
 weights are the rewritten graph's own tensors (assigned, not copied), so fine-tuning the graph
-module changes what it generates.
+module changes what it generates. Both run each step on passes/fx_lean.py's copy of the graph
+module (the same values, ~25% fewer operator calls a step), where the inputs fit it.
 """
 
 from __future__ import annotations
@@ -139,11 +140,14 @@ def _holding(cache, present: list[torch.Tensor]):
 
 
 def torch_step(graph_module: fx.GraphModule, names: list[str]):
-    """A generate_loop step over the rewritten graph module (numpy in, numpy out, no autograd)."""
+    """A generate_loop step over the rewritten graph module (numpy in, numpy out, no autograd), run
+    on its passes/fx_lean.py copy where the inputs fit it."""
+    lean = fx_lean.lean_copy(graph_module)
 
     def step(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
         with torch.no_grad():
-            out = graph_module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names))
+            out = (lean.module if lean is not None and lean.fits(args) else graph_module)(*args)
         return {k: v.numpy() for k, v in out.items()}
 
     return step

@@ -1,0 +1,115 @@
+"""passes/fx_lean.py: the copy of a rewritten decoder that generation.causal_lm runs each step.
+
+It must compute what the graph module computes (bit for bit: it only drops dead nodes, checks and
+same-dtype casts), with fewer operator calls and no deep attribute chains; read parameters that
+are updated or reassigned after it was built; and step aside (`fits` False) where the dropped
+checks would not pass, so the graph module's own checks decide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnres_compile as ac
+from attnres_compile import decoder, generation
+from attnres_compile.passes import fx_lean
+from samples.hf_decoders import DECODERS
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, example = DECODERS["llama"]()
+    result = ac.rewrite(model, example, ac.AttnResConfig(variant="block", num_blocks=2), with_past=True,
+                        verify_outputs=False)
+    return model, example, result.graph_module
+
+
+def _calls(gm, target=None):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and (target is None or n.target is target)]
+
+
+def _step_args(model, example, gm):
+    """(prefill args, decode-step args) of the decoder with past: 9 tokens, then the 10th."""
+    ids, mask = example["input_ids"][:, :10], example["attention_mask"][:, :10]
+    geometry = decoder.probe(model, torch.zeros(1, 2, dtype=torch.long))[0]
+    first = (ids[:, :9], mask[:, :9], decoder.positions(mask[:, :9], 9), *geometry.empty_past(2))
+    with torch.no_grad():
+        out = gm(*first)
+    past = [out[n] for n in geometry.output_names()[1:]]
+    return first, (ids[:, 9:], mask, decoder.positions(mask, 1), *past)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lean_copy_is_the_graph_with_fewer_calls(llama):
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    assert lean is not None
+    before, after = len(_calls(gm)), len(_calls(lean.module))
+    assert after < 0.85 * before, (before, after)  # 2 layers: the empty-cache chains, asserts and casts
+    assert not _calls(lean.module, aten.lift_fresh_copy.default)
+    assert all(n.args[0].op != "call_function" for n in _calls(lean.module, aten._assert_tensor_metadata.default))
+    assert all(n.target.count(".") == 1 for n in lean.module.graph.find_nodes(op="get_attr"))  # one hop each
+    assert "getattr(" not in lean.module.code
+    with torch.no_grad():
+        for args in _step_args(model, example, gm):
+            assert lean.fits(args)
+            assert _equal(lean.module(*args), gm(*args))
+
+
+def test_lean_copy_reads_parameters_changed_after_it_was_built(llama):
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    args = _step_args(model, example, gm)[1]
+    layer = gm.get_submodule("model.model.layers.1.mlp.up_proj")
+    query = next(n for n, _ in gm.named_parameters() if n.startswith("attnres"))
+    saved = (layer.weight, gm.get_parameter(query).detach().clone())
+    with torch.no_grad():
+        before = gm(*args)
+    try:
+        with torch.no_grad():
+            gm.get_parameter(query).add_(0.5)  # in place (an optimizer step)
+        layer.weight = torch.nn.Parameter(saved[0].detach() * 2)  # reassigned (load_state_dict(assign=True))
+        with torch.no_grad():
+            changed = gm(*args)
+            assert not torch.equal(changed["logits"], before["logits"])
+            assert lean.fits(args) and _equal(lean.module(*args), changed)
+    finally:
+        layer.weight = saved[0]
+        with torch.no_grad():
+            gm.get_parameter(query).copy_(saved[1])
+
+
+def test_lean_copy_steps_aside_where_the_dropped_checks_would_fail(llama):
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    first, step = _step_args(model, example, gm)
+    assert not lean.fits((*step[:3], *(t.double() for t in step[3:])))  # a float64 cache
+    assert not lean.fits(step[:-1])
+    norm = gm.get_submodule("model.model.norm")
+    weight = norm.weight
+    try:
+        norm.weight = torch.nn.Parameter(weight.detach().double())
+        assert not lean.fits(step)
+    finally:
+        norm.weight = weight
+    assert lean.fits(step)
+
+
+def test_causal_lm_steps_run_the_lean_copy(llama, monkeypatch):
+    model, example, gm = llama
+    lm = generation.causal_lm(model, gm)
+    ran = []
+    monkeypatch.setattr(fx_lean.Lean, "fits", lambda self, args: ran.append(self) or True)
+    prompt = example["input_ids"][:, :6]
+    got = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)
+    prefill, steps = lm._attnres_lean[1][True], lm._attnres_lean[1][False]
+    assert ran == [prefill, steps, steps, steps]
+    assert prefill.module.graph.find_nodes(op="call_function", target=aten.slice.Tensor)  # the last position only

@@ -131,14 +131,61 @@ class _KeysMutator(PyExprMutator):
         if not is_op(call, "relax.matmul") or call.attrs.out_dtype not in (None, "", call.ty.dtype):
             return call
         a, b = call.args
-        found = self._swapped(b)
-        if found is None or a.ty.shape is None or a.ty.dtype != found[0].ty.dtype:
+        if not isinstance(a.ty, relax.TensorType) or a.ty.shape is None:
             return call
-        dims, key_dims = a.ty.shape.values, found[0].ty.shape.values
+        found = self._swapped(b)
+        if found is None:
+            values = self._repeated(b)
+            if values is None or a.ty.dtype != values[0].ty.dtype:
+                return call
+            return self._grouped(a, *values, lambda rows, heads: relax.op.matmul(rows, heads), call)
+        keys, scale = found
+        if a.ty.dtype != keys.ty.dtype:
+            return call
+        dims, key_dims = a.ty.shape.values, keys.ty.shape.values
         if not (_same_dims(dims[:-2], key_dims[:-2]) and _same_dims(dims[-1:], key_dims[-1:])):
             return call
-        keys, scale = found
-        return self.builder_.call_te(_scores, a, keys, scale, primfunc_name_hint="matmul_keys")
+        scores = lambda rows, heads: self.builder_.call_te(_scores, rows, heads, scale,  # noqa: E731
+                                                            primfunc_name_hint="matmul_keys")
+        grouped = self._repeated(keys)
+        return scores(a, keys) if grouped is None else self._grouped(a, *grouped, scores, call)
+
+    def _grouped(self, a: relax.Expr, heads: relax.Expr, repeat: int, product, call: relax.Call) -> relax.Expr:
+        """`product(a, repeat_kv(heads))` as `product(a', heads)`: a, [.., heads * repeat, s, k], viewed as
+        [.., heads, repeat * s, k] (the queries of one KV head are consecutive), the result viewed back."""
+        dims, kv = a.ty.shape.values, heads.ty.shape.values
+        if len(dims) < 3 or not _same_dims(dims[:-3], kv[:-3]) or not _same_dims([dims[-3]], [kv[-3] * repeat]):
+            return call
+        rows = self.builder_.emit(relax.op.reshape(a, [*dims[:-3], kv[-3], repeat * dims[-2], dims[-1]]))
+        out = self.builder_.emit(product(rows, heads))
+        return relax.op.reshape(out, call.ty.shape)
+
+    def _repeated(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
+        """(X, r) where `expr` is X, [.., heads, n, d], with every head repeated r times in a row (HF's
+        repeat_kv for grouped-query attention: expand_dims before the rows, broadcast_to, reshape to
+        [.., heads * r, n, d]), else None."""
+        node = self._value(expr)
+        if not (isinstance(node, relax.Call) and is_op(node, "relax.reshape")):
+            return None
+        wide = self._value(node.args[0])
+        if not (isinstance(wide, relax.Call) and is_op(wide, "relax.broadcast_to")):
+            return None
+        narrow = self._value(wide.args[0])
+        if not (isinstance(narrow, relax.Call) and is_op(narrow, "relax.expand_dims")):
+            return None
+        source = narrow.args[0]
+        if not isinstance(getattr(source, "ty", None), relax.TensorType) or source.ty.shape is None:
+            return None
+        x, big = source.ty.shape.values, wide.ty.shape.values
+        rank = len(x)
+        axes = [int(v) % (rank + 1) for v in narrow.attrs.axis]
+        if rank < 3 or axes != [rank - 2] or not isinstance(big[rank - 2], tvm.tirx.IntImm):
+            return None
+        repeat = int(big[rank - 2])
+        if not (_same_dims(big, [*x[:-2], repeat, *x[-2:]])
+                and _same_dims(node.ty.shape.values, [*x[:-3], x[-3] * repeat, *x[-2:]])):
+            return None
+        return source, repeat
 
     def _value(self, expr: relax.Expr) -> relax.Expr:
         bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None

@@ -1,6 +1,6 @@
 """The decode step of profile_step.py on onnxruntime (1 thread): the 128-token prefill in a plain session, then
 30 one-token steps timed plain (CPU time, median) and 25 under onnxruntime's profiler (a second session with
-SessionOptions.enable_profiling; the last 20 steps counted, the first 5 warm it up; wall microseconds): per op type and per costliest node, ms per step.
+SessionOptions.enable_profiling; the last 20 steps counted, the first 5 warm it up; wall microseconds)
 Usage: python onnxruntime_step.py smol.onnx"""
 import json
 import os

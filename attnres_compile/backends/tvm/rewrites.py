@@ -138,24 +138,28 @@ class _KeysMutator(PyExprMutator):
             values = self._repeated(b)
             if values is None or a.ty.dtype != values[0].ty.dtype:
                 return call
-            return self._grouped(a, *values, lambda rows, heads: relax.op.matmul(rows, heads), call)
+            grouped = self._grouped(a, *values, relax.op.matmul, call)
+            return call if grouped is None else grouped
         keys, scale = found
         if a.ty.dtype != keys.ty.dtype:
             return call
         dims, key_dims = a.ty.shape.values, keys.ty.shape.values
         if not (_same_dims(dims[:-2], key_dims[:-2]) and _same_dims(dims[-1:], key_dims[-1:])):
             return call
-        scores = lambda rows, heads: self.builder_.call_te(_scores, rows, heads, scale,  # noqa: E731
-                                                            primfunc_name_hint="matmul_keys")
-        grouped = self._repeated(keys)
-        return scores(a, keys) if grouped is None else self._grouped(a, *grouped, scores, call)
 
-    def _grouped(self, a: relax.Expr, heads: relax.Expr, repeat: int, product, call: relax.Call) -> relax.Expr:
+        def scores(rows: relax.Expr, heads: relax.Expr) -> relax.Expr:
+            return self.builder_.call_te(_scores, rows, heads, scale, primfunc_name_hint="matmul_keys")
+        repeated = self._repeated(keys)
+        grouped = None if repeated is None else self._grouped(a, *repeated, scores, call)
+        return scores(a, keys) if grouped is None else grouped
+
+    def _grouped(self, a: relax.Expr, heads: relax.Expr, repeat: int, product, call: relax.Call) -> relax.Expr | None:
         """`product(a, repeat_kv(heads))` as `product(a', heads)`: a, [.., heads * repeat, s, k], viewed as
-        [.., heads, repeat * s, k] (the queries of one KV head are consecutive), the result viewed back."""
+        [.., heads, repeat * s, k] (the queries of one KV head are consecutive), the result viewed back;
+        None where a's leading dims are not heads' (a broadcast)."""
         dims, kv = a.ty.shape.values, heads.ty.shape.values
         if len(dims) < 3 or not _same_dims(dims[:-3], kv[:-3]) or not _same_dims([dims[-3]], [kv[-3] * repeat]):
-            return call
+            return None
         rows = self.builder_.emit(relax.op.reshape(a, [*dims[:-3], kv[-3], repeat * dims[-2], dims[-1]]))
         out = self.builder_.emit(product(rows, heads))
         return relax.op.reshape(out, call.ty.shape)

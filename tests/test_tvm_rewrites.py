@@ -69,13 +69,14 @@ def _ops(mod: tvm.IRModule) -> set[str]:
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_scores_read_the_keys_where_they_are_and_match(grouped):
-    """The transposed, scaled copy of the keys is gone (one call_tir instead; grouped heads keep
-    their repeat), and the scores match numpy and the unrewritten build at two key lengths."""
+    """The transposed, scaled copy of the keys is gone (one call_tir instead; grouped heads: their
+    repeat too, the queries viewed per KV head), and the scores match numpy and the unrewritten
+    build at two key lengths."""
     before = _scores_module(relax.const(0.35, "float32"), grouped)
     after = KeysInPlace()(before)
     assert {"relax.permute_dims", "relax.matmul", "relax.multiply"} <= _ops(before)
-    repeat = {"relax.expand_dims", "relax.broadcast_to", "relax.reshape"} if grouped else set()
-    assert _ops(relax.transform.DeadCodeElimination()(after)) == {"relax.call_tir", *repeat}  # the copies are dead
+    views = {"relax.reshape"} if grouped else set()
+    assert _ops(relax.transform.DeadCodeElimination()(after)) == {"relax.call_tir", *views}  # the copies are dead
     rng = np.random.default_rng(0)
     with tvm.target.Target("llvm"):
         vms = [relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(m), "llvm"), tvm.cpu())
@@ -87,6 +88,47 @@ def test_scores_read_the_keys_where_they_are_and_match(grouped):
         heads = np.repeat(k, 2, axis=1) if grouped else k
         np.testing.assert_allclose(got, q @ (heads.swapaxes(-1, -2) * np.float32(0.35)), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got, unrewritten, rtol=1e-6, atol=1e-7)
+
+
+def _values_module(heads: int = 2, axis: int = 2) -> tvm.IRModule:
+    """p @ V with V's `heads` heads repeated to p's 4 as HF's repeat_kv does (expand_dims at `axis`,
+    broadcast_to, reshape; axis 2: each head twice in a row), batch, sequence and keys symbolic."""
+    b, s, t = (tvm.tirx.Var(n, "int64") for n in ("b", "s", "t"))
+    p = relax.Var("p", relax.TensorType((b, 4, s, t), "float32"))
+    v = relax.Var("v", relax.TensorType((b, heads, t, 8), "float32"))
+    wide = [b, heads, t, 8]
+    wide.insert(axis, 4 // heads)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [p, v]):
+        with bb.dataflow():
+            repeated = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(v, axis)), wide))
+            out = bb.emit_output(relax.op.matmul(p, bb.emit(relax.op.reshape(repeated, (b, 4, t, 8)))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_values_of_grouped_heads_are_read_where_they_are_and_match():
+    """The repeat of V (a copy of the cache per call) is gone: p viewed as [b, 2, 2 * s, t] times V
+    itself, viewed back; the product matches numpy and the unrewritten build at two key lengths."""
+    before = _values_module()
+    after = relax.transform.DeadCodeElimination()(KeysInPlace()(before))
+    assert _ops(after) == {"relax.matmul", "relax.reshape"}
+    rng = np.random.default_rng(0)
+    with tvm.target.Target("llvm"):
+        vms = [relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(m), "llvm"), tvm.cpu())
+               for m in (before, after)]
+    for t in (1, 9):
+        p = rng.standard_normal((2, 4, 3, t)).astype("float32")
+        v = rng.standard_normal((2, 2, t, 8)).astype("float32")
+        got, unrewritten = (vm["main"](tvm.runtime.tensor(p), tvm.runtime.tensor(v)).numpy() for vm in reversed(vms))
+        np.testing.assert_allclose(got, p @ np.repeat(v, 2, axis=1), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, unrewritten, rtol=1e-6, atol=1e-7)
+
+
+def test_values_repeated_other_than_per_head_are_left_alone():
+    """expand_dims before the heads axis tiles the heads (0, 1, 0, 1), which the view cannot express."""
+    before = _values_module(axis=1)
+    tvm.ir.assert_structural_equal(KeysInPlace()(before), before)
 
 
 def test_scores_scaled_by_a_vector_are_left_alone():

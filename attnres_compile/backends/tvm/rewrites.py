@@ -1,7 +1,7 @@
 """Module rewrites of the pipeline. Before legalization: powers to multiplications, `take` in a
 mode that cannot read out of bounds, sigmoid to exp so that FastMath (which knows exp, tanh, erf
 and softmax) makes it vectorisable, then FastMath; attention scores against the keys as they
-are stored (no transposed, scaled copy of the keys per call).
+are stored (no transposed, scaled copy of the keys per call; grouped-query K and V unrepeated).
 Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument.
 After the default schedules: a root block for the functions that lack one."""
 
@@ -131,14 +131,65 @@ class _KeysMutator(PyExprMutator):
         if not is_op(call, "relax.matmul") or call.attrs.out_dtype not in (None, "", call.ty.dtype):
             return call
         a, b = call.args
-        found = self._swapped(b)
-        if found is None or a.ty.shape is None or a.ty.dtype != found[0].ty.dtype:
+        if not isinstance(a.ty, relax.TensorType) or a.ty.shape is None:
             return call
-        dims, key_dims = a.ty.shape.values, found[0].ty.shape.values
+        found = self._swapped(b)
+        if found is None:
+            values = self._repeated(b)
+            if values is None or a.ty.dtype != values[0].ty.dtype:
+                return call
+            grouped = self._grouped(a, *values, relax.op.matmul, call)
+            return call if grouped is None else grouped
+        keys, scale = found
+        if a.ty.dtype != keys.ty.dtype:
+            return call
+        dims, key_dims = a.ty.shape.values, keys.ty.shape.values
         if not (_same_dims(dims[:-2], key_dims[:-2]) and _same_dims(dims[-1:], key_dims[-1:])):
             return call
-        keys, scale = found
-        return self.builder_.call_te(_scores, a, keys, scale, primfunc_name_hint="matmul_keys")
+
+        def scores(rows: relax.Expr, heads: relax.Expr) -> relax.Expr:
+            return self.builder_.call_te(_scores, rows, heads, scale, primfunc_name_hint="matmul_keys")
+        repeated = self._repeated(keys)
+        grouped = None if repeated is None else self._grouped(a, *repeated, scores, call)
+        return scores(a, keys) if grouped is None else grouped
+
+    def _grouped(self, a: relax.Expr, heads: relax.Expr, repeat: int, product, call: relax.Call) -> relax.Expr | None:
+        """`product(a, repeat_kv(heads))` as `product(a', heads)`: a, [.., heads * repeat, s, k], viewed as
+        [.., heads, repeat * s, k] (the queries of one KV head are consecutive), the result viewed back;
+        None where a's leading dims are not heads' (a broadcast)."""
+        dims, kv = a.ty.shape.values, heads.ty.shape.values
+        if len(dims) < 3 or not _same_dims(dims[:-3], kv[:-3]) or not _same_dims([dims[-3]], [kv[-3] * repeat]):
+            return None
+        rows = self.builder_.emit(relax.op.reshape(a, [*dims[:-3], kv[-3], repeat * dims[-2], dims[-1]]))
+        out = self.builder_.emit(product(rows, heads))
+        return relax.op.reshape(out, call.ty.shape)
+
+    def _repeated(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
+        """(X, r) where `expr` is X, [.., heads, n, d], with every head repeated r times in a row (HF's
+        repeat_kv for grouped-query attention: expand_dims before the rows, broadcast_to, reshape to
+        [.., heads * r, n, d]), else None."""
+        node = self._value(expr)
+        if not (isinstance(node, relax.Call) and is_op(node, "relax.reshape")):
+            return None
+        wide = self._value(node.args[0])
+        if not (isinstance(wide, relax.Call) and is_op(wide, "relax.broadcast_to")):
+            return None
+        narrow = self._value(wide.args[0])
+        if not (isinstance(narrow, relax.Call) and is_op(narrow, "relax.expand_dims")):
+            return None
+        source = narrow.args[0]
+        if not isinstance(getattr(source, "ty", None), relax.TensorType) or source.ty.shape is None:
+            return None
+        x, big = source.ty.shape.values, wide.ty.shape.values
+        rank = len(x)
+        axes = [int(v) % (rank + 1) for v in narrow.attrs.axis]
+        if rank < 3 or axes != [rank - 2] or not isinstance(big[rank - 2], tvm.tirx.IntImm):
+            return None
+        repeat = int(big[rank - 2])
+        if not (_same_dims(big, [*x[:-2], repeat, *x[-2:]])
+                and _same_dims(node.ty.shape.values, [*x[:-3], x[-3] * repeat, *x[-2:]])):
+            return None
+        return source, repeat
 
     def _value(self, expr: relax.Expr) -> relax.Expr:
         bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
@@ -212,7 +263,10 @@ class KeysInPlace:
     [batch * heads, ...] view and scaled) -> one operator reading K where it is. TVM made three
     copies of the keys per call for it (the transpose, a reshape, the scaling), with symbolic
     extents that it neither vectorises nor divides cheaply: in a decode step with past 128 they
-    took half its time (Llama, width 1024)."""
+    took half its time (Llama, width 1024). Grouped-query attention (HF's repeat_kv of K and V to
+    the query heads: expand_dims, broadcast_to, reshape) reads the cache unrepeated too, the
+    queries or probabilities viewed per KV head (`_grouped`): the repeats were two copies of each
+    cache per layer per step, a quarter of SmolLM2-135M's decode step."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return rewrite_functions(mod, _KeysMutator)

@@ -113,3 +113,13 @@ def test_causal_lm_steps_run_the_lean_copy(llama, monkeypatch):
     prefill, steps = lm._attnres_lean[1][True], lm._attnres_lean[1][False]
     assert ran == [prefill, steps, steps, steps]
     assert prefill.module.graph.find_nodes(op="call_function", target=aten.slice.Tensor)  # the last position only
+
+
+def test_a_graph_that_calls_submodules_gets_no_lean_copy(tmp_path):
+    """symbolic_trace graphs and `ExportedProgram.module()` (torch's `_guards_fn`) call submodules:
+    no copy (None), so callers run the graph itself, rather than fx's purity check failing."""
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    program = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)).module()
+    assert fx_lean.lean_copy(traced) is None
+    assert any(n.op == "call_module" for n in program.graph.nodes)
+    assert fx_lean.lean_copy(program) is None

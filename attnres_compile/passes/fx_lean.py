@@ -72,7 +72,11 @@ def _on(tensor: torch.Tensor, dtype: torch.dtype, device: int) -> bool:
 def lean_copy(graph_module: fx.GraphModule, edit: Callable[[fx.Graph], bool] | None = None) -> Lean | None:
     """A Lean copy of `graph_module` (a torch.export module: its nodes carry fake values), `edit`
     applied first to the copied graph (returning False: no copy); None
-    where an input has no traced tensor value or an attribute is not a tensor or a module."""
+    where an input has no traced tensor value, an attribute is not a tensor or a module, or a node
+    calls a submodule (a symbolic_trace graph; `ExportedProgram.module()`'s `_guards_fn`): its
+    attributes are not all read by get_attr, and fx's purity check needs the owning module."""
+    if graph_module.graph.find_nodes(op="call_module"):
+        return None
     graph = fx.Graph(tracer_cls=graph_module.graph._tracer_cls)
     graph._codegen = copy.deepcopy(graph_module.graph._codegen)
     graph.output(graph.graph_copy(graph_module.graph, {}))

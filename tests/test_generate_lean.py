@@ -123,3 +123,20 @@ def test_a_graph_that_calls_submodules_gets_no_lean_copy(tmp_path):
     assert fx_lean.lean_copy(traced) is None
     assert any(n.op == "call_module" for n in program.graph.nodes)
     assert fx_lean.lean_copy(program) is None
+
+
+def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):
+    """The input checks (InputGuards here; torch's own hook on a module that kept it) and any other
+    pre-hook run on the copy as on the graph module."""
+    model, example, gm = llama
+    seen = []
+    handle = gm.register_forward_pre_hook(lambda module, args: seen.append(len(args)))
+    try:
+        lean = fx_lean.lean_copy(gm)
+    finally:
+        handle.remove()
+    kinds = [type(h) for h in lean.module._forward_pre_hooks.values()]
+    assert fx_lean.input_guards.InputGuards in kinds and len(kinds) == len(gm._forward_pre_hooks) + 1
+    with torch.no_grad():
+        lean.module(*_step_args(model, example, gm)[1])
+    assert seen == [len(_step_args(model, example, gm)[1])]

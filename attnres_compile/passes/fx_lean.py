@@ -89,8 +89,9 @@ def lean_copy(graph_module: fx.GraphModule, edit: Callable[[fx.Graph], bool] | N
     for name in ("range_constraints", "validate_inputs"):
         if hasattr(graph_module, name):
             setattr(module, name, getattr(graph_module, name))
-    if any(isinstance(h, input_guards.InputGuards) for h in graph_module._forward_pre_hooks.values()):
-        module.register_forward_pre_hook(input_guards.InputGuards(), with_kwargs=True)
+    for key, hook in graph_module._forward_pre_hooks.items():  # torch's input checks or ours, and any other
+        fresh = input_guards.InputGuards() if isinstance(hook, input_guards.InputGuards) else hook  # ours cache per module
+        module.register_forward_pre_hook(fresh, with_kwargs=key in graph_module._forward_pre_hooks_with_kwargs)
     inputs = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
     if not all(isinstance(val, torch.Tensor) for val in inputs):
         return None

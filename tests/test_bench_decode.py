@@ -47,15 +47,16 @@ def test_site_costs_and_targets(quick):
                for v in site["variants"].values())
     verdicts = {(t["runtime"], t["variant"]): t["verdict"] for t in data["targets"]}
     assert verdicts == {("tvm", "block"): "not measured", ("onnxruntime", "block"): "not measured",
-                        ("eager", "block"): "not measured", ("generate", "block"): "not measured"}
-    # the quick matrix has no width-1024 rows and no generate route
+                        ("eager", "block"): "not measured", ("tvm", "original"): "not measured",
+                        ("generate", "block"): "not measured"}
+    # the quick matrix has none of the targets' widths and no TVM or generate route
     assert "overhead over the original: onnxruntime decode, Block" in (out / "decode.txt").read_text()
 
 
 def test_generate_route_candidates_are_checked_and_timed(tmp_path):
     """The generate runtime's job in-process (decode_route.py): HF generate() on the model, an
     identical copy, causal_lm over the trace and over the Block rewrite give the same step logits
-    and are timed; --factory runs the generate route only."""
+    and are timed."""
     import argparse
 
     import numpy as np
@@ -72,6 +73,20 @@ def test_generate_route_candidates_are_checked_and_timed(tmp_path):
     assert set(out["samples"]) == {f"generate {v}" for v in decode_route.VARIANTS}
     for name, check in out["checks"].items():
         assert check["error"] is None and check["max_abs_err"] < 1e-4, (name, check)
-    with pytest.raises(ConfigError, match="--factory times the HF generate"):
-        decode.settings(argparse.Namespace(factory="samples.smollm2:factory", runtimes=["eager"]))
-    assert decode.settings(argparse.Namespace(factory="samples.smollm2:factory")).runtimes == ["generate"]
+    with pytest.raises(ConfigError, match="at its own size"):
+        decode.settings(argparse.Namespace(factory="samples.smollm2:factory", widths=[256]))
+
+
+def test_a_factory_decoder_is_timed_in_every_runtime_at_its_own_size(tmp_path):
+    """--factory: the user's HF causal LM (Qwen2 with biased q/k/v and grouped-query attention, 2
+    layers, width 32, vocabulary 100) is traced, rewritten and timed at its own size (eager, HF's own
+    forward beside), every step's logits checked; every target is read there."""
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--factory", "samples.hf_decoders:qwen2_factory", "--runtimes", "eager",
+                 "--prefill", "6", "--steps", "3", "--rounds", "1", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "decode.json").read_text())
+    keys = {(r["model"], r["width"], r["sublayers"], r["runtime"], r["variant"]) for r in data["rows"]}
+    assert keys == {("hf_decoders", 32, 4, "eager", v) for v in ("original", "copy", "full", "block", "hf")}
+    assert all(r["error"] is None and r["max_abs_err"] < 1e-4 for r in data["rows"])
+    measured = {(t["runtime"], t["variant"]): t["covered"] for t in data["targets"]}
+    assert measured[("eager", "block")] == 1 and measured[("onnxruntime", "block")] == 0

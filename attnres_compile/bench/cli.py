@@ -93,6 +93,8 @@ def add_commands(subparsers) -> None:
         p.add_argument("--profile", action="store_true", help="per-kernel (TVM) and per-node (onnxruntime) time by op "
                        "kind, original vs Full vs Block, at 1 thread")
         p.add_argument("--tuning-db", help="folder keeping TVM tuning records across runs (default OUT/tuning-db)")
+    parsers["model"].add_argument("--factory", help="module:function returning (model, example_inputs) of an HF causal "
+                                  "LM, e.g. samples.smollm2:factory: time that model at its own size instead")
 
 
 def _decode_flags(p) -> None:
@@ -103,8 +105,8 @@ def _decode_flags(p) -> None:
                    help="default eager,onnxruntime,tvm,generate (eager: the traced decoder with past, and HF's own "
                    "forward beside it; tvm: the .onnx compiled, default build; generate: HF generate() on the model "
                    "and through causal_lm; --quick: eager,onnxruntime)")
-    p.add_argument("--factory", help="module:function returning (model, example_inputs), e.g. samples.smollm2:factory: "
-                   "time that model's HF generate() route only, at its own size")
+    p.add_argument("--factory", help="module:function returning (model, example_inputs) of an HF causal LM, e.g. "
+                   "samples.smollm2:factory: time that model at its own size instead")
     p.add_argument("--prefill", type=int, help="prompt tokens before the timed decode steps (default 128)")
     p.add_argument("--steps", type=int, help="decode steps of one token per timed call (default 64)")
     p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")

@@ -11,9 +11,10 @@ decoder-with-past .onnx of every variant, exported alike) and TVM (that .onnx bu
 compile_model's pipeline into one library with dynamic batch, sequence and past, default
 schedules, no tuning; the presents stay TVM tensors from step to step), and `generate`: HF
 generate() on the model against generation.causal_lm over its trace and its Block rewrite
-(decode_route.py; with --factory, that model alone). Timing, clocks and targets as in bench model: 1
-thread on CPU time decides, --threads on wall time beside; decode_sites.py adds what one site
-costs at [1, 1, D].
+(decode_route.py). With --factory, the user's own HF causal LM at its own size takes the random
+models' place (factory.py). Timing, clocks and targets as in bench model: 1 thread on CPU time
+decides, --threads on wall time beside; the TVM rounds time onnxruntime's original too (TVM
+against onnxruntime); decode_sites.py adds what one site costs at [1, 1, D].
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from ..config import AttnResConfig
 from ..errors import ConfigError, VerificationError
-from . import decode_route, decode_sites, model_targets, results
+from . import decode_route, decode_sites, factory, model_targets, results
 from .decode_report import plot, table  # noqa: F401  (the benchmark's views, for cli.py)
 from .decode_worker import time_decode
-from .model import HEADS, VOCAB, Progress, Variant, _timing_fields, identical_copy, make_model
+from .model import HEADS, ORT_ORIGINAL, VOCAB, Progress, Variant, _timing_fields, identical_copy
 from .model_targets import Target
 from .model_worker import WorkerError, Workers
 
@@ -45,14 +46,14 @@ DEFAULTS = {"models": ["llama"], "runtimes": list(RUNTIMES), "widths": [256, 102
             "prefill": 128, "steps": 64, "min_time": 0.2}
 QUICK = {"models": ["llama"], "runtimes": ["eager", "onnxruntime"], "widths": [64], "sublayers": [4], "prefill": 8, "steps": 4,
          "min_time": 0.01}  # the CI smoke test
-LARGE = ((1024, 24), (1024, 48))
-TARGETS = (
-    Target("TVM decode, Block", "tvm", "block", "overhead", 5.0, LARGE),
-    Target("onnxruntime decode, Block", "onnxruntime", "block", "overhead", 5.0, LARGE),
-    Target("PyTorch eager decode, Block", "eager", "block", "overhead", 10.0, LARGE),
+MATRIX = ((256, 24), (256, 48), (1024, 24), (1024, 48))
+TARGETS = (  # issue 50's limits (2026-12-04): Block <= +5% a token in every runtime at both widths
+    Target("TVM decode, Block", "tvm", "block", "overhead", 5.0, MATRIX),
+    Target("onnxruntime decode, Block", "onnxruntime", "block", "overhead", 5.0, MATRIX),
+    Target("PyTorch eager decode, Block", "eager", "block", "overhead", 5.0, MATRIX),
+    Target("TVM decode, original vs onnxruntime original", "tvm", "original", "vs_onnxruntime", 1.0, MATRIX),
     Target("HF generate() through causal_lm, Block", "generate", "block", "overhead", 5.0, ((256, 24),)),
 )
-FACTORY_TARGET = "HF generate() through causal_lm, Block"  # a --factory run's target, at the model's own size
 
 
 @dataclass
@@ -69,7 +70,8 @@ class Settings:
     threads: int
     rounds: int
     min_time: float
-    factory: str | None = None  # `module:function` of the model (the generate route only)
+    factory: str | None = None  # `module:function` of the user's causal LM, timed instead of the random models
+    vocab: int = VOCAB  # token ids are drawn below this (a factory's model: at most its vocabulary)
 
 
 def settings(args) -> Settings:
@@ -86,10 +88,8 @@ def settings(args) -> Settings:
                  threads=getattr(args, "threads", None) or os.cpu_count() or 1,
                  rounds=getattr(args, "rounds", None) or 5, min_time=base["min_time"],
                  factory=getattr(args, "factory", None))
-    if s.factory:
-        if getattr(args, "runtimes", None) not in (None, ["generate"]):
-            raise ConfigError("--factory times the HF generate() route only: drop --runtimes or give --runtimes generate")
-        s.runtimes = ["generate"]
+    if s.factory and any(getattr(args, flag, None) for flag in ("models", "widths", "sublayers")):
+        raise ConfigError("--factory times that model at its own size: drop --models, --widths and --sublayers")
     if any(d % 2 for d in s.sublayers):
         raise ConfigError(f"--sublayers must be even (two sublayers per layer), got {s.sublayers}")
     if any(w % HEADS for w in s.widths):
@@ -159,6 +159,11 @@ def save_files(v: Variant, args: tuple, spec: tuple, geometry, folder: Path, run
         raise VerificationError(f"the {v.name} decoder was traced with static shapes: {notes[0]}")
 
 
+def _ids(s: Settings) -> np.ndarray:
+    """The prompt and decoded positions' token ids (seed 0): [1, prefill + steps] below s.vocab."""
+    return np.random.default_rng(0).integers(0, s.vocab, (1, s.prefill + s.steps), dtype=np.int64)
+
+
 def reference_logits(model: torch.nn.Module, ids: np.ndarray, prefill: int) -> np.ndarray:
     """The torch model's logits at each decoded position, from one forward over every token: [steps, vocab]."""
     with torch.no_grad():
@@ -179,6 +184,10 @@ def time_runtime(runtime: str, variants: list[Variant], base: dict, s: Settings,
                       for v in variants]
     if runtime == "eager":
         candidates.append({"name": "eager hf", "runtime": "hf", "variant": "hf", "check": "eager original"})
+    if runtime == "tvm":  # onnxruntime's original in the same rounds: TVM against onnxruntime
+        original = next(v for v in variants if v.name == "original")
+        candidates.append({"name": ORT_ORIGINAL, "runtime": "onnxruntime", "artifact": str(original.files["onnx"]),
+                           "variant": None, "check": "reference"})
     measured = {}
     for threads in dict.fromkeys((1, s.threads)):
         try:
@@ -187,7 +196,7 @@ def time_runtime(runtime: str, variants: list[Variant], base: dict, s: Settings,
         except WorkerError as exc:
             measured[threads] = exc
     out = {}
-    for c in candidates:
+    for c in (c for c in candidates if c["variant"] is not None):
         fields = _timing_fields(c, measured[1], measured[s.threads])
         for clock in ("cpu", "wall"):
             if f"{clock}_ms" in fields:
@@ -196,12 +205,16 @@ def time_runtime(runtime: str, variants: list[Variant], base: dict, s: Settings,
     return out
 
 
-def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress, workers: Workers) -> tuple[list, dict]:
-    """Rows (runtime x variant) and the site costs of one configuration."""
+def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress, workers: Workers,
+              model: torch.nn.Module | None = None) -> tuple[list, dict]:
+    """Rows (runtime x variant) and the site costs of one configuration (`model`: a factory's, else
+    bench model's random one of that configuration)."""
     tag = f"{name} {width}/{sublayers}"
     log.log(f"{tag}: tracing and rewriting the decoder with past ({sublayers // 2} layers, width {width})")
-    model = make_model(name, sublayers // 2, width, s.prefill + s.steps).model
-    ids = np.random.default_rng(0).integers(0, VOCAB, (1, s.prefill + s.steps), dtype=np.int64)
+    job = {"factory": s.factory, "model": name, "layers": sublayers // 2, "width": width, "prefill": s.prefill,
+           "steps": s.steps}
+    model = model if model is not None else decode_route.model_of(job)
+    ids = _ids(s)
     reference = reference_logits(model, ids, s.prefill)
     variants, geometry, args, spec = make_variants(model, s.blocks)
     sources = {v.name: decode_sites.site_sources(v.program) for v in variants}
@@ -220,7 +233,7 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress,
         np.savez(folder / "reference.npz", logits=reference)
         base = {"inputs": str(folder / "inputs.npz"), "reference": str(folder / "reference.npz"),
                 "heads": geometry["heads"], "head_dims": geometry["head_dims"], "prefill": s.prefill, "steps": s.steps,
-                "model": name, "layers": sublayers // 2, "width": width, "rounds": s.rounds, "min_time": s.min_time}
+                **job, "rounds": s.rounds, "min_time": s.min_time}
         for runtime in [r for r in s.runtimes if r in FILES]:
             start = time.perf_counter()
             timed = time_runtime(runtime, variants, base, s, workers)
@@ -243,7 +256,7 @@ def bench_route(name: str, width: int, sublayers: int, s: Settings, log: Progres
     """The generate runtime's rows of one configuration (decode_route.py): each candidate built and
     timed in the worker, 1 thread (CPU time) and s.threads (wall)."""
     keys = {"model": name, "width": width, "sublayers": sublayers}
-    ids = np.random.default_rng(0).integers(0, VOCAB, (1, s.prefill + s.steps), dtype=np.int64)
+    ids = _ids(s)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"attnres-decode-route-{name}-") as tmp:
         np.savez(Path(tmp) / "inputs.npz", input_ids=ids)
@@ -276,14 +289,15 @@ def run(args, progress: TextIO) -> dict:
         workers = Workers(Path(logs))
         workers.start()
         matrix = [(n, w, d) for n in s.models for w in s.widths for d in s.sublayers]
-        targets = TARGETS
-        if s.factory:  # one model at its own size
-            matrix = [decode_route.geometry(s.factory)]
+        targets, model = TARGETS, None
+        if s.factory:  # one model at its own size, every target there
+            model = factory.load(s.factory)
+            matrix, s.vocab = [factory.geometry(s.factory, model)], factory.vocab(model, VOCAB)
             s.models, s.widths, s.sublayers = [matrix[0][0]], [matrix[0][1]], [matrix[0][2]]
-            targets = (Target(FACTORY_TARGET, "generate", "block", "overhead", 5.0, (matrix[0][1:],)),)
+            targets = model_targets.at(TARGETS, matrix[0][1:])
         for name, width, sublayers in matrix:
             if set(s.runtimes) & set(FILES):
-                more, site = bench_one(name, width, sublayers, s, log, workers)
+                more, site = bench_one(name, width, sublayers, s, log, workers, model)
                 rows += more
                 sites.append(site)
             if "generate" in s.runtimes:

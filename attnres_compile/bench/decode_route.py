@@ -26,21 +26,13 @@ def candidates() -> list[dict]:
     return [{"name": f"generate {v}", "runtime": "generate", "variant": v, "check": BASE} for v in VARIANTS]
 
 
-def geometry(factory: str) -> tuple[str, int, int]:
-    """(model name, width, sublayers) of a `--factory` model: the factory module's last name, the
-    config's hidden size and twice its layers."""
-    from ..cli_args import load_factory
-
-    model, _ = load_factory(factory)
-    config = model.config
-    return factory.split(":")[0].rsplit(".", 1)[-1], int(config.hidden_size), 2 * int(config.num_hidden_layers)
-
-
-def _model(job: dict):
+def model_of(job: dict):
+    """The job's HF causal LM: the --factory's, or bench model's random config (seed 0) for
+    job["model"], job["layers"] and job["width"]."""
     if job.get("factory"):
-        from ..cli_args import load_factory
+        from . import factory
 
-        return load_factory(job["factory"])[0].eval()
+        return factory.load(job["factory"])
     from .model import make_model
 
     return make_model(job["model"], job["layers"], job["width"], job["prefill"] + job["steps"]).model
@@ -57,7 +49,7 @@ def decoder(variant: str, ids: np.ndarray, job: dict) -> Callable[[], np.ndarray
     from ..config import AttnResConfig
     from ..generation import causal_lm
 
-    model = _model(job)
+    model = model_of(job)
     if variant == "traced":
         wrapper, args, spec = decoders.wrap(model)
         model = causal_lm(model, trace(wrapper, args, spec).graph_module)

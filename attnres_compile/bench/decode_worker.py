@@ -64,9 +64,9 @@ def _hf(ids: np.ndarray, job: dict) -> Decode:
     import torch
 
     from .. import decoder
-    from .model import make_model
+    from .decode_route import model_of
 
-    model = make_model(job["model"], job["layers"], job["width"], job["prefill"] + job["steps"]).model
+    model = model_of(job)
     cache_arg = decoder._cache_param(model)
     feeds = [tuple(map(torch.from_numpy, f)) for f in _feeds(ids, job["prefill"], job["steps"])]
     prompt, mask, pos = map(torch.from_numpy, _prompt(ids, job["prefill"]))

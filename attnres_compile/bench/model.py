@@ -16,7 +16,8 @@ against the original and timed in interleaved rounds in a fresh worker process
 thread, and a busy machine's waiting is not counted) and at --threads threads on wall time.
 The TVM workers also time onnxruntime running the original in the same rounds (the
 speed-against-onnxruntime targets' ratio). Peak memory is measured per artifact in a fresh worker; --profile adds per-kernel
-(TVM) and per-node (onnxruntime) times by op kind (profile.py).
+(TVM) and per-node (onnxruntime) times by op kind (profile.py). With --factory, the user's own HF
+causal LM at its own size takes the random models' place (factory.py), every target read there.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from ..config import AttnResConfig
 from ..errors import ConfigError, VerificationError, first_line
-from . import model_targets, profile, results
+from . import factory, model_targets, profile, results
 from .model_report import plot, table  # noqa: F401  (the benchmark's views, for cli.py)
 from .model_worker import WorkerError, Workers, measure_memory, onnxruntime_providers, time_candidates
 from .timing import paired_ratio, ratio_interval
@@ -81,6 +82,8 @@ class Settings:
     rounds: int
     min_time: float
     profile: bool
+    factory: str | None = None  # `module:function` of the user's causal LM, timed instead of the random models
+    vocab: int = VOCAB          # token ids are drawn below this (a factory's model: at most its vocabulary)
 
 
 def settings(args) -> Settings:
@@ -101,7 +104,9 @@ def settings(args) -> Settings:
                  tuning_db=Path(getattr(args, "tuning_db", None) or Path(args.out) / "tuning-db"),
                  device=getattr(args, "device", "cpu"), threads=getattr(args, "threads", None) or os.cpu_count() or 1,
                  rounds=getattr(args, "rounds", None) or base["rounds"], min_time=base["min_time"],
-                 profile=bool(getattr(args, "profile", False)))
+                 profile=bool(getattr(args, "profile", False)), factory=getattr(args, "factory", None))
+    if s.factory and any(getattr(args, flag, None) for flag in ("models", "width", "sublayers")):
+        raise ConfigError("--factory times that model at its own size: drop --models, --width and --sublayers")
     depths = [d for _, ds in s.matrices for d in ds]
     if any(d % 2 for d in depths):
         raise ConfigError(f"--sublayers must be even (two sublayers per layer), got {depths}")
@@ -165,9 +170,9 @@ def make_model(name: str, layers: int, width: int, seq: int) -> torch.nn.Module:
     return CausalLMLogits(model.eval()).eval()
 
 
-def make_inputs(batch: int, seq: int) -> dict[str, np.ndarray]:
-    """Token ids (seed 0) and an all-ones attention mask, in the forward's argument order."""
-    ids = np.random.default_rng(0).integers(0, VOCAB, (batch, seq), dtype=np.int64)
+def make_inputs(batch: int, seq: int, vocab: int = VOCAB) -> dict[str, np.ndarray]:
+    """Token ids below `vocab` (seed 0) and an all-ones attention mask, in the forward's argument order."""
+    ids = np.random.default_rng(0).integers(0, vocab, (batch, seq), dtype=np.int64)
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq), np.int64)}
 
 
@@ -385,13 +390,14 @@ def memory_fields(runtime: str, artifact: Any, paths: dict[str, Path], s: Settin
     return {"forward_peak_mb": out["forward_peak_bytes"] / MIB, "peak_rss_mb": out["peak_rss_bytes"] / MIB}
 
 
-def bench_one(name: str, width: int, sublayers: int, s: Settings, progress: Progress,
-              workers: Workers) -> tuple[list[dict], list[dict], list[dict]]:
-    """Rows (runtime x variant), compile records (one per variant) and profiles of one model configuration."""
+def bench_one(name: str, width: int, sublayers: int, s: Settings, progress: Progress, workers: Workers,
+              model: torch.nn.Module | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """Rows (runtime x variant), compile records (one per variant) and profiles of one model
+    configuration (`model`: a factory's causal LM, else the random one of that configuration)."""
     tag = f"{name} {width}/{sublayers}"
     progress.log(f"{tag}: exporting and rewriting ({sublayers // 2} layers, width {width})")
-    model = make_model(name, sublayers // 2, width, s.seq).to(s.device)
-    inputs = make_inputs(s.batch, s.seq)
+    model = (make_model(name, sublayers // 2, width, s.seq) if model is None else CausalLMLogits(model)).to(s.device)
+    inputs = make_inputs(s.batch, s.seq, s.vocab)
     args = tuple(torch.from_numpy(a).to(s.device) for a in inputs.values())
     reference = reference_outputs(model, args)
     variants = make_variants(model, args, s.blocks)
@@ -454,10 +460,16 @@ def run(args, progress: TextIO) -> dict:
     with tempfile.TemporaryDirectory(prefix="attnres-bench-logs-") as logs:
         workers = Workers(Path(logs))
         workers.start()
+        targets, model = model_targets.TARGETS, None
+        if s.factory:  # one model at its own size, every target there
+            model = factory.load(s.factory)
+            name, width, sublayers = factory.geometry(s.factory, model)
+            s.models, s.matrices, s.vocab = [name], [(width, [sublayers])], factory.vocab(model, VOCAB)
+            targets = model_targets.at(targets, (width, sublayers))
         for name in s.models:
             for width, depths in s.matrices:
                 for sublayers in depths:
-                    more = bench_one(name, width, sublayers, s, log, workers)
+                    more = bench_one(name, width, sublayers, s, log, workers, model)
                     rows += more[0]
                     compiles += more[1]
                     profiles += more[2]
@@ -470,4 +482,4 @@ def run(args, progress: TextIO) -> dict:
     tuning = {"tune_minutes": s.tune_minutes, "trials": s.trials}
     return {"benchmark": "model", "environment": results.environment(s.threads, s.device), "config": config,
             "rows": rows, "compile": compiles, "profiles": profiles,
-            "targets": model_targets.evaluate(rows, compiles, tuning)}
+            "targets": model_targets.evaluate(rows, compiles, tuning, targets, tuple(s.models))}

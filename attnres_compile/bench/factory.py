@@ -1,0 +1,41 @@
+"""A user's own causal LM in `bench model` and `bench decode` (`--factory module:function`).
+
+The factory is the CLI's (`cli_args.load_factory`: a function returning (model, example_inputs));
+the benchmarks need an HF causal LM from it: a forward taking `input_ids` / `attention_mask` and
+returning `.logits`, and a config naming its width (`hidden_size`) and depth
+(`num_hidden_layers`, two sublayers each). The model is timed at its own size, one configuration.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+
+
+def load(spec: str) -> torch.nn.Module:
+    """The factory's model in eval mode, checked to be an HF causal LM with the config fields the
+    benchmarks read (ConfigError naming what is missing otherwise)."""
+    from ..cli_args import load_factory
+
+    model, _ = load_factory(spec)
+    config = getattr(model, "config", None)
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not hasattr(config, k)]
+    if not isinstance(model, torch.nn.Module) or missing:
+        raise ConfigError(f"--factory {spec}: the benchmarks time an HF causal LM (a transformers model whose config "
+                          f"has hidden_size, num_hidden_layers and vocab_size); this one has no "
+                          f"{', '.join(missing) or 'torch module'}: time it with `rewrite --verify` or your own loop")
+    return model.eval()
+
+
+def geometry(spec: str, model: torch.nn.Module) -> tuple[str, int, int]:
+    """(model name, width, sublayers) of a factory's model: the factory module's last name, the
+    config's hidden size and twice its layers."""
+    config = model.config
+    return spec.split(":")[0].rsplit(".", 1)[-1], int(config.hidden_size), 2 * int(config.num_hidden_layers)
+
+
+def vocab(model: torch.nn.Module, limit: int) -> int:
+    """How many token ids the benchmarks draw from: the model's vocabulary, at most `limit` (the
+    random models' own, so a factory's run feeds the same ids where its vocabulary allows)."""
+    return min(int(model.config.vocab_size), limit)

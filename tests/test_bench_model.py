@@ -219,6 +219,7 @@ def test_a_factory_model_is_timed_at_its_own_size(tmp_path):
     assert {r["sites"] for r in data["rows"] if r["variant"] in ("full", "block")} == {4}
     eager = next(t for t in data["targets"] if (t["runtime"], t["variant"], t["limit"]) == ("eager", "block", 3.0))
     assert eager["covered"] == eager["expected"] == 1 and "width 32 at 4 sublayers" in eager["target"]
+    assert [t["limit"] for t in data["targets"] if (t["runtime"], t["variant"]) == ("eager", "block")] == [3.0]
     with pytest.raises(ConfigError, match="at its own size"):
         model.settings(_args(tmp_path, factory="samples.hf_decoders:gpt2_factory", width=64))
     err = io.StringIO()

@@ -66,8 +66,13 @@ TARGETS = (  # issue 50's limits (2026-12-04): the fused site + norm pays for mo
 
 
 def at(targets: tuple[Target, ...], config: tuple[int, int]) -> tuple[Target, ...]:
-    """`targets` read at one (width, sublayers): a --factory model's own size."""
-    return tuple(Target(t.what, t.runtime, t.variant, t.metric, t.limit, (config,)) for t in targets)
+    """`targets` read at one (width, sublayers): a --factory model's own size. A measure limited
+    per width (eager and onnxruntime Block: width 256 and 1024) keeps its first limit, width 256's."""
+    first: dict[tuple, Target] = {}
+    for t in targets:
+        first.setdefault((t.what, t.runtime, t.variant, t.metric), Target(t.what, t.runtime, t.variant, t.metric,
+                                                                           t.limit, (config,)))
+    return tuple(first.values())
 
 
 def limit_text(t: Target) -> str:

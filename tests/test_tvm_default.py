@@ -130,6 +130,39 @@ def test_scores_against_keys_as_stored_are_vectorised_dot_products():
         np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+def test_prefill_scores_compute_their_rotary_operands_once():
+    """A prefill's scores with both operands' rotary embeddings fused in (HF Llama: q * cos +
+    rotate_half(q) * sin, the same for the keys, the tables constants): the dot-product rule takes
+    it although the tables are weights (`layout_free_buffers`: only the producers read them), keeps
+    the two rotary blocks, each computed once instead of once per key or query (inlined, the GEMM
+    rule made Llama 256/48's original 2.2x slower: 5.3 ms a call), and matches numpy."""
+    shape, table = (1, 4, 16, 32), (1, 1, 16, 32)
+    q, q_rot, k, k_rot = (te.placeholder(shape, name=n) for n in ("q", "q_rot", "k", "k_rot"))
+    cos, sin = te.placeholder(table, name="cos"), te.placeholder(table, name="sin")
+
+    def rotary(x, x_rot, name):
+        return te.compute(shape, lambda a, h, i, d: (x[a, h, i, d] * cos[0, 0, i, d]
+                                                     + x_rot[a, h, i, d] * sin[0, 0, i, d]), name=name)
+
+    qe, ke = rotary(q, q_rot, "q_embedded"), rotary(k, k_rot, "k_embedded")
+    d = te.reduce_axis((0, 32), name="d")
+    out = te.compute((1, 4, 16, 16), lambda a, h, i, j: te.sum(qe[a, h, i, d] * (ke[a, h, j, d] * 0.5), axis=d),
+                     name="matmul")
+    func = te.create_prim_func([q, cos, q_rot, sin, k, k_rot, out]).with_attr("layout_free_buffers", [1, 3])
+    target = make_target("llvm")
+    with target:
+        assert DotProducts().apply(func, target, False) is not None
+    script = default_schedule(func, target).mod["main"].script()
+    assert 'sblock("q_embedded")' in script and 'sblock("k_embedded")' in script and "matmul_rf" in script
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal([int(n) for n in p.shape]).astype(np.float32) for p in func.params]
+    args = [tvm.runtime.tensor(x) for x in arrays]
+    tvm.compile(default_schedule(func, target).mod["main"].with_attr("global_symbol", "main"), target)(*args)
+    qv, cv, qr, sv, kv, kr, _ = arrays
+    expected = (qv * cv + qr * sv) @ ((kv * cv + kr * sv) * np.float32(0.5)).swapaxes(-1, -2)
+    np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def test_a_matmul_over_one_term_with_a_symbolic_batch():
     """[b, 2, 1, 1] @ [b, 2, 1, 16], b symbolic (HF LeViT's and MobileViT's attention over one
     token): dlight's GEMV rule asserted on it, which failed the whole build. It now passes the

@@ -38,11 +38,13 @@ def test_wrapped_take_matches_torch_in_range_and_stays_in_bounds_past_it():
         np.testing.assert_array_equal(got, table[np.mod(ids, 5)])
 
 
-def _scores_module(scale, grouped: bool = False) -> tvm.IRModule:
+def _scores_module(scale, grouped: bool = False, rows: int | None = None) -> tvm.IRModule:
     """q @ (K as ONNX's scaled dot-product attention transposes it: through a [batch * heads, T, D]
     view, its last two axes swapped, viewed back, times `scale`), batch, sequence and keys
-    symbolic; `grouped`: K has 2 heads, repeated to q's 4 first (HF's repeat_kv: expand, reshape)."""
+    symbolic (the sequence `rows` where given); `grouped`: K has 2 heads, repeated to q's 4 first
+    (HF's repeat_kv: expand, reshape)."""
     b, s, t = (tvm.tirx.Var(n, "int64") for n in ("b", "s", "t"))
+    s = s if rows is None else rows
     q = relax.Var("q", relax.TensorType((b, 4, s, 8), "float32"))
     k = relax.Var("k", relax.TensorType((b, 2 if grouped else 4, t, 8), "float32"))
     bb = relax.BlockBuilder()
@@ -129,6 +131,15 @@ def test_values_repeated_other_than_per_head_are_left_alone():
     """expand_dims before the heads axis tiles the heads (0, 1, 0, 1), which the view cannot express."""
     before = _values_module(axis=1)
     tvm.ir.assert_structural_equal(KeysInPlace()(before), before)
+
+
+def test_a_prefills_scores_keep_their_gemm():
+    """128 static query rows (a prefill built at static shapes) keep the transposed copy and the
+    matmul, a GEMM; one static row (a decode step) reads the keys in place."""
+    prefill = _scores_module(relax.const(0.35, "float32"), rows=128)
+    tvm.ir.assert_structural_equal(KeysInPlace()(prefill), prefill)
+    step = relax.transform.DeadCodeElimination()(KeysInPlace()(_scores_module(relax.const(0.35, "float32"), rows=1)))
+    assert _ops(step) == {"relax.call_tir"}
 
 
 def test_scores_scaled_by_a_vector_are_left_alone():

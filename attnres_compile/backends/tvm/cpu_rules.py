@@ -56,6 +56,7 @@ VECTORS_NARROW = 3  # ... with 16 (AVX2): 12 accumulators, 3 operand vectors and
 K_UNROLL = 4
 K_BLOCK = 512  # K beyond 2 * K_BLOCK is split into blocks of about this size
 PARALLEL_MIN = 1 << 14  # elements an injective operator needs before it runs in parallel
+RECOMPUTE_MAX = 8  # DotProducts: a producer inlined into at most this many terms per element it writes
 PREPROC = "meta_schedule.layout_rewrite_preproc"
 
 
@@ -206,12 +207,15 @@ class DotProducts(_SafeRule):
     the element, the output's loops fused and run in parallel when large. The GEMM tile vectorised
     such an operator across the keys' rows, a gather per vector (a decode step's scores over 129
     keys of 256 took 128 us, 4x the product of the same scores with the values). Producers are
-    inlined (the query's rotary embedding), as the GEMM rule does; an elementwise epilogue too."""
+    inlined (the query's rotary embedding in a decode step), as the GEMM rule does, and an
+    elementwise epilogue too; but an operand whose producer the product would recompute for most
+    of its terms (`_materialised`: the rotary embeddings of a prefill's 128 queries and keys,
+    each recomputed 128 times, 5.3 ms a call in HF Llama at width 256) is computed once first."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
         reductions = [b for b in infos if not b.is_injective()]
-        if len(reductions) != 1 or (func.attrs and list(func.attrs.get("layout_free_buffers", []))):
+        if len(reductions) != 1 or _reads_weight(func, sch.get(reductions[0].block_rv)):
             return None
         main = reductions[0].block_rv
         position = [b.block_rv for b in infos].index(main)
@@ -223,8 +227,10 @@ class DotProducts(_SafeRule):
         if len(block.reads) < 2 or any(not r.region or not r.region[-1].min.same_as(k) for r in block.reads
                                        if not r.source.same_as(block.writes[0].source)):
             return None
+        kept = _materialised(block, [sch.get(p.block_rv) for p in infos[:position]])
         for producer in infos[:position]:
-            sch.compute_inline(producer.block_rv)
+            if sch.get(producer.block_rv).name_hint not in kept:
+                sch.compute_inline(producer.block_rv)
         for consumer in reversed(infos[position + 1:]):
             sch.reverse_compute_inline(consumer.block_rv)
         lane = lanes(target, block.writes[0].source.dtype.bits)
@@ -241,6 +247,31 @@ class DotProducts(_SafeRule):
         if cores(target) > 1 and points >= PARALLEL_MIN:
             sch.parallel(outer)
         return sch
+
+
+def _reads_weight(func: tirx.PrimFunc, block) -> bool:
+    """Whether `block` reads a weight (a constant, `layout_free_buffers`) directly; one that only
+    its producers read (the rotary tables of a query and key) leaves it a product of activations."""
+    free = [func.params[int(x)] for x in (func.attrs.get("layout_free_buffers", []) if func.attrs else [])]
+    return any(r.source.same_as(b) for r in block.reads for b in free)
+
+
+def _materialised(main, producers: list) -> set[str]:
+    """Names of the `producers` that `main` reads directly and would recompute, inlined, for at
+    least RECOMPUTE_MAX of its iterations per element they write (static extents only: a symbolic
+    operator keeps everything inlined). Such a producer stays a block of its own at the root."""
+    if any(not isinstance(iv.dom.extent, tirx.IntImm) for iv in main.iter_vars):
+        return set()
+    reads = {r.source for r in main.reads}
+    terms = math.prod(int(iv.dom.extent) for iv in main.iter_vars)
+    kept = set()
+    for producer in producers:
+        written = producer.writes[0].source if producer.writes else None
+        if written is None or written not in reads or not all(isinstance(n, tirx.IntImm) for n in written.shape):
+            continue
+        if terms >= RECOMPUTE_MAX * math.prod(int(n) for n in written.shape):
+            kept.add(producer.name_hint)
+    return kept
 
 
 def _roles(block, block_traits) -> tuple[IterKind, IterKind]:

@@ -141,7 +141,7 @@ class _KeysMutator(PyExprMutator):
             grouped = self._grouped(a, *values, relax.op.matmul, call)
             return call if grouped is None else grouped
         keys, scale = found
-        if a.ty.dtype != keys.ty.dtype:
+        if a.ty.dtype != keys.ty.dtype or _many_rows(a):
             return call
         dims, key_dims = a.ty.shape.values, keys.ty.shape.values
         if not (_same_dims(dims[:-2], key_dims[:-2]) and _same_dims(dims[-1:], key_dims[-1:])):
@@ -229,6 +229,15 @@ class _KeysMutator(PyExprMutator):
         return None if keys is None else (keys, scale)
 
 
+PREFILL_ROWS = 16  # KeysInPlace: static query rows from which the scores stay a GEMM over a copy of K
+
+
+def _many_rows(a: relax.Expr) -> bool:
+    """Whether the queries `a` [.., rows, d] have a static number of rows of at least PREFILL_ROWS."""
+    rows = a.ty.shape.values[-2]
+    return isinstance(rows, tvm.tirx.IntImm) and int(rows) >= PREFILL_ROWS
+
+
 def _same_dims(x, y) -> bool:
     analyzer = sym.Analyzer()
     return len(x) == len(y) and all(tvm_ffi.structural_equal(p, q) or analyzer.can_prove_equal(p, q)
@@ -266,7 +275,12 @@ class KeysInPlace:
     took half its time (Llama, width 1024). Grouped-query attention (HF's repeat_kv of K and V to
     the query heads: expand_dims, broadcast_to, reshape) reads the cache unrepeated too, the
     queries or probabilities viewed per KV head (`_grouped`): the repeats were two copies of each
-    cache per layer per step, a quarter of SmolLM2-135M's decode step."""
+    cache per layer per step, a quarter of SmolLM2-135M's decode step.
+
+    Scores of a static PREFILL_ROWS queries or more keep the copy: there the product is a GEMM
+    whose key loads every query row shares, and the copy is one pass over K. As dot products (one
+    per score, each ending in a horizontal sum) GPT-2's 128-token scores took 300 us a call against
+    ~70 us for the copy and the GEMM (width 256, 4 heads, 1 thread): 6.8 of a 34 ms forward."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return rewrite_functions(mod, _KeysMutator)

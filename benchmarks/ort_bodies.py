@@ -2,14 +2,14 @@
 
 The two-phase grouping (passes/onnx_grouping.py) and the attnres function bodies
 (passes/onnx_function.py) decide what onnxruntime runs; the TVM backend never expands the
-bodies. This builds `bench model`'s GPT-2 / Llama (width 256, seq 128, random weights), exports
+bodies. This builds `bench model`'s GPT-2 / Llama (width 256 or `--width`, seq 128, random weights), exports
 the original and its Full and Block rewrites once, turns their sites back into one
 DepthAttention node each, and gives them their final form twice: with this checkout's passes and
 with those of another checkout (`--other`, e.g. `git worktree add /tmp/old REV`). Every session
 runs at 1 thread; each round runs every session once, in turn, and the figure is the median over
 rounds of (session / original - 1) in process CPU time, beside an identical copy of the original
 and, as a second control, the other checkout's form twice.
-    python benchmarks/ort_bodies.py --other /tmp/old [--models gpt,llama] [--sublayers 48] [--rounds 60]
+    python benchmarks/ort_bodies.py --other /tmp/old [--models gpt,llama] [--sublayers 48] [--width 256] [--rounds 60]
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def session(model) -> ort.InferenceSession:
     return ort.InferenceSession(model, onnxruntime_options(1), providers=["CPUExecutionProvider"])
 
 
-def compare(name: str, sublayers: int, other, rounds: int, folder: Path) -> None:
-    model = make_model(name, sublayers // 2, 256, 128)
+def compare(name: str, sublayers: int, width: int, other, rounds: int, folder: Path) -> None:
+    model = make_model(name, sublayers // 2, width, 128)
     feeds = make_inputs(1, 128)
     args = tuple(torch.from_numpy(v) for v in feeds.values())
     paths = {}
@@ -80,7 +80,7 @@ def compare(name: str, sublayers: int, other, rounds: int, folder: Path) -> None
     samples = timing.interleaved_clocks({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
                                         rounds, min_time=0)  # one run per session per round
     times = {k: clocks["cpu"] for k, clocks in samples.items()}
-    print(f"{name} 256/{sublayers}: original {1e3 * statistics.median(times['original']):.2f} ms CPU at 1 thread, "
+    print(f"{name} {width}/{sublayers}: original {1e3 * statistics.median(times['original']):.2f} ms CPU at 1 thread, "
           f"median of {rounds} interleaved runs")
     for k, t in times.items():
         ratio = timing.paired_ratio(t, times["original"]) - 1
@@ -92,13 +92,14 @@ def main() -> None:
     parser.add_argument("--other", required=True, type=Path, help="another checkout of attnres-compile")
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--sublayers", default="48")
+    parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=60)
     args = parser.parse_args()
     other = other_passes(args.other)
     with tempfile.TemporaryDirectory(prefix="attnres-ort-bodies-") as tmp:
         for name in args.models.split(","):
             for sublayers in map(int, args.sublayers.split(",")):
-                compare(name, sublayers, other, args.rounds, Path(tmp))
+                compare(name, sublayers, args.width, other, args.rounds, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -357,9 +357,13 @@ def partial_function(carry: int, new: int, queries: int, opset: int) -> onnx.Fun
           for i, q in enumerate(inputs[len(carried) + new:])]
     q_cols = b.op("Transpose", [_concat(b, qs, "qrows", 0)], "qcols", perm=[1, 0])    # [D, B]
     z = b.op("Div", [b.op("MatMul", [stacked, q_cols], "dots"), norms], "z")           # [.., J, B]
-    _reduce(b, "ReduceLogSumExp", z, m2, -2, "lse", opset)                             # [.., 1, B]
     zt = b.op("Einsum", [z], "zt", equation="...jb->...bj")                            # [.., B, J]
-    b.op("MatMul", [b.op("Softmax", [zt], "p", axis=-1), stacked], "acc")
+    top = _reduce(b, "ReduceMax", zt, m1, -1, "top", opset)                            # [.., B, 1]
+    ez = b.op("Exp", [b.op("Sub", [zt, top], "shifted")], "ez")
+    total = _reduce(b, "ReduceSum", ez, m1, -1, "total", opset)
+    lse = b.op("Add", [top, b.op("Log", [total], "log_total")], "lse_rows")
+    b.op("Einsum", [lse], "lse", equation="...bo->...ob")                              # [.., 1, B]
+    b.op("MatMul", [b.op("Div", [ez, total], "p"), stacked], "acc")
     b.op("Identity", [q_cols], "columns")
     return _function(PARTIAL, partial_overload(carry, new, queries), inputs,
                      ["history_out", "rms_out", "lse", "acc", "columns"],

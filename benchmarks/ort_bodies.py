@@ -71,15 +71,16 @@ def ablated(model: bytes, state: bool) -> bytes:
     """`model` with every Merge's body its partial sum e0 (plus, with `state`, row `index` of the
     Partial's acc): the Block form less the Merges' own work (--split)."""
     proto = onnx.ModelProto.FromString(model)
-    fn = next(f for f in proto.functions if f.domain == onnx_function.DOMAIN and f.name == onnx_function.MERGE)
-    del fn.node[:]
+    body = onnx_function.Body()
     if state:
-        index = onnx.helper.make_node("Constant", [], ["index"])
-        index.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name="index", type=onnx.AttributeProto.INT))
-        fn.node.extend([index, onnx.helper.make_node("Gather", ["acc", "index"], ["acc_i"], axis=-2),
-                        onnx.helper.make_node("Sum", ["e0", "acc_i"], ["output"])])
+        index = onnx_function._ref(body, "index", "index", onnx.AttributeProto.INT)
+        body.op("Sum", ["e0", body.op("Gather", ["acc", index], "acc_i", axis=-2)], "output")
     else:
-        fn.node.append(onnx.helper.make_node("Sum", ["e0"], ["output"]))
+        body.op("Sum", ["e0"], "output")
+    for fn in proto.functions:  # one per extra count; none where the form has no Merges (a short model)
+        if fn.domain == onnx_function.DOMAIN and fn.name == onnx_function.MERGE:
+            del fn.node[:]
+            fn.node.extend(body.nodes)
     return proto.SerializeToString()
 
 

@@ -21,7 +21,8 @@ from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.errors import CorruptModelError
 from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
 from attnres_compile.passes import onnx_export, verify
-from attnres_compile.passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node, partial_node
+from attnres_compile.passes.onnx_function import (DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node,
+                                                   partial_node)
 from attnres_compile.passes.onnx_grouping import MAX_GROUP, sites
 from attnres_compile.passes.onnx_site_check import check_sites
 from attnres_compile.passes.onnx_view import value_types
@@ -254,11 +255,11 @@ def _block_group(queries: np.ndarray, folder: Path) -> Path:
     nodes += [merge_node("lse", "acc", "columns", [f"x{i}"], names[i], f"out{i}", index=i, eps=1e-6, scale=4.0,
                          name=f"merge{i}") for i in range(count)]
     rows = ["batch", "seq"]
-    inputs = [helper.make_tensor_value_info("hist", TensorProto.FLOAT, [*rows, 2, width]),
-              helper.make_tensor_value_info("rms", TensorProto.FLOAT, [*rows, 2, 1]),
-              *[helper.make_tensor_value_info(n, TensorProto.FLOAT, [*rows, width]) for n in ["new"] + [f"x{i}" for i in range(count)]]]
-    graph = helper.make_graph(nodes, "group", inputs, [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [*rows, width])
-                                                       for i in range(count)],
+    rows_of = {"hist": [*rows, 2, width], "rms": [*rows, 2, 1], "new": [*rows, width],
+               **{f"x{i}": [*rows, width] for i in range(count)}}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in rows_of.items()]
+    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [*rows, width]) for i in range(count)]
+    graph = helper.make_graph(nodes, "group", inputs, outputs,
                               [numpy_helper.from_array(q, n) for q, n in zip(queries, names)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
     attach_functions(model)
@@ -274,8 +275,8 @@ def test_a_block_site_runs_in_few_onnxruntime_nodes(tmp_path):
     SimplifiedLayerNormalization)."""
     options = ort_backend.ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort_backend.ort.InferenceSession(str(_block_group(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32), tmp_path)), options,
-                                     providers=["CPUExecutionProvider"])
+    queries = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    ort_backend.ort.InferenceSession(str(_block_group(queries, tmp_path)), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     for _ in range(3):  # each output's float-to-float CastLike: onnxruntime keeps a node that writes a graph output
         ops.remove("Cast")

@@ -21,7 +21,8 @@ from attnres_compile.backends import onnxruntime as ort_backend
 from attnres_compile.errors import CorruptModelError
 from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
 from attnres_compile.passes import onnx_export, verify
-from attnres_compile.passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PARTIAL
+from attnres_compile.passes.onnx_function import (DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node,
+                                                   partial_node)
 from attnres_compile.passes.onnx_grouping import MAX_GROUP, sites
 from attnres_compile.passes.onnx_site_check import check_sites
 from attnres_compile.passes.onnx_view import value_types
@@ -242,3 +243,63 @@ def inspect_onnx_ok(model: onnx.ModelProto, folder: Path) -> bool:
     onnx.save(model, str(folder / "ok.onnx"))
     report = inspect_onnx(folder / "ok.onnx")
     return report["summary"]["existing_sites"] == 12 and not [c for c in report["chains"] if c["status"] == "rewritten"]
+
+
+def _block_group(queries: np.ndarray, folder: Path) -> Path:
+    """One Block group as onnxruntime runs it: a Partial carrying a stacked history (hist, rms) and
+    adding `new`, then one Merge per query over its own partial sum x_i (scale 4)."""
+    count, width = queries.shape
+    names = [f"q{i}" for i in range(count)]
+    nodes = [partial_node(["hist", "rms"], ["new"], names, ["history", "norms", "lse", "acc", "columns"], eps=1e-6,
+                          name="partial")]
+    nodes += [merge_node("lse", "acc", "columns", [f"x{i}"], names[i], f"out{i}", index=i, eps=1e-6, scale=4.0,
+                         name=f"merge{i}") for i in range(count)]
+    rows = ["batch", "seq"]
+    rows_of = {"hist": [*rows, 2, width], "rms": [*rows, 2, 1], "new": [*rows, width],
+               **{f"x{i}": [*rows, width] for i in range(count)}}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in rows_of.items()]
+    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [*rows, width]) for i in range(count)]
+    graph = helper.make_graph(nodes, "group", inputs, outputs,
+                              [numpy_helper.from_array(q, n) for q, n in zip(queries, names)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+    attach_functions(model)
+    onnx.save(model, str(folder / "group.onnx"))
+    return folder / "group.onnx"
+
+
+def test_a_block_site_runs_in_few_onnxruntime_nodes(tmp_path):
+    """At small widths and one row (decode) a site's cost is mostly onnxruntime's per-node cost
+    (docs/bench/cpu/2026-12-06/ort-block/): a Block group of three sites (one Partial carrying a
+    history, three Merges) runs in 54 nodes after onnxruntime's fusions, 18 a site: the Partial 21
+    (its two Splits those of the Merges' Gathers), each Merge 11 (its query's RMSNorm pattern one
+    SimplifiedLayerNormalization)."""
+    options = ort_backend.ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    queries = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    ort_backend.ort.InferenceSession(str(_block_group(queries, tmp_path)), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    for _ in range(3):  # each output's float-to-float CastLike: onnxruntime keeps a node that writes a graph output
+        ops.remove("Cast")
+    assert len(ops) == 54, sorted(ops)
+    assert ops.count("SimplifiedLayerNormalization") == 3 and ops.count("Split") == 2 and ops.count("Squeeze") == 6
+
+
+def test_a_block_group_matches_depth_attention_at_large_logits(tmp_path):
+    """The group's outputs against depth attention in float64 over (hist, new, x_i), with logits of
+    hundreds (the softmax far from uniform, exp overflowing without its shift), at a tolerance scaled
+    to the outputs."""
+    rng = np.random.default_rng(3)
+    queries = (rng.standard_normal((3, 8)) * 60).astype(np.float32)
+    hist, new = rng.standard_normal((2, 5, 2, 8)).astype(np.float32), rng.standard_normal((2, 5, 8)).astype(np.float32)
+    xs = rng.standard_normal((3, 2, 5, 8)).astype(np.float32)
+    sess = ort_backend.session(_block_group(queries, tmp_path))
+    feeds = {"hist": hist, "rms": np.sqrt((hist * hist).mean(-1, keepdims=True) + 1e-6), "new": new,
+             **{f"x{i}": x for i, x in enumerate(xs)}}
+    outs = sess.run(None, feeds)
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        sources = np.concatenate([hist, new[:, :, None], x[:, :, None]], axis=2).astype(np.float64)  # [2, 5, 4, 8]
+        z = (sources / np.sqrt((sources ** 2).mean(-1, keepdims=True) + 1e-6)) @ queries[i].astype(np.float64)
+        assert np.abs(z).max() > 100
+        p = np.exp(z - z.max(-1, keepdims=True))
+        expected = 4.0 * ((p / p.sum(-1, keepdims=True))[..., None] * sources).sum(-2)
+        assert np.abs(out - expected).max() <= 1e-5 * np.abs(expected).max(), i

@@ -104,25 +104,31 @@ def test_lean_copy_steps_aside_where_the_dropped_checks_would_fail(llama):
 def test_causal_lm_steps_run_the_lean_copy(llama, monkeypatch):
     model, example, gm = llama
     lm = generation.causal_lm(model, gm)
-    ran = []
-    monkeypatch.setattr(fx_lean.Lean, "fits", lambda self, args: ran.append(self) or True)
+    ran, pick = [], fx_lean.Lean.pick
+    monkeypatch.setattr(fx_lean.Lean, "pick", lambda self, args: ran.append((self, pick(self, args))) or ran[-1][1])
     prompt = example["input_ids"][:, :6]
     got = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected)
     prefill, steps = lm._attnres_lean[1][True], lm._attnres_lean[1][False]
-    assert ran == [prefill, steps, steps, steps]
+    assert [lean for lean, _ in ran] == [prefill, steps, steps, steps]
+    assert all(module is lean.inference is not None for lean, module in ran)  # generate() runs under no_grad
     assert prefill.module.graph.find_nodes(op="call_function", target=aten.slice.Tensor)  # the last position only
 
 
-def test_a_graph_that_calls_submodules_gets_no_lean_copy(tmp_path):
-    """symbolic_trace graphs and `ExportedProgram.module()` (torch's `_guards_fn`) call submodules:
-    no copy (None), so callers run the graph itself, rather than fx's purity check failing."""
+def test_a_graph_that_calls_submodules_gets_no_lean_copy():
+    """symbolic_trace graphs call submodules: no copy (None), so callers run the graph itself,
+    rather than fx's purity check failing. `ExportedProgram.module()` calls one, torch's
+    `_guards_fn`: its copy keeps that call, and its guards still fail where they fail."""
     traced = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
-    program = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)).module()
     assert fx_lean.lean_copy(traced) is None
-    assert any(n.op == "call_module" for n in program.graph.nodes)
-    assert fx_lean.lean_copy(program) is None
+    x = torch.randn(2, 4)
+    program = torch.export.export(torch.nn.Linear(4, 4), (x,)).module()  # static shapes: guards on both dims
+    lean = fx_lean.lean_copy(program)
+    assert lean is not None and lean.module.graph.find_nodes(op="call_module", target="_guards_fn")
+    assert lean.fits((x,)) and torch.equal(lean.module(x), program(x))
+    with pytest.raises(AssertionError, match="Guard failed"):
+        lean.module(torch.randn(3, 4))
 
 
 def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):

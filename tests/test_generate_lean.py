@@ -146,3 +146,34 @@ def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):
     with torch.no_grad():
         lean.module(*_step_args(model, example, gm)[1])
     assert seen == [len(_step_args(model, example, gm)[1])]
+
+
+def test_inference_copy_calls_the_kernel_without_per_site_checks(llama, monkeypatch):
+    """Under no_grad with nothing watching the op, `pick` gives `inference`, whose sites call the
+    op's kernel with no per-site shortcut checks (the graph module and `module` make them at
+    every site: 24 a step at Block 256/24); the same values bit for bit. With grad mode on, under
+    a dispatch mode or the profiler, `module` runs, as the op's own sites would decide."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnres_compile import op
+
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    step = _step_args(model, example, gm)[1]
+    sites = len(_calls(gm, op.depth_attention))
+    assert sites and not _calls(lean.inference, op.depth_attention)
+    assert len(_calls(lean.inference, op.direct_forward)) == sites
+    checks, kernel = [], []
+    monkeypatch.setattr(op, "_shortcut", lambda *a, real=op._shortcut: checks.append(1) or real(*a))
+    with op.observe(lambda *a: kernel.append(1)), torch.no_grad():
+        assert lean.pick(step) is lean.inference
+        got = lean.inference(*step)
+        assert (len(checks), len(kernel)) == (0, sites)
+        assert _equal(got, gm(*step)) and len(checks) == sites
+    with torch.enable_grad():
+        assert lean.pick(step) is lean.module
+    with torch.no_grad(), TorchDispatchMode():
+        assert lean.pick(step) is lean.module
+    with torch.no_grad(), torch.profiler.profile():
+        assert lean.pick(step) is lean.module
+    assert lean.pick(step[:-1]) is None

@@ -131,6 +131,33 @@ def test_a_graph_that_calls_submodules_gets_no_lean_copy():
         lean.module(torch.randn(3, 4))
 
 
+def test_lean_copy_of_a_loaded_program_checks_its_inputs_once_per_graph(monkeypatch):
+    """On `ExportedProgram.module()`'s copy, torch's pre-hook (its pytree structure check, ~60 us a
+    decode step) is behind InputGuards, whose checks are read once per graph: a call with the
+    traced ranks and dims does not reach torch's hook, a changed dynamic dim still passes, and a
+    wrong static dim still fails (torch's hook decides, then the graph)."""
+    from torch.export import Dim
+
+    x = torch.randn(2, 4)
+    program = torch.export.export(torch.nn.Linear(4, 4), (x,), dynamic_shapes=({0: Dim("batch")},)).module()
+    lean = fx_lean.lean_copy(program)
+    hooks = list(lean.module._forward_pre_hooks.values())
+    assert any(isinstance(h, fx_lean.input_guards.InputGuards) for h in hooks)
+    reached, torch_hook = [], fx_lean.input_guards._check_input_constraints_pre_hook
+    monkeypatch.setattr(fx_lean.input_guards, "_check_input_constraints_pre_hook",
+                        lambda *a: reached.append(1) or torch_hook(*a))
+    read = []
+    monkeypatch.setattr(fx_lean.input_guards, "_read_checks",
+                        lambda m, real=fx_lean.input_guards._read_checks: read.append(1) or real(m))
+    for batch in (2, 5, 3):
+        xb = torch.randn(batch, 4)
+        assert torch.equal(lean.module(xb), program(xb))
+    assert (reached, read) == ([], [1])
+    with pytest.raises(Exception):
+        lean.module(torch.randn(2, 5))
+    assert reached == [1]
+
+
 def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):
     """The input checks (InputGuards here; torch's own hook on a module that kept it) and any other
     pre-hook run on the copy as on the graph module."""

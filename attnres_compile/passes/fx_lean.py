@@ -131,17 +131,18 @@ def _copy(graph: fx.Graph) -> fx.Graph:
 
 def _module(graph_module: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule of `graph` with `graph_module`'s submodules, range constraints and hooks:
-    every forward pre-hook (torch's input checks or ours, a fresh InputGuards for ours: it caches
-    per module, and any other) and forward hook (torch.export's exit of what its first pre-hook
-    entered)."""
+    every forward pre-hook (torch's input checks or ours: a fresh InputGuards, which caches per
+    module, in front of torch's own, and any other) and forward hook (torch.export's exit of what
+    its first pre-hook entered)."""
     module = fx.GraphModule(graph_module, graph)
     module._modules.update({k: v for k, v in graph_module._modules.items() if k in module._modules})
     for name in ("range_constraints", "validate_inputs"):
         if hasattr(graph_module, name):
             setattr(module, name, getattr(graph_module, name))
     for key, hook in graph_module._forward_pre_hooks.items():
-        fresh = input_guards.InputGuards() if isinstance(hook, input_guards.InputGuards) else hook
-        module.register_forward_pre_hook(fresh, with_kwargs=key in graph_module._forward_pre_hooks_with_kwargs)
+        ours = isinstance(hook, input_guards.InputGuards) or hook is input_guards._check_input_constraints_pre_hook
+        module.register_forward_pre_hook(input_guards.InputGuards() if ours else hook,
+                                         with_kwargs=key in graph_module._forward_pre_hooks_with_kwargs)
     for key, hook in graph_module._forward_hooks.items():
         module.register_forward_hook(hook, with_kwargs=key in graph_module._forward_hooks_with_kwargs,
                                      always_call=key in graph_module._forward_hooks_always_called)

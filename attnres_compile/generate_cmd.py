@@ -207,6 +207,7 @@ def _pt2(path: Path, batch: int):
 
     from . import pt2
     from .decoder import GENERATION, INPUTS, PAST
+    from .passes import fx_lean
 
     loaded = pt2.load(path)
     module = loaded.module()
@@ -216,9 +217,12 @@ def _pt2(path: Path, batch: int):
     specs = [(name, [d if isinstance(d, int) else "d" for d in values[arg].shape], np.dtype(str(values[arg].dtype)[6:]))
              for name, arg in zip(names, user) if isinstance(values.get(arg), torch.Tensor)]
 
+    lean = fx_lean.lean_copy(module)  # as generation.torch_step runs an in-memory rewrite
+
     def step(feeds):
+        args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
         with torch.no_grad():
-            out = module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names))
+            out = ((lean.pick(args) if lean is not None else None) or module)(*args)
         return {k: v.numpy() for k, v in zip(loaded.outputs, out)}
 
     return step, _past_inputs(specs, batch), "torch (.pt2)", _ids_of_file(path, loaded.meta.get(GENERATION))

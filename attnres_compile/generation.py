@@ -5,7 +5,8 @@ runs the rewritten graph (decoder.py's flat signature): HF's `generate()`, its l
 processors, stopping criteria and cache bookkeeping work as they do on the original. Its
 weights are the rewritten graph's own tensors (assigned, not copied), so fine-tuning the graph
 module changes what it generates. Both run each step on passes/fx_lean.py's copy of the graph
-module (the same values, ~25% fewer operator calls a step), where the inputs fit it.
+module (the same values, ~25% fewer operator calls a step, and under no_grad sites that call the
+op's kernel directly: `Lean.pick`), where the inputs fit it.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _make_forward(geometry: decoder.Geometry):
             position_ids = decoder.positions(attention_mask, length)
         args = (input_ids, attention_mask, position_ids, *past)
         lean = _lean_of(self, length > 1 and isinstance(logits_to_keep, int) and logits_to_keep == 1)  # generate()'s prefill
-        out = (lean.module if lean is not None and lean.fits(args) else self.attnres_graph)(*args)
+        out = ((lean.pick(args) if lean is not None else None) or self.attnres_graph)(*args)
         logits = out["logits"]
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
@@ -147,7 +148,7 @@ def torch_step(graph_module: fx.GraphModule, names: list[str]):
     def step(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
         with torch.no_grad():
-            out = (lean.module if lean is not None and lean.fits(args) else graph_module)(*args)
+            out = ((lean.pick(args) if lean is not None else None) or graph_module)(*args)
         return {k: v.numpy() for k, v in out.items()}
 
     return step

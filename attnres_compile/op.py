@@ -295,14 +295,22 @@ def _autograd(sources, query, eps, scale, dim):
         return _OP(sources, query, eps, scale, dim)
 
 
+def unwatched() -> bool:
+    """Whether nothing would see a call of the op made now besides its backend kernel: no dispatch
+    or torch-function mode, functorch transform, profiler, jit trace or forward-mode AD. With grad
+    mode off too, a call on plain CPU/CUDA tensors goes straight to `_forward` (`_shortcut`), and a
+    graph that checks this once per call may call `direct_forward` at its sites (passes/fx_lean.py)."""
+    return not (_modes() or _functorch() or _function_modes() or _profiling() or _tracing() is not None
+                or _forward_ad._current_level >= 0)
+
+
 def _shortcut(sources, query, eps, scale, dim) -> bool:
     """Whether an eager call may go straight to the backend kernel: where the dispatcher would reach
     it anyway (plain_eager, and no gradient wanted), with the schema's own argument types, and
-    nothing that watches the dispatcher (a torch-function mode, the profiler, a jit trace,
-    forward-mode AD). One pass over the sources: this runs on every site of every decode step."""
+    nothing that watches the dispatcher (`unwatched`). One pass over the sources: this runs on
+    every site of every decode step."""
     if (type(sources) is not list or not sources or type(query) not in _PLAIN or type(eps) is not float
-            or type(scale) is not float or type(dim) is not int or _modes() or _functorch() or _function_modes()
-            or _profiling() or _tracing() is not None or _forward_ad._current_level >= 0):
+            or type(scale) is not float or type(dim) is not int or not unwatched()):
         return False
     grad = torch.is_grad_enabled()
     if grad and query.requires_grad:
@@ -337,6 +345,7 @@ class _SiteOverload(type(_OP)):
 
 
 _OP.__class__ = _SiteOverload
+direct_forward = _forward  # the backend kernel by name, for graphs whose caller checked what `_shortcut` checks per call
 
 for _key in ("CPU", "CUDA"):
     _LIB.impl("depth_attention", _forward, _key)

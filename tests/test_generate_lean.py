@@ -104,25 +104,58 @@ def test_lean_copy_steps_aside_where_the_dropped_checks_would_fail(llama):
 def test_causal_lm_steps_run_the_lean_copy(llama, monkeypatch):
     model, example, gm = llama
     lm = generation.causal_lm(model, gm)
-    ran = []
-    monkeypatch.setattr(fx_lean.Lean, "fits", lambda self, args: ran.append(self) or True)
+    ran, pick = [], fx_lean.Lean.pick
+    monkeypatch.setattr(fx_lean.Lean, "pick", lambda self, args: ran.append((self, pick(self, args))) or ran[-1][1])
     prompt = example["input_ids"][:, :6]
     got = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected)
     prefill, steps = lm._attnres_lean[1][True], lm._attnres_lean[1][False]
-    assert ran == [prefill, steps, steps, steps]
+    assert [lean for lean, _ in ran] == [prefill, steps, steps, steps]
+    assert all(module is lean.inference is not None for lean, module in ran)  # generate() runs under no_grad
     assert prefill.module.graph.find_nodes(op="call_function", target=aten.slice.Tensor)  # the last position only
 
 
-def test_a_graph_that_calls_submodules_gets_no_lean_copy(tmp_path):
-    """symbolic_trace graphs and `ExportedProgram.module()` (torch's `_guards_fn`) call submodules:
-    no copy (None), so callers run the graph itself, rather than fx's purity check failing."""
+def test_a_graph_that_calls_submodules_gets_no_lean_copy():
+    """symbolic_trace graphs call submodules: no copy (None), so callers run the graph itself,
+    rather than fx's purity check failing. `ExportedProgram.module()` calls one, torch's
+    `_guards_fn`: its copy keeps that call, and its guards still fail where they fail."""
     traced = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
-    program = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)).module()
     assert fx_lean.lean_copy(traced) is None
-    assert any(n.op == "call_module" for n in program.graph.nodes)
-    assert fx_lean.lean_copy(program) is None
+    x = torch.randn(2, 4)
+    program = torch.export.export(torch.nn.Linear(4, 4), (x,)).module()  # static shapes: guards on both dims
+    lean = fx_lean.lean_copy(program)
+    assert lean is not None and lean.module.graph.find_nodes(op="call_module", target="_guards_fn")
+    assert lean.fits((x,)) and torch.equal(lean.module(x), program(x))
+    with pytest.raises(AssertionError, match="Guard failed"):
+        lean.module(torch.randn(3, 4))
+
+
+def test_lean_copy_of_a_loaded_program_checks_its_inputs_once_per_graph(monkeypatch):
+    """On `ExportedProgram.module()`'s copy, torch's pre-hook (its pytree structure check, ~60 us a
+    decode step) is behind InputGuards, whose checks are read once per graph: a call with the
+    traced ranks and dims does not reach torch's hook, a changed dynamic dim still passes, and a
+    wrong static dim still fails (torch's hook decides, then the graph)."""
+    from torch.export import Dim
+
+    x = torch.randn(2, 4)
+    program = torch.export.export(torch.nn.Linear(4, 4), (x,), dynamic_shapes=({0: Dim("batch")},)).module()
+    lean = fx_lean.lean_copy(program)
+    hooks = list(lean.module._forward_pre_hooks.values())
+    assert any(isinstance(h, fx_lean.input_guards.InputGuards) for h in hooks)
+    reached, torch_hook = [], fx_lean.input_guards._check_input_constraints_pre_hook
+    monkeypatch.setattr(fx_lean.input_guards, "_check_input_constraints_pre_hook",
+                        lambda *a: reached.append(1) or torch_hook(*a))
+    read = []
+    monkeypatch.setattr(fx_lean.input_guards, "_read_checks",
+                        lambda m, real=fx_lean.input_guards._read_checks: read.append(1) or real(m))
+    for batch in (2, 5, 3):
+        xb = torch.randn(batch, 4)
+        assert torch.equal(lean.module(xb), program(xb))
+    assert (reached, read) == ([], [1])
+    with pytest.raises(Exception):
+        lean.module(torch.randn(2, 5))
+    assert reached == [1]
 
 
 def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):
@@ -140,3 +173,34 @@ def test_lean_copy_keeps_the_modules_forward_pre_hooks(llama):
     with torch.no_grad():
         lean.module(*_step_args(model, example, gm)[1])
     assert seen == [len(_step_args(model, example, gm)[1])]
+
+
+def test_inference_copy_calls_the_kernel_without_per_site_checks(llama, monkeypatch):
+    """Under no_grad with nothing watching the op, `pick` gives `inference`, whose sites call the
+    op's kernel with no per-site shortcut checks (the graph module and `module` make them at
+    every site: 24 a step at Block 256/24); the same values bit for bit. With grad mode on, under
+    a dispatch mode or the profiler, `module` runs, as the op's own sites would decide."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnres_compile import op
+
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    step = _step_args(model, example, gm)[1]
+    sites = len(_calls(gm, op.depth_attention))
+    assert sites and not _calls(lean.inference, op.depth_attention)
+    assert len(_calls(lean.inference, op.direct_forward)) == sites
+    checks, kernel = [], []
+    monkeypatch.setattr(op, "_shortcut", lambda *a, real=op._shortcut: checks.append(1) or real(*a))
+    with op.observe(lambda *a: kernel.append(1)), torch.no_grad():
+        assert lean.pick(step) is lean.inference
+        got = lean.inference(*step)
+        assert (len(checks), len(kernel)) == (0, sites)
+        assert _equal(got, gm(*step)) and len(checks) == sites
+    with torch.enable_grad():
+        assert lean.pick(step) is lean.module
+    with torch.no_grad(), TorchDispatchMode():
+        assert lean.pick(step) is lean.module
+    with torch.no_grad(), torch.profiler.profile():
+        assert lean.pick(step) is lean.module
+    assert lean.pick(step[:-1]) is None

@@ -5,7 +5,8 @@ untimed), `steps` decode steps of one token each, each fed the previous step's p
 tokens fixed in advance (teacher forcing: every candidate runs the same steps). It returns the
 last-position logits of every step, [steps, vocab], which are checked before timing.
 
-Runtimes: "eager" (a .pt2 program's module, the traced decoder-with-past), "hf" (the HF model's
+Runtimes: "eager" (a .pt2 program's module, the traced decoder-with-past, run as `generate`
+runs a .pt2: on its lean copy), "hf" (the HF model's
 own forward with a DynamicCache, rebuilt from its config and seed), "onnxruntime" (a
 decoder-with-past .onnx), "tvm" (its TVM library, model_worker.load_tvm: the VM's main on TVM
 tensors, each step's presents fed back as they come, only the logits copied out) and "generate"
@@ -36,12 +37,18 @@ def _prompt(ids: np.ndarray, prefill: int) -> tuple[np.ndarray, np.ndarray, np.n
 
 
 def _eager(path: str, ids: np.ndarray, job: dict) -> Decode:
-    """The .pt2 decoder-with-past under no_grad, torch tensors from step to step."""
+    """The .pt2 decoder-with-past under no_grad, torch tensors from step to step, each step on the
+    module's passes/fx_lean.py copy where it fits (as `attnres-compile generate` runs a .pt2)."""
     import torch
 
     import attnres_compile  # noqa: F401  (registers torch.ops.attnres before the program is loaded)
+    from ..passes import fx_lean
 
-    module = torch.export.load(path).module()
+    loaded = torch.export.load(path).module()
+    lean = fx_lean.lean_copy(loaded)
+
+    def module(*args):
+        return ((lean.pick(args) if lean is not None else None) or loaded)(*args)
     empty = [torch.zeros(ids.shape[0], h, 0, d) for h, d in zip(job["heads"], job["head_dims"]) for _ in range(2)]
     feeds = [tuple(map(torch.from_numpy, f)) for f in _feeds(ids, job["prefill"], job["steps"])]
     with torch.no_grad():

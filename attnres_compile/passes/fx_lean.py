@@ -13,7 +13,13 @@ values with, per call:
   torch.export leaves per layer (~10 per layer: HF's cache initialisation, never read);
 - attributes read as `self.<owner>.<leaf>` in one attribute hop, the owning submodule held by
   the copy, instead of `getattr(self.model.model.layers, "3").mlp.up_proj.weight` (~7 `Module.__getattr__`
-  calls each, ~750 a step at 12 layers).
+  calls each, ~750 a step at 12 layers);
+- and, in its second form `Lean.inference`, depth-attention sites that call the op's backend
+  kernel (`op.direct_forward`) without the per-site checks of the op's eager shortcut (~15
+  calls a site: grad mode, dispatch and function modes, profiler, trace, the type of each
+  source): `Lean.pick` checks them once per call of the graph instead, which is what they would
+  find at every site (the graph runs no user code between its sites, and with the inputs and
+  attributes plain tensors on the traced CPU/CUDA device, so is everything it computes).
 
 Exact: the removed nodes compute nothing read (dead) or return their input (`to.dtype` to its own
 dtype). The removed checks hold whenever the inputs and attributes have the dtypes and devices the
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .. import op
 from . import input_guards
 
 aten = torch.ops.aten
@@ -49,20 +56,40 @@ class Lean:
     module: fx.GraphModule
     inputs: list[tuple[torch.dtype, int]]
     attrs: list[tuple[dict, str, torch.dtype, int]]
+    inference: fx.GraphModule | None = None  # `module` with its sites calling op.direct_forward; None: no sites
+
+    def pick(self, args: tuple) -> fx.GraphModule | None:
+        """What runs `args`: `inference` where they fit, they and the attributes are plain
+        tensors, grad mode is off and nothing watches the op (`op.unwatched`); `module` where they
+        fit; None where they do not (run the graph module itself)."""
+        fit = self._fit(args)
+        if fit == _PLAIN_FIT and self.inference is not None and not torch.is_grad_enabled() and op.unwatched():
+            return self.inference
+        return self.module if fit else None
 
     def fits(self, args: tuple) -> bool:
         """Whether `args` (positional, one per input) and the attributes have their traced dtypes
         and devices, so that the removed checks would pass (~10 us a step on 160 tensors)."""
+        return self._fit(args) != _NO_FIT
+
+    def _fit(self, args: tuple) -> int:
         if len(args) != len(self.inputs):
-            return False
+            return _NO_FIT
+        plain = True
         for arg, (dtype, device) in zip(args, self.inputs):
             if not isinstance(arg, torch.Tensor) or not _on(arg, dtype, device):
-                return False
+                return _NO_FIT
+            plain = plain and type(arg) is torch.Tensor
         for holder, name, dtype, device in self.attrs:
             tensor = holder.get(name)
             if not isinstance(tensor, torch.Tensor) or not _on(tensor, dtype, device):
-                return False
-        return True
+                return _NO_FIT
+            plain = plain and type(tensor) in _PLAIN
+        return _PLAIN_FIT if plain else _FIT
+
+
+_NO_FIT, _FIT, _PLAIN_FIT = 0, 1, 2
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _on(tensor: torch.Tensor, dtype: torch.dtype, device: int) -> bool:
@@ -73,33 +100,72 @@ def lean_copy(graph_module: fx.GraphModule, edit: Callable[[fx.Graph], bool] | N
     """A Lean copy of `graph_module` (a torch.export module: its nodes carry fake values), `edit`
     applied first to the copied graph (returning False: no copy); None
     where an input has no traced tensor value, an attribute is not a tensor or a module, or a node
-    calls a submodule (a symbolic_trace graph; `ExportedProgram.module()`'s `_guards_fn`): its
-    attributes are not all read by get_attr, and fx's purity check needs the owning module."""
-    if graph_module.graph.find_nodes(op="call_module"):
+    calls a submodule other than `ExportedProgram.module()`'s `_guards_fn` (a symbolic_trace
+    graph: its attributes are not all read by get_attr). The `_guards_fn` call stays in the copy
+    (torch's guards of the inputs, every call; empty in a .pt2 written by `rewrite`, pt2.drop_guards)."""
+    if any(node.target != "_guards_fn" for node in graph_module.graph.find_nodes(op="call_module")):
         return None
-    graph = fx.Graph(tracer_cls=graph_module.graph._tracer_cls)
-    graph._codegen = copy.deepcopy(graph_module.graph._codegen)
-    graph.output(graph.graph_copy(graph_module.graph, {}))
+    graph = _copy(graph_module.graph)
     if edit is not None and not edit(graph):
         return None
     _drop_checks(graph)
     graph.eliminate_dead_code(is_impure_node=_impure)
+    inputs = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
+    if not all(isinstance(val, torch.Tensor) for val in inputs):
+        return None
+    inference = _inference(graph_module, _copy(graph))  # before _flatten_attrs retargets `graph`'s get_attrs
+    module = _module(graph_module, graph)
+    attrs = _flatten_attrs(module, graph_module)
+    if attrs is None:
+        return None
+    inputs = [(val.dtype, _index(val.device)) for val in inputs]
+    return Lean(module, inputs, attrs, inference)
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    copied = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied._codegen = copy.deepcopy(graph._codegen)
+    copied.output(copied.graph_copy(graph, {}))
+    return copied
+
+
+def _module(graph_module: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of `graph` with `graph_module`'s submodules, range constraints and hooks:
+    every forward pre-hook (torch's input checks or ours: a fresh InputGuards, which caches per
+    module, in front of torch's own, and any other) and forward hook (torch.export's exit of what
+    its first pre-hook entered)."""
     module = fx.GraphModule(graph_module, graph)
     module._modules.update({k: v for k, v in graph_module._modules.items() if k in module._modules})
     for name in ("range_constraints", "validate_inputs"):
         if hasattr(graph_module, name):
             setattr(module, name, getattr(graph_module, name))
-    for key, hook in graph_module._forward_pre_hooks.items():  # torch's input checks or ours, and any other
-        fresh = input_guards.InputGuards() if isinstance(hook, input_guards.InputGuards) else hook  # ours cache per module
-        module.register_forward_pre_hook(fresh, with_kwargs=key in graph_module._forward_pre_hooks_with_kwargs)
-    inputs = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
-    if not all(isinstance(val, torch.Tensor) for val in inputs):
+    for key, hook in graph_module._forward_pre_hooks.items():
+        ours = isinstance(hook, input_guards.InputGuards) or hook is input_guards._check_input_constraints_pre_hook
+        module.register_forward_pre_hook(input_guards.InputGuards() if ours else hook,
+                                         with_kwargs=key in graph_module._forward_pre_hooks_with_kwargs)
+    for key, hook in graph_module._forward_hooks.items():
+        module.register_forward_hook(hook, with_kwargs=key in graph_module._forward_hooks_with_kwargs,
+                                     always_call=key in graph_module._forward_hooks_always_called)
+    return module
+
+
+def _inference(graph_module: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule | None:
+    """The lean `graph` of `graph_module` (a copy, edited here) with its depth-attention sites
+    calling `op.direct_forward` (Lean.pick's form for plain inference); None where it has no site,
+    or where a site's sources were not traced on the CPU or a CUDA device (the kernel's devices)."""
+    sites = graph.find_nodes(op="call_function", target=op.depth_attention)
+    if not sites or not all(_kernel_device(node) for node in sites):
         return None
-    attrs = _flatten_attrs(module, graph_module)
-    if attrs is None:
-        return None
-    inputs = [(val.dtype, _index(val.device)) for val in inputs]
-    return Lean(module, inputs, attrs)
+    for node in sites:
+        node.target = op.direct_forward
+    module = _module(graph_module, graph)
+    return module if _flatten_attrs(module, graph_module) is not None else None
+
+
+def _kernel_device(node: fx.Node) -> bool:
+    sources = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else ()
+    vals = [s.meta.get("val") if isinstance(s, fx.Node) else None for s in sources]
+    return bool(vals) and all(isinstance(v, torch.Tensor) and v.device.type in ("cpu", "cuda") for v in vals)
 
 
 def _drop_checks(graph: fx.Graph) -> None:
@@ -119,7 +185,10 @@ def _drop_checks(graph: fx.Graph) -> None:
 
 def _impure(node: fx.Node) -> bool:
     """fx's rule, except that an in-place `detach_` of a fresh `lift_fresh_copy` read by nothing
-    else mutates nothing anyone sees."""
+    else mutates nothing anyone sees, and that the `_guards_fn` call stays (fx would ask its
+    module, which the copied graph does not have yet)."""
+    if node.op == "call_module":
+        return True
     if (node.target is aten.detach_.default and isinstance(node.args[0], fx.Node)
             and node.args[0].target is aten.lift_fresh_copy.default and len(node.args[0].users) == 1):
         return False

@@ -204,3 +204,23 @@ def test_inference_copy_calls_the_kernel_without_per_site_checks(llama, monkeypa
     with torch.no_grad(), torch.profiler.profile():
         assert lean.pick(step) is lean.module
     assert lean.pick(step[:-1]) is None
+
+
+def test_lean_copy_reads_grouped_query_keys_and_values_unrepeated(llama):
+    """Llama here has 2 query heads on 1 KV head: its trace copies the cache per query head
+    (repeat_kv: unsqueeze, expand, reshape) into every SDPA; the copy reads K and V as they are
+    with enable_gqa=True, bit for bit the same, prefill and step. Multi-head GPT-2 keeps its SDPA."""
+    model, example, gm = llama
+    lean = fx_lean.lean_copy(gm)
+    sdpa = _calls(lean.module, aten.scaled_dot_product_attention.default)
+    assert sdpa and all(n.kwargs.get("enable_gqa") for n in sdpa)
+    assert all(n.args[i].meta["val"].shape[1] == 1 for n in sdpa for i in (1, 2))  # the KV heads, unrepeated
+    assert not any(n.kwargs.get("enable_gqa") for n in _calls(gm, aten.scaled_dot_product_attention.default))
+    with torch.no_grad():
+        for args in _step_args(model, example, gm):
+            assert _equal(gm(*args), lean.module(*args)) and _equal(gm(*args), lean.inference(*args))
+    gpt, gpt_example = DECODERS["gpt2"]()
+    traced = ac.rewrite(gpt, gpt_example, ac.AttnResConfig(variant="block", num_blocks=2), with_past=True,
+                        verify_outputs=False).graph_module
+    sdpa = _calls(fx_lean.lean_copy(traced).module, aten.scaled_dot_product_attention.default)
+    assert sdpa and not any(n.kwargs.get("enable_gqa") for n in sdpa)

@@ -38,7 +38,7 @@ from attnres_compile.bench import decode, decode_route, timing  # noqa: E402
 PROMPT, ROUNDS, MIN_TIME = 128, 5, 0.5
 
 
-def feeds(geometry, heads, head_dims, ids):
+def feeds(heads, head_dims, ids):
     """(prefill feeds, step feeds): {name: array} in the decoder's input order."""
     prompt = {"input_ids": ids[:, :PROMPT], "attention_mask": np.ones((1, PROMPT), np.int64),
               "position_ids": np.arange(PROMPT, dtype=np.int64)[None]}
@@ -85,7 +85,7 @@ def measure(width: int, folder: Path) -> dict:
         cpu_rules.tile_accumulators = tile
     before, original.files = original.files["tvm"], files
     ids = np.random.default_rng(0).integers(0, 1000, (1, PROMPT + 1), dtype=np.int64)
-    prompt, empty = feeds(geometry["geometry"], geometry["heads"], geometry["head_dims"], ids)
+    prompt, empty = feeds(geometry["heads"], geometry["head_dims"], ids)
     prefill_np = [*prompt.values(), *empty]
     ort_a, ort_b = ort_call(original.files["onnx"]), ort_call(folder / "copy.onnx")
     (tvm_a, dev), (tvm_b, _), (tvm_0, _) = (tvm_call(original.files["tvm"]), tvm_call(folder / "copy.so"),

@@ -34,6 +34,7 @@ from attnres_compile.backends.tvm.lower import KERNEL_PREFIX
 from attnres_compile.backends.tvm.pipeline import build, make_target
 from attnres_compile.backends.tvm.profile import format_table, profile
 from attnres_compile.errors import CompileError
+from attnres_compile.kernels import tir_pipeline
 from attnres_compile.onnx_api import export_onnx
 from samples import hf_models, hf_zoo
 
@@ -103,6 +104,22 @@ def test_gemm_rule_matches_numpy(kind):
     expected = reference(*arrays[:-1])
     np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
+
+def test_a_gemm_over_symbolic_rows_keeps_its_accumulators_a_register_tile():
+    """With rows that are a symbolic [batch, sequence] (a decoder-with-past library's linear
+    layers), the last row tile is partial and TVM cannot bound the rows a tile writes: it allocated
+    the accumulators for every row ([sequence, 64] on the stack, summed through memory). Indexed
+    within the tile (cpu_rules.tile_accumulators), every local buffer has a static size (the product
+    over 7 rows, a whole tile and a partial one sharing them, matches numpy above)."""
+    func, _ = _gemm("symbolic_rows")
+    target = make_target("llvm")
+    with target:
+        sch = Matmul().apply(func, target, False)
+    lowered = tvm.tirx.transform.BindTarget(target.with_host(target))(
+        tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}))
+    passes, _, _ = tvm.tirx.get_tir_pipeline(tir_pipeline.NAME)
+    sizes = re.findall(r"alloc_local\(\(([^)]*)\)", passes(lowered).script())
+    assert sizes and all(re.fullmatch(r"\d+,", size.strip()) for size in sizes), sizes
 
 def test_scores_against_keys_as_stored_are_vectorised_dot_products():
     """q[b, h, i, k] * K[b, h, j, k] * c (rewrites.KeysInPlace's scores; batch and keys symbolic):

@@ -19,7 +19,8 @@ the operator on; the kernels, already scheduled, are never touched):
   a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
   `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
   Where `pad_einsum` cannot pad the columns (rows that are a symbolic [batch, sequence]), the
-  tile narrows to whole vectors that divide them.
+  tile narrows to whole vectors that divide them; with symbolic rows the accumulators are
+  indexed within their tile (`tile_accumulators`), so that they stay a register tile.
 - dlight's `GEMV`, passing on an operator its own assertions refuse (a matmul over one term
   with a symbolic batch: HF LeViT's and MobileViT's attention over one token) or that it would
   vectorise around a loop (a build that did not finish).
@@ -191,6 +192,8 @@ class Matmul(_SafeRule):
             sch.reorder(s, jo, kb, io, ko, ki, ii, jv, jl)
             init_at = kb
         sch.reverse_compute_at(writer, io if k_block is None else jo)
+        if k_block is None and m is None:
+            tile_accumulators(sch, main, rows)
         sch.vectorize(jl)
         for loop in (jv, ii, ki):
             sch.unroll(loop)
@@ -198,6 +201,20 @@ class Matmul(_SafeRule):
         sch.parallel(sch.fuse(s, jo))
         sch.decompose_reduction(main, init_at)
         return sch
+
+
+def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
+    """The register accumulators of a GEMM over a symbolic number of rows indexed by the row within
+    its tile (row % rows) instead of the row: under the predicate of the last, partial row tile TVM
+    cannot bound the rows a tile writes, so it allocated [every row, tile columns] on the stack
+    and summed through memory (a [128, 256] x [256, 256] product took 320 us, 75 at static rows).
+    A tile's accumulators are zeroed, summed and written out within the tile, so the tiles may
+    share them. Where TVM refuses the layout (index dtypes it cannot unify) they stay as they were."""
+    try:
+        sch.transform_layout(main, ("write", 0), lambda *d: [*d[:-2], d[-2] % rows, d[-1]],
+                             assume_injective_transform=True)
+    except Exception:  # noqa: BLE001 - ScheduleError / InternalError of the layout transform
+        pass
 
 
 class DotProducts(_SafeRule):

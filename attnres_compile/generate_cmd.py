@@ -222,7 +222,7 @@ def _pt2(path: Path, batch: int):
     def step(feeds):
         args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
         with torch.no_grad():
-            out = ((lean.pick(args) if lean is not None else None) or module)(*args)
+            out = fx_lean.call(lean, module, args)
         return {k: v.numpy() for k, v in zip(loaded.outputs, out)}
 
     return step, _past_inputs(specs, batch), "torch (.pt2)", _ids_of_file(path, loaded.meta.get(GENERATION))

@@ -78,8 +78,8 @@ def _make_forward(geometry: decoder.Geometry):
         if position_ids is None:
             position_ids = decoder.positions(attention_mask, length)
         args = (input_ids, attention_mask, position_ids, *past)
-        lean = _lean_of(self, length > 1 and isinstance(logits_to_keep, int) and logits_to_keep == 1)  # generate()'s prefill
-        out = ((lean.pick(args) if lean is not None else None) or self.attnres_graph)(*args)
+        prefill = length > 1 and isinstance(logits_to_keep, int) and logits_to_keep == 1  # generate()'s first call
+        out = fx_lean.call(_lean_of(self, prefill), self.attnres_graph, args)
         logits = out["logits"]
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
@@ -148,7 +148,7 @@ def torch_step(graph_module: fx.GraphModule, names: list[str]):
     def step(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
         with torch.no_grad():
-            out = ((lean.pick(args) if lean is not None else None) or graph_module)(*args)
+            out = fx_lean.call(lean, graph_module, args)
         return {k: v.numpy() for k, v in out.items()}
 
     return step

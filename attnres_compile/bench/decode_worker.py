@@ -48,7 +48,7 @@ def _eager(path: str, ids: np.ndarray, job: dict) -> Decode:
     lean = fx_lean.lean_copy(loaded)
 
     def module(*args):
-        return ((lean.pick(args) if lean is not None else None) or loaded)(*args)
+        return fx_lean.call(lean, loaded, args)
     empty = [torch.zeros(ids.shape[0], h, 0, d) for h, d in zip(job["heads"], job["head_dims"]) for _ in range(2)]
     feeds = [tuple(map(torch.from_numpy, f)) for f in _feeds(ids, job["prefill"], job["steps"])]
     with torch.no_grad():

@@ -27,7 +27,8 @@ values with, per call:
   attributes plain tensors on the traced CPU/CUDA device, so is everything it computes).
 
 Exact: the removed nodes compute nothing read (dead) or return their input (`to.dtype` to its own
-dtype); SDPA's `enable_gqa` computes each query head against the KV head `repeat_kv` copied for it. The removed checks hold whenever the inputs and attributes have the dtypes and devices the
+dtype); SDPA's `enable_gqa` computes each query head against the KV head `repeat_kv` copied for
+it. The removed checks hold whenever the inputs and attributes have the dtypes and devices the
 graph was traced with, which `Lean.fits` checks on every call (~160 tensors, a few microseconds a
 step); a call that does not fit (the model cast to another dtype or moved) runs the graph itself,
 which checks as it always has. The attributes are read through their owners on every call, so a
@@ -55,8 +56,9 @@ _ASSERT = aten._assert_tensor_metadata.default
 @dataclass
 class Lean:
     """The copy (`module`) and what its removed checks assumed: each input's and each attribute's
-    dtype and device index (`Tensor.get_device()`; -1: the CPU, -2: another device, never matched) as traced; an attribute as the
-    dict that holds it (its owner's `_parameters`, `_buffers` or `__dict__`) and its name."""
+    dtype and device index (`Tensor.get_device()`; -1: the CPU, -2: another device, never matched)
+    as traced; an attribute as the dict that holds it (its owner's `_parameters`, `_buffers` or
+    `__dict__`) and its name."""
 
     module: fx.GraphModule
     inputs: list[tuple[torch.dtype, int]]
@@ -95,6 +97,12 @@ class Lean:
 
 _NO_FIT, _FIT, _PLAIN_FIT = 0, 1, 2
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def call(lean: Lean | None, graph_module: fx.GraphModule, args: tuple):
+    """`graph_module(*args)`, run on `lean` (its copy, or None: none) where the arguments fit it
+    (`Lean.pick`), else on `graph_module` itself, whose own checks then decide."""
+    return ((lean.pick(args) if lean is not None else None) or graph_module)(*args)
 
 
 def _on(tensor: torch.Tensor, dtype: torch.dtype, device: int) -> bool:

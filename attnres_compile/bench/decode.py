@@ -232,8 +232,8 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, log: Progress,
         np.savez(folder / "inputs.npz", input_ids=ids)
         np.savez(folder / "reference.npz", logits=reference)
         base = {"inputs": str(folder / "inputs.npz"), "reference": str(folder / "reference.npz"),
-                "heads": geometry["heads"], "head_dims": geometry["head_dims"], "prefill": s.prefill, "steps": s.steps,
-                **job, "rounds": s.rounds, "min_time": s.min_time}
+                "heads": geometry["heads"], "head_dims": geometry["head_dims"], **job, "rounds": s.rounds,
+                "min_time": s.min_time}
         for runtime in [r for r in s.runtimes if r in FILES]:
             start = time.perf_counter()
             timed = time_runtime(runtime, variants, base, s, workers)

@@ -11,7 +11,7 @@ read-out as the step ends) is also clocked directly, and given as a share of the
 layers, Full) and a Llama of SmolLM2-135M's shape (width 576, 30 layers, GQA 9/3, random weights,
 Block N=8, as in docs/finetune.md).
 
-    python benchmarks/monitor_overhead.py --out docs/bench/cpu/2026-12-05/monitor
+    python benchmarks/monitor_overhead.py --out benchmarks/runs/2026-12-05-monitor
 """
 
 from __future__ import annotations

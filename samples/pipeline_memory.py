@@ -10,7 +10,7 @@ micro-batches in flight and the backward's temporaries. `predict` is `plan_memor
 profile of the original model; it never sees the pipeline run.
 
     python -m samples.pipeline_memory --schedules 1f1b gpipe --blocks 2 --micro 4
-    python -m samples.pipeline_memory --factory smollm2 --blocks 4 --micro 4 --out docs/distributed/smollm2-memory.json
+    python -m samples.pipeline_memory --factory smollm2 --blocks 4 --micro 4 --out benchmarks/runs/distributed/smollm2-memory.json
     attnres-compile inspect samples.pipeline_memory:smollm2_micro_batch --budget 3GiB --stages 6 --schedule interleaved
 """
 

@@ -14,9 +14,9 @@ trained on one thread in its own worker process, so a seed fixes every loss:
 
 Writes results.json, summary.md (generated from the results) and PNGs to --out; progress on stderr.
 
-    nice python -m samples.study --out docs/study             # the default budget
-    python -m samples.study --tiny --out /tmp/study           # seconds (the test)
-    python -m samples.study --report-only --out docs/study    # summary and plots again from results.json
+    nice python -m samples.study --out benchmarks/runs/study-chargpt             # the default budget
+    python -m samples.study --tiny --out /tmp/study                               # seconds (the test)
+    python -m samples.study --report-only --out benchmarks/runs/study-chargpt     # summary and plots again from results.json
 """
 
 from __future__ import annotations

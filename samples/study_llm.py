@@ -20,10 +20,10 @@ as well as at the equal-steps point. Each arm of each seed runs in its own worke
 Depth weights (per site: entropy, weight on the embeddings and on the newest source) are read at every
 evaluation with `attnres_compile.monitor.DepthMonitor` on one held-out batch.
 
-    nice python -m samples.study_llm --out docs/study/smollm2                  # 3 seeds x 300 steps
+    nice python -m samples.study_llm --out benchmarks/runs/study-smollm2          # 3 seeds x 300 steps
     python -m samples.study_llm --steps 4 --seeds 1 --eval-every 2 --out /tmp/s   # minutes: a smoke run
-    python -m samples.study_llm --report-only --out docs/study/smollm2
-    python -m samples.study_llm --resume --out docs/study/smollm2             # after a run was cut short
+    python -m samples.study_llm --report-only --out benchmarks/runs/study-smollm2
+    python -m samples.study_llm --resume --out benchmarks/runs/study-smollm2      # after a run was cut short
 
 Writes results.json (every curve), summary.md and PNGs; progress lines on stderr.
 """

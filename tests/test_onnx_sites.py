@@ -269,7 +269,7 @@ def _block_group(queries: np.ndarray, folder: Path) -> Path:
 
 def test_a_block_site_runs_in_few_onnxruntime_nodes(tmp_path):
     """At small widths and one row (decode) a site's cost is mostly onnxruntime's per-node cost
-    (docs/bench/cpu/2026-12-06/ort-block/): a Block group of three sites (one Partial carrying a
+    (benchmarks/runs/2026-12-06-ort-block/): a Block group of three sites (one Partial carrying a
     history, three Merges) runs in 54 nodes after onnxruntime's fusions, 18 a site: the Partial 21
     (its two Splits those of the Merges' Gathers), each Merge 11 (its query's RMSNorm pattern one
     SimplifiedLayerNormalization)."""

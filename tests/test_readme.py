@@ -1,5 +1,5 @@
-"""The README is a newcomer's map: its Python example runs from any folder, its links stay inside
-the repository."""
+"""The README is a user's map: its Python examples run from any folder, it stays short and narrow, and its links
+stay inside the repository; docs/ holds prose only (the measured runs live in benchmarks/runs/)."""
 
 import os
 import re
@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = ROOT / "docs"
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
 
 def _run(code: str, folder: Path) -> str:
@@ -27,12 +29,37 @@ def test_python_examples_run_outside_the_checkout(tmp_path):
 
 
 def test_readme_stays_a_map():
-    """What it is, set-up, API, CLI, generation, one current table: the history lives in docs/bench/history.md."""
-    assert len(README.splitlines()) <= 250, len(README.splitlines())
+    """What it is, set-up, three ways in, fine-tune and ship, train at scale, where to read more: at most 200
+    lines of at most 120 characters (characters, not bytes). Status tables live in docs/status.md."""
+    lines = README.splitlines()
+    assert len(lines) <= 200, len(lines)
+    wide = [(number, len(line)) for number, line in enumerate(lines, 1) if len(line) > 120]
+    assert not wide, f"README lines over 120 characters (line, length): {wide}"
 
 
 def test_links_point_inside_the_repository():
-    for target in re.findall(r"\]\(([^)#]+)\)", README):
+    for target in LINK.findall(README):
         assert not target.startswith(("/", "..", "http")), target
         assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
     assert "shared/" not in README and "DESIGN.md" not in README
+
+
+def test_docs_hold_prose_only():
+    """docs/ holds the guides as Markdown: no benchmark output, no scripts (benchmarks/ has both). A PNG may stay
+    only where a page of docs/ shows it."""
+    shown = {(page.parent / target).resolve() for page in DOCS.rglob("*.md")
+             for target in LINK.findall(page.read_text(encoding="utf-8")) if target.endswith(".png")}
+    other = [str(f.relative_to(ROOT)) for f in DOCS.rglob("*")
+             if f.is_file() and f.suffix != ".md" and not (f.suffix == ".png" and f.resolve() in shown)]
+    assert not other, f"docs/ holds files that are not prose: {other[:20]}"
+
+
+def test_docs_links_resolve():
+    for page in DOCS.rglob("*.md"):
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            assert not target.startswith("/"), f"{page.relative_to(ROOT)} links to the absolute path {target}"
+            resolved = (page.parent / target).resolve()
+            assert resolved.is_relative_to(ROOT.resolve()), f"{page.relative_to(ROOT)} links outside: {target}"
+            assert resolved.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"

@@ -1,21 +1,29 @@
 """attnres-compile: rewrite the residual connections of traced models into Attention Residuals.
 
-Importing the package registers the torch ops (torch.ops.attnres.*: a saved rewritten program then
-loads with torch.export.load) as soon as torch is imported, not before (op_registration.py). The
-rewrite API (`inspect`, `rewrite`, `two_phase`, `fuse_norms`, `RewriteResult`) loads on first use, with onnx and the
-passes: the command line answers `--help`, `--version` and usage errors without torch, onnx or the
-passes (~1.2 s of CPU less per call)."""
+The API (`api.py`) loads on first use, so the command line answers `--help` without torch. The
+torch ops (`ops/`) register when `attnres_compile.ops` is imported, which torch itself does at its
+own import through the package's `torch.backends` entry point: a saved program loads with plain
+`torch.export.load` wherever the package is installed.
+"""
 
-__version__ = "0.1.0"
+from .core import __version__
+from .core.config import AttnResConfig
+from .core.errors import AttnResError
+from .utils import lazy
 
-from . import lazy  # noqa: E402
-from .op_registration import register_ops  # noqa: E402
-from .config import AttnResConfig  # noqa: E402
-from .errors import AttnResError  # noqa: E402
-
-_HOMES = {"RewriteResult": "api", "inspect": "api", "rewrite": "api", "two_phase": "passes.fx_two_phase",
-          "fuse_norms": "passes.fx_site_norm"}
-__all__ = ["AttnResConfig", "AttnResError", "RewriteResult", "inspect", "rewrite", "two_phase", "fuse_norms",
-           "__version__"]
+_HOMES = {"RewriteResult": "api", "inspect": "api", "rewrite": "api", "inspect_onnx": "api", "rewrite_onnx": "api",
+          "export_onnx": "api", "export_pt2": "api", "two_phase": "api", "fuse_norms": "api"}
+__all__ = ["AttnResConfig", "AttnResError", *_HOMES, "__version__"]
 __getattr__, __dir__ = lazy.exports(__name__, _HOMES)
-register_ops()
+
+
+def _torch_autoload() -> None:
+    """torch's `torch.backends` entry point (pyproject.toml), called at the end of `import torch`:
+    registers torch.ops.attnres.*. A failure here must not break torch, so it is a warning."""
+    try:
+        from . import ops  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        import warnings
+
+        warnings.warn(f"attnres_compile could not register torch.ops.attnres ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)

@@ -50,7 +50,7 @@ def onnx_full(links: int) -> dict:
     """Full ONNX rewrite of an L-link chain, in this process (run it in a fresh one)."""
     import onnx
 
-    from attnres_compile.onnx_api import rewrite_onnx
+    from attnres_compile.onnx.pipeline import rewrite_onnx
 
     with tempfile.TemporaryDirectory() as folder:
         src, out = onnx_chain(Path(folder) / "chain.onnx", links), Path(folder) / "full.onnx"

@@ -1,4 +1,4 @@
-"""What the next norm costs a site, before and after fusing them (op_site_norm.py, passes/fx_site_norm.py).
+"""What the next norm costs a site, before and after fusing them (ops/site_norm.py, fx/site_norm.py).
 
 For a site over S sources of [B, T, D] (float32) read by the next sublayer's norm, in eager torch:
   site       torch.ops.attnres.depth_attention alone (the fused TVM kernel, as a rewritten model runs it)

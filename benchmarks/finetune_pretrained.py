@@ -37,7 +37,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from attnres_compile import AttnResConfig, rewrite  # noqa: E402
 from attnres_compile.monitor import CollapseController, DepthMonitor, find_collapse, format_stats  # noqa: E402
-from attnres_compile.pytree_warning import deepcopy  # noqa: E402
+from attnres_compile.utils.pytree_warning import deepcopy  # noqa: E402
 from attnres_compile.training import QUERY_LR_SCALE, is_query, param_groups, query_warmup  # noqa: E402
 from samples import smollm2  # noqa: E402
 
@@ -97,7 +97,7 @@ def train(model, data, kind: str, lr: float, recipe: bool, frozen: bool = False,
 
 def watch_report(watch: dict, out: Path) -> None:
     """weights_over_steps.png and watch.txt in `out` (the module docstring)."""
-    from attnres_compile.plots import plot_weights_over_steps
+    from attnres_compile.utils.plots import plot_weights_over_steps
 
     monitor, controller = watch["monitor"], watch["controller"]
     history = monitor.history

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnres_compile.bench import timing  # noqa: E402
-from attnres_compile.bench.model_worker import runner  # noqa: E402
+from attnres_compile.bench.model.worker import runner  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

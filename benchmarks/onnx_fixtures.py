@@ -30,7 +30,7 @@ from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnres_compile.errors import first_line  # noqa: E402
+from attnres_compile.core.errors import first_line  # noqa: E402
 
 ROOT = Path(onnx.__file__).parent / "backend" / "test" / "data"
 RTOL = 1e-4

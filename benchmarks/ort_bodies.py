@@ -1,11 +1,11 @@
 """Side-by-side onnxruntime cost of two versions of the ONNX site form on the same rewritten models.
 
-The two-phase grouping (passes/onnx_grouping.py) and the attnres function bodies
-(passes/onnx_function.py) decide what onnxruntime runs; the TVM backend never expands the
+The two-phase grouping (onnx/two_phase.py) and the attnres function bodies
+(onnx/function.py) decide what onnxruntime runs; the TVM backend never expands the
 bodies. This builds `bench model`'s GPT-2 / Llama (width 256 or `--width`, seq 128, random weights), exports
 the original and its Full and Block rewrites once, turns their sites back into one
 DepthAttention node each, and gives them their final form twice: with this checkout's passes and
-with those of another checkout (`--other`, e.g. `git worktree add /tmp/old REV`). Every session
+with those of another checkout of this layout (`--other`, e.g. `git worktree add /tmp/old REV`). Every session
 runs at 1 thread; each round runs every session once, in turn, and the figure is the median over
 rounds of (session / original - 1) in process CPU time, beside an identical copy of the original
 and, as a second control, the other checkout's form twice.
@@ -36,17 +36,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnres_compile.bench import timing  # noqa: E402
-from attnres_compile.bench.model import make_inputs, make_model, make_variants  # noqa: E402
-from attnres_compile.bench.model_worker import onnxruntime_options  # noqa: E402
-from attnres_compile.passes import onnx_export, onnx_function, onnx_grouping, onnx_io  # noqa: E402
+from attnres_compile.bench.model.measure import make_inputs, make_model, make_variants  # noqa: E402
+from attnres_compile.bench.model.worker import onnxruntime_options  # noqa: E402
+from attnres_compile.onnx import export as onnx_export, function as onnx_function, io as onnx_io  # noqa: E402
+from attnres_compile.onnx import passes as onnx_passes, two_phase as onnx_grouping  # noqa: E402
 
 
 def other_passes(checkout: Path):
-    """The other checkout's onnx_function and onnx_grouping, loaded as the package `other_passes`."""
-    package = types.ModuleType("other_passes")
-    package.__path__ = [str(checkout / "attnres_compile" / "passes")]
-    sys.modules["other_passes"] = package
-    return importlib.import_module("other_passes.onnx_grouping")
+    """The other checkout's ONNX passes (onnx/passes.py), its package loaded as `other_attnres`."""
+    package = types.ModuleType("other_attnres")
+    package.__path__ = [str(checkout / "attnres_compile")]
+    sys.modules["other_attnres"] = package
+    return importlib.import_module("other_attnres.onnx.passes")
 
 
 def one_node_per_site(path: Path) -> onnx.ModelProto:
@@ -61,9 +62,9 @@ def one_node_per_site(path: Path) -> onnx.ModelProto:
     return model
 
 
-def final_form(model: onnx.ModelProto, grouping) -> bytes:
+def final_form(model: onnx.ModelProto, passes) -> bytes:
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    grouping.finalize_sites(model)
+    passes.run(model, [p() for p in passes.FINALIZE])
     return model.SerializeToString()
 
 
@@ -87,7 +88,7 @@ def ablated(model: bytes, state: bool) -> bytes:
 def decode_files(name: str, sublayers: int, width: int, folder: Path) -> tuple[dict[str, Path], dict]:
     """The decoder-with-past .onnx of each variant (as `bench decode` writes them) and the feeds of one
     step: one token after a KV cache of 128 positions."""
-    from attnres_compile.bench import decode
+    from attnres_compile.bench.decode import measure as decode
 
     variants, geometry, args, spec = decode.make_variants(make_model(name, sublayers // 2, width, 192).model, 8)
     for v in variants:
@@ -121,12 +122,12 @@ def compare(name: str, sublayers: int, width: int, other, rounds: int, folder: P
     sessions = {"original": session(str(paths["original"])), "copy": session(str(paths["original"]))}
     for variant in ("block", "full"):
         sites = one_node_per_site(paths[variant])
-        sessions[f"{variant}, this checkout"] = session(final_form(sites, onnx_grouping))
+        sessions[f"{variant}, this checkout"] = session(final_form(sites, onnx_passes))
         sessions[f"{variant}, --other"] = session(final_form(sites, other))
         sessions[f"{variant}, --other again"] = session(final_form(sites, other))
         if split and variant == "block":
-            sessions["block, Partials only"] = session(ablated(final_form(sites, onnx_grouping), state=False))
-            sessions["block, + state reads"] = session(ablated(final_form(sites, onnx_grouping), state=True))
+            sessions["block, Partials only"] = session(ablated(final_form(sites, onnx_passes), state=False))
+            sessions["block, + state reads"] = session(ablated(final_form(sites, onnx_passes), state=True))
     samples = timing.interleaved_clocks({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
                                         rounds, min_time=0)  # one run per session per round
     times = {k: clocks["cpu"] for k, clocks in samples.items()}

@@ -53,9 +53,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attnres_compile import AttnResConfig, isolate  # noqa: E402
-from attnres_compile.backends import onnxruntime as ort_backend  # noqa: E402
-from attnres_compile.errors import AttnResError, first_line  # noqa: E402
+from attnres_compile import AttnResConfig
+from attnres_compile.utils import isolate  # noqa: E402
+from attnres_compile.onnx import runtime as ort_backend  # noqa: E402
+from attnres_compile.core.errors import AttnResError, first_line  # noqa: E402
 
 ROUTES = ("onnx", "legacy", "attnres", "pt2")
 PRETRAINED_ROUTES = ("onnx", "attnres")
@@ -137,7 +138,7 @@ def _rel(expected: list[np.ndarray], actual: list[np.ndarray]) -> float:
 
 
 def _ort(path: Path, feeds: dict) -> list[np.ndarray]:
-    """The model's outputs in onnxruntime as verification runs it (Sigmoid exact: backends/exact_sigmoid.py)."""
+    """The model's outputs in onnxruntime as verification runs it (Sigmoid exact: onnx/exact_sigmoid.py)."""
     session = ort_backend.reference_session(path)
     names = {i.name for i in session.get_inputs()}
     return session.run(None, {k: v for k, v in feeds.items() if k in names})
@@ -178,7 +179,7 @@ def _compile_against(source, folder: Path, feeds: dict, reference: list, row: di
 
 def pretrained_route(name: str, spec: Pretrained, kind: str, folder: Path) -> dict:
     """One row for a pretrained file: the file itself, or its AttnRes rewrite, against onnxruntime."""
-    from attnres_compile.onnx_api import rewrite_onnx
+    from attnres_compile.onnx.pipeline import rewrite_onnx
 
     path = spec.path()
     proto = onnx.load(str(path), load_external_data=False)
@@ -213,7 +214,7 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
     if kind in ("onnx", "legacy"):
         path = folder / f"{name}_{kind}.onnx"
         if kind == "onnx":
-            from attnres_compile.passes import onnx_export, onnx_io
+            from attnres_compile.onnx import export as onnx_export, io as onnx_io
 
             auto = torch.export.Dim.AUTO
             dims = tuple({0: auto, **({1: auto} if a.dim() == 2 else {})} for a in args)  # batch, sequence
@@ -223,7 +224,7 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
             names = [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
             feeds = dict(zip(names, feeds.values()))
         else:
-            from attnres_compile import hf_experts
+            from attnres_compile.fx import hf_experts
 
             with hf_experts.export_friendly(wrapped):  # MoE experts as standard ops, as the project's exporter does
                 torch.onnx.export(wrapped, args, str(path), dynamo=False, input_names=list(tensors), opset_version=17,
@@ -232,19 +233,20 @@ def hf_route(name: str, factory, kind: str, folder: Path, cuda: bool) -> dict:
         _build_against(path, feeds, reference, row)
         source, shapes = path, {k: v.shape for k, v in feeds.items()}
     elif kind == "attnres":
-        from attnres_compile.onnx_api import export_onnx
+        from attnres_compile.onnx.pipeline import export_onnx
 
         source = folder / f"{name}_attnres.onnx"
         export_onnx(model, inputs, source, CONFIG)
         reference = _ort(source, feeds)
         _compile_against(source, folder / f"{name}_{kind}", feeds, reference, row, input_shapes=shapes)
     else:
-        from attnres_compile import pt2, rewrite
-        from attnres_compile.passes import dynamic_dims
+        from attnres_compile import rewrite
+        from attnres_compile.pt2 import write
+        from attnres_compile.fx import dynamic_dims
 
         result = rewrite(model, inputs, CONFIG)
         # as `rewrite -o X.pt2` does: constants (use_cache=False) bound, not inputs; example inputs contiguous
-        module, tensor_kwargs = pt2.bind_constants(result.graph_module, (), {**tensors, **constants}, like=model)
+        module, tensor_kwargs = write.bind_constants(result.graph_module, (), {**tensors, **constants}, like=model)
         source = dynamic_dims.export_program(module, (), tensor_kwargs, None, "static shapes", [])
         with torch.no_grad():
             reference = [x.numpy() for x in torch.utils._pytree.tree_leaves(

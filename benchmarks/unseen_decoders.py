@@ -58,8 +58,9 @@ def build(name: str):
 def check(name: str, tokens: int, routes: list[str], folder: Path) -> list[dict]:
     """One row per route: same tokens as the original's generate(), or the one-line failure."""
     import attnres_compile as ac
-    from attnres_compile import decoder, generate_loop, generation
-    from attnres_compile.onnx_api import export_onnx
+    from attnres_compile.fx import decoder
+    from attnres_compile.generation import loop as generate_loop, serve as generation
+    from attnres_compile.onnx.pipeline import export_onnx
 
     model, example = build(name)
     prompt = example["input_ids"][:, :5]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
-from attnres_compile.bench.model import CausalLMLogits  # noqa: F401 - re-exported for the tests and samples
+from attnres_compile.bench.model.measure import CausalLMLogits  # noqa: F401 - re-exported for the tests and samples
 
 
 def _text_inputs(vocab: int, batch: int = 2, length: int = 8) -> dict:

@@ -46,7 +46,8 @@ def model_and_inputs():
 def profile(blocks: int, factory: str = "tiny"):
     """The one-process profile of the model (the planner's input), for a Block N=`blocks` rewrite."""
     from attnres_compile import AttnResConfig
-    from attnres_compile.api import inspect_traced, trace
+    from attnres_compile.fx.pipeline import inspect_traced
+    from attnres_compile.fx.trace import trace
     from attnres_compile.distributed.memory_profile import profile_model
 
     model, inputs = FACTORIES[factory]()

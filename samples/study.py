@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnres_compile import op
+from attnres_compile.ops import depth_attention as op
 from attnres_compile.monitor import DepthMonitor, ResidualProbe, find_collapse, trace_sites
 from samples.char_lm import attnres, build_model, evaluate, load_text, lr_factor, make_opt, train_step, windows
 

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import SitePolicy, block_names, called_blocks, checkpoint_blocks
 from attnres_compile.monitor import DepthMonitor
-from attnres_compile.op import is_attnres_op
+from attnres_compile.ops.depth_attention import is_attnres_op
 from samples.models import GPT
 
 SIZE = dict(vocab=64, dim=32, layers=2, heads=2, seq=16, micro=4)

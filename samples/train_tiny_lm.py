@@ -179,7 +179,7 @@ def save_artifacts(out: Path, runs: dict, models: dict, example: torch.Tensor) -
     for name in rewritten:
         torch.export.save(torch.export.export(models[name], (example,), strict=False), str(out / f"{name}.pt2"))
     try:
-        from attnres_compile.plots import plot_curves, plot_heatmap, plot_magnitude
+        from attnres_compile.utils.plots import plot_curves, plot_heatmap, plot_magnitude
 
         plot_curves({n: r["val"] for n, r in runs.items()}, out / "val_loss.png", "validation loss (nats/char)")
     except ImportError as exc:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnres_compile import op as op_module
+from attnres_compile.ops import depth_attention as op_module
 
 
 @pytest.fixture

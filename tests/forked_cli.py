@@ -44,11 +44,11 @@ def warm() -> None:
         return
     import importlib
 
-    from attnres_compile import cli
+    from attnres_compile.cli import parser
 
-    cli._parser()
-    for name in ("attnres_compile.onnx_api", "attnres_compile.api", "attnres_compile.pt2", "attnres_compile.monitor",
-                 "attnres_compile.plots", "attnres_compile.backends.onnxruntime", "attnres_compile.backends.tvm.artifact",
+    parser.build()
+    for name in ("attnres_compile.onnx.pipeline", "attnres_compile.api", "attnres_compile.pt2", "attnres_compile.monitor",
+                 "attnres_compile.utils.plots", "attnres_compile.onnx.runtime", "attnres_compile.backends.tvm.artifact",
                  "onnxruntime.tools.symbolic_shape_infer", "matplotlib.pyplot"):
         importlib.import_module(name)
     _WARM = True

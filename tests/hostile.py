@@ -85,7 +85,7 @@ def rewritten(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` rewritten by attnres-compile (no verification), for spoofing its sites."""
     import tempfile
 
-    from attnres_compile.onnx_api import rewrite_onnx
+    from attnres_compile.onnx.pipeline import rewrite_onnx
 
     with tempfile.TemporaryDirectory() as d:
         onnx.save(model, f"{d}/in.onnx")
@@ -97,8 +97,8 @@ def pt2_bytes() -> bytes:
     """A valid rewritten .pt2 (a three-link MLP chain), as `rewrite -o X.pt2` writes it."""
     import torch
 
-    from attnres_compile import pt2
     from attnres_compile.api import rewrite
+    from attnres_compile.pt2 import write
 
     class Chain(torch.nn.Module):
         def __init__(self):
@@ -113,7 +113,7 @@ def pt2_bytes() -> bytes:
     torch.manual_seed(0)
     x = torch.randn(2, 8)
     gm = rewrite(Chain(), (x,), verify_outputs=False).graph_module
-    return pt2.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
+    return write.to_bytes(torch.export.export(gm, (x,), strict=False))[0]
 
 
 def payload_library(marker: str) -> bytes | None:
@@ -878,8 +878,8 @@ def _within(path: str, allowed: set[str]) -> bool:
 
 
 def _loads(path: Path) -> bool:
-    from attnres_compile.errors import AttnResError
-    from attnres_compile.passes import onnx_io
+    from attnres_compile.core.errors import AttnResError
+    from attnres_compile.onnx import io as onnx_io
 
     try:
         onnx_io.load(path, with_data=True)

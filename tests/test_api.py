@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 import attnres_compile as ac
-from attnres_compile.errors import (ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError,
-                                    TraceError)
+from attnres_compile.core.errors import (ConfigError, DynamicFeatureAxisError, InputError, NoResidualChainError, TraceError)
 from samples import hf_models, models
 
 

@@ -21,7 +21,7 @@ from hostile import payload_library, rewritten, tiny  # noqa: E402
 
 from attnres_compile.backends.tvm import compile_model, load  # noqa: E402
 from attnres_compile.backends.tvm.runtime import MANIFEST  # noqa: E402
-from attnres_compile.errors import ArtifactError  # noqa: E402
+from attnres_compile.core.errors import ArtifactError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

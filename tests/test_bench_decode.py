@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from attnres_compile.bench import decode  # noqa: E402
+from attnres_compile.bench.decode import measure as decode  # noqa: E402
 from attnres_compile.cli import main  # noqa: E402
 
 
@@ -54,15 +54,15 @@ def test_site_costs_and_targets(quick):
 
 
 def test_generate_route_candidates_are_checked_and_timed(tmp_path):
-    """The generate runtime's job in-process (decode_route.py): HF generate() on the model, an
+    """The generate runtime's job in-process (bench/decode/route.py): HF generate() on the model, an
     identical copy, causal_lm over the trace and over the Block rewrite give the same step logits
     and are timed."""
     import argparse
 
     import numpy as np
 
-    from attnres_compile.bench import decode_route, decode_worker
-    from attnres_compile.errors import ConfigError
+    from attnres_compile.bench.decode import route as decode_route, worker as decode_worker
+    from attnres_compile.core.errors import ConfigError
 
     ids = np.random.default_rng(0).integers(0, 100, (1, 9), dtype=np.int64)
     np.savez(tmp_path / "inputs.npz", input_ids=ids)

@@ -15,9 +15,11 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from attnres_compile.bench import model, model_targets, model_worker, profile, timing  # noqa: E402
-from attnres_compile.bench.model_worker import WorkerError, Workers  # noqa: E402
-from attnres_compile.errors import ConfigError  # noqa: E402
+from attnres_compile.bench import targets as model_targets, timing  # noqa: E402
+from attnres_compile.bench import model  # noqa: E402
+from attnres_compile.bench.model import measure, profile, worker as model_worker  # noqa: E402
+from attnres_compile.bench.model.worker import WorkerError, Workers  # noqa: E402
+from attnres_compile.core.errors import ConfigError  # noqa: E402
 
 QUICK_RUNTIMES = ("eager", "train", "onnxruntime", "tvm")
 
@@ -45,7 +47,7 @@ def test_every_row_is_there(quick):
     data, _, _ = quick
     (width, depths), = data["config"]["matrices"]
     keys = [(r["model"], r["width"], r["sublayers"], r["runtime"], r["variant"]) for r in data["rows"]]
-    expected = {("gpt", width, d, rt, v) for d in depths for rt in QUICK_RUNTIMES for v in model.VARIANTS}
+    expected = {("gpt", width, d, rt, v) for d in depths for rt in QUICK_RUNTIMES for v in measure.VARIANTS}
     assert set(keys) == expected and len(keys) == len(expected)
     assert data["benchmark"] == "model" and data["environment"]["threads"] == 2
 
@@ -214,7 +216,7 @@ def test_a_factory_model_is_timed_at_its_own_size(tmp_path):
                  factory="samples.hf_decoders:gpt2_factory")
     data = model.run(args, io.StringIO())
     assert {(r["model"], r["width"], r["sublayers"], r["variant"]) for r in data["rows"]} == {
-        ("hf_decoders", 32, 4, v) for v in model.VARIANTS}
+        ("hf_decoders", 32, 4, v) for v in measure.VARIANTS}
     assert all(r["error"] is None and r["max_abs_err"] < 1e-4 for r in data["rows"])
     assert {r["sites"] for r in data["rows"] if r["variant"] in ("full", "block")} == {4}
     eager = next(t for t in data["targets"] if (t["runtime"], t["variant"], t["limit"]) == ("eager", "block", 3.0))
@@ -235,7 +237,7 @@ def test_failed_workers_are_one_line(tmp_path):
     s = model.settings(_args(tmp_path))
     workers = Workers(tmp_path / "logs")
     (tmp_path / "inputs.npz").write_bytes(b"")
-    result = model.memory_fields("onnxruntime", tmp_path / "missing.onnx", {"inputs": tmp_path / "inputs.npz"}, s,
+    result = measure.memory_fields("onnxruntime", tmp_path / "missing.onnx", {"inputs": tmp_path / "inputs.npz"}, s,
                                  workers)
     assert "\n" not in result["memory_error"] and "Error" in result["memory_error"]
     start = time.perf_counter()

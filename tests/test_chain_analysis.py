@@ -5,11 +5,12 @@ import torch
 from torch import nn
 
 import attnres_compile as ac
-from attnres_compile.config import AttnResConfig
-from attnres_compile.onnx_api import inspect_onnx
-from attnres_compile.passes import chain_analysis, onnx_export, onnx_io
-from attnres_compile.passes.chain_analysis import analyze
-from attnres_compile.passes.graph_view import Kind, ViewNode, build_view
+from attnres_compile.core.config import AttnResConfig
+from attnres_compile.onnx.pipeline import inspect_onnx
+from attnres_compile.core import chain_analysis
+from attnres_compile.onnx import export as onnx_export, io as onnx_io
+from attnres_compile.core.chain_analysis import analyze
+from attnres_compile.core.graph_view import Kind, ViewNode, build_view
 
 D = (2, 8, 16)
 

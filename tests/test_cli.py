@@ -17,7 +17,7 @@ import torch
 from onnx import TensorProto, helper
 
 from attnres_compile.cli import main
-from attnres_compile.passes import onnx_io
+from attnres_compile.onnx import io as onnx_io
 from samples import models
 from tests.test_onnx import split_model
 
@@ -213,7 +213,8 @@ def test_usage_errors_and_missing_inputs_load_neither_onnx_nor_tvm():
     code = textwrap.dedent("""
         import sys
         from attnres_compile import cli
-        cli._parser()
+        from attnres_compile.cli import parser
+        parser.build()
         codes = [cli.main(["rewrite", "missing.onnx", "-o", "out.onnx"]), cli.main(["compile", "missing.onnx", "-o", "o"]),
                  cli.main(["inspect", "missing.onnx"]), cli.main(["rewrite", "tests.x:f", "-o", "o.pt2", "--blocks", "0"])]
         print(codes, sorted(m for m in ("tvm", "onnx", "onnxruntime", "transformers") if m in sys.modules))

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from forked_cli import leftovers, run_cli  # noqa: E402
 from hostile import _endless_loop, _nested_if, external, tiny  # noqa: E402
 
-from attnres_compile.passes import onnx_io  # noqa: E402
+from attnres_compile.onnx import io as onnx_io  # noqa: E402
 
 
 def one_line(run, code: int, *texts: str) -> None:
@@ -49,7 +49,7 @@ def model_folder(folder: Path, dim: int = 64, links: int = 2) -> Path:
 
 
 def test_every_option_has_help():
-    from attnres_compile.cli import _parser
+    from attnres_compile.cli.parser import build as _parser
 
     missing, stack = [], [("attnres-compile", _parser())]
     while stack:
@@ -161,7 +161,7 @@ def test_ctrl_c_and_sigterm_exit_in_one_line_and_leave_nothing(tmp_path):
 def test_a_signal_while_the_handlers_are_restored_is_one_line(monkeypatch, capsys):
     """The long fuzz run's one failure: SIGTERM after the command finished, while `main` put the
     previous handlers back, escaped as a traceback. Now it is recorded and reported."""
-    from attnres_compile import cli
+    from attnres_compile.cli import program as cli
 
     real, calls = signal.signal, []
 
@@ -325,7 +325,7 @@ def test_native_log_lines_are_hidden_but_progress_is_not(capfd):
     """Native libraries (TVM's "BlockBuilder destroyed...", onnxruntime's [E:onnxruntime] lines) write to
     file descriptor 2, past Python's sys.stderr: _quiet redirects the descriptor; progress written to
     sys.__stderr__ (compile's tuning lines) stays visible."""
-    from attnres_compile.cli import _quiet
+    from attnres_compile.cli.program import _quiet
 
     with _quiet():
         os.write(2, b"[E:onnxruntime:, sequential_executor.cc:572] native noise\n")
@@ -545,7 +545,8 @@ def test_concurrent_rewrites_leave_one_model_and_its_weights(tmp_path):
             assert run_cli(argv).code == 0
 
         def second_run_meanwhile():
-            from attnres_compile import cli, onnx_api
+            from attnres_compile.cli import program as cli
+            from attnres_compile.onnx import pipeline as onnx_api
 
             real = onnx_api.check_written
 

@@ -12,8 +12,8 @@ from torch.utils import _pytree as pytree
 
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import OffloadHistory, SitePolicy, block_names, called_blocks, checkpoint_blocks
-from attnres_compile.errors import TraceError
-from attnres_compile.op import is_attnres_op
+from attnres_compile.core.errors import TraceError
+from attnres_compile.ops.depth_attention import is_attnres_op
 from samples.hf_models import llama_factory
 from samples.models import GPT
 

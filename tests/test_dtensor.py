@@ -89,7 +89,7 @@ def _refusal(mesh, source_placement, query_placement) -> str:
     """The error of the op on sources placed as `source_placement` and the query as `query_placement`."""
     from torch.distributed.tensor import distribute_tensor
 
-    from attnres_compile.errors import ShardingError
+    from attnres_compile.core.errors import ShardingError
 
     sources, query, _ = _inputs()
     d_sources = [distribute_tensor(s, mesh, [source_placement]) for s in sources]
@@ -258,7 +258,7 @@ def _worker(rank: int, rendezvous: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import attnres_compile.distributed  # noqa: F401  (registers the DTensor rules)
-    from attnres_compile import op
+    from attnres_compile.ops import depth_attention as op
 
     torch.set_num_threads(1)
     op.set_kernel("eager")

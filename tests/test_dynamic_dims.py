@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import attnres_compile as ac
-from attnres_compile import cli
-from attnres_compile.errors import ConfigError
-from attnres_compile.onnx_api import export_onnx
-from attnres_compile.passes import dynamic_dims, onnx_export
+from attnres_compile.cli import program as cli
+from attnres_compile.core.errors import ConfigError
+from attnres_compile.onnx.pipeline import export_onnx
+from attnres_compile.fx import dynamic_dims
+from attnres_compile.onnx import export as onnx_export
 from samples import hf_models, hf_zoo, models
 
 

@@ -5,7 +5,7 @@ kernels they build, whose number no longer grows with the source count."""
 import pytest
 import torch
 
-from attnres_compile import op as op_module
+from attnres_compile.ops import depth_attention as op_module
 from attnres_compile.kernels import cache as kernel_cache
 from attnres_compile.kernels import fused
 

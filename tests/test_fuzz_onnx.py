@@ -51,7 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
 from attnres_compile.cli import main
-from attnres_compile.passes import onnx_io
+from attnres_compile.onnx import io as onnx_io
 
 TIMEOUT = 60  # seconds per CLI call
 DOCUMENTED = {0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 17, 18}

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import attnres_compile as ac
-from attnres_compile import decoder, generation, generate_loop
-from attnres_compile.errors import ConfigError, InputError
+from attnres_compile.fx import decoder
+from attnres_compile.generation import loop as generate_loop, serve as generation
+from attnres_compile.core.errors import ConfigError, InputError
 from samples.hf_decoders import DECODERS
 
 NEW_TOKENS = 64
@@ -131,7 +132,7 @@ def test_warm_up_builds_the_kernels_and_the_timed_run_builds_none(tmp_path, monk
     prompt's shapes) build every kernel the run needs; the timed run builds none. The run is a
     left-padded batch on GPT-2, whose learned absolute positions must count from each row's first
     token (on Llama's rotary positions a shift changes nothing) to give HF generate()'s tokens."""
-    from attnres_compile import op as op_module
+    from attnres_compile.ops import depth_attention as op_module
     from attnres_compile.kernels import cache, fused, schedule
 
     model, example = DECODERS["gpt2"]()

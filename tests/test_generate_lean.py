@@ -1,4 +1,4 @@
-"""passes/fx_lean.py: the copy of a rewritten decoder that generation.causal_lm runs each step.
+"""fx/lean.py: the copy of a rewritten decoder that generation.causal_lm runs each step.
 
 It must compute what the graph module computes (bit for bit: it only drops dead nodes, checks and
 same-dtype casts), with fewer operator calls and no deep attribute chains; read parameters that
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import attnres_compile as ac
-from attnres_compile import decoder, generation
-from attnres_compile.passes import fx_lean
+from attnres_compile.fx import decoder
+from attnres_compile.generation import serve as generation
+from attnres_compile.fx import lean as fx_lean
 from samples.hf_decoders import DECODERS
 
 aten = torch.ops.aten
@@ -182,7 +183,7 @@ def test_inference_copy_calls_the_kernel_without_per_site_checks(llama, monkeypa
     a dispatch mode or the profiler, `module` runs, as the op's own sites would decide."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from attnres_compile import op
+    from attnres_compile.ops import depth_attention as op
 
     model, example, gm = llama
     lean = fx_lean.lean_copy(gm)

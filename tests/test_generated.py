@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from torch import fx
 
 import attnres_compile as ac
-from attnres_compile.errors import NoResidualChainError
+from attnres_compile.core.errors import NoResidualChainError
 from tests import generated_models as gen
 from tests.generated_models import REASONS, BranchSpec, LinkSpec, ModelSpec, StreamSpec
 

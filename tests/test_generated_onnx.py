@@ -35,9 +35,9 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, note, settings
 
 import attnres_compile as ac
-from attnres_compile.errors import NoResidualChainError
-from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
-from attnres_compile.passes.onnx_grouping import sites as onnx_sites
+from attnres_compile.core.errors import NoResidualChainError
+from attnres_compile.onnx.pipeline import inspect_onnx, rewrite_onnx
+from attnres_compile.onnx.two_phase import sites as onnx_sites
 from tests import generated_models as gen
 
 settings.register_profile(

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import attnres_compile as ac
-from attnres_compile import hf_experts
-from attnres_compile.api import trace
-from attnres_compile.config import AttnResConfig
-from attnres_compile.passes.chain_analysis import NOT_LEARNED, analyze
-from attnres_compile.passes.onnx_view import view_from_onnx
+from attnres_compile.fx import hf_experts
+from attnres_compile.fx.trace import trace
+from attnres_compile.core.config import AttnResConfig
+from attnres_compile.core.chain_analysis import NOT_LEARNED, analyze
+from attnres_compile.onnx.view import view_from_onnx
 from samples import hf_models, hf_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,7 +73,7 @@ WORKER = textwrap.dedent("""
     import contextlib, io, json, sys
     import onnx, torch
     from attnres_compile import cli
-    from attnres_compile.passes import onnx_export
+    from attnres_compile.onnx import export as onnx_export
     from samples import hf_models, hf_zoo
 
     torch.set_num_threads(1)

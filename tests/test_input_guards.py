@@ -1,4 +1,4 @@
-"""passes/input_guards.py: torch.export's input checks without sympy on every call, same verdicts.
+"""fx/input_guards.py: torch.export's input checks without sympy on every call, same verdicts.
 
 api.trace puts `InputGuards` in front of torch's `_check_input_constraints_pre_hook`. Each call
 here runs the traced module twice, once with our hook and once with torch's hook put back in the
@@ -17,9 +17,9 @@ import torch
 from torch.export import Dim
 from torch.export._unlift import _check_input_constraints_pre_hook
 
-from attnres_compile import decoder
-from attnres_compile.api import trace
-from attnres_compile.passes import input_guards
+from attnres_compile.generation.serve import decoder
+from attnres_compile.fx.trace import trace
+from attnres_compile.fx import input_guards
 from samples.hf_decoders import llama_factory
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hostile import payload_library  # noqa: E402
 
-from attnres_compile import op as op_module  # noqa: E402
+from attnres_compile.ops import depth_attention as op_module  # noqa: E402
 from attnres_compile.kernels import cache as kernel_cache  # noqa: E402
 
 SPEC = kernel_cache.Spec("forward", 2, 2, 8, "float32", 1e-6, 2.0, "cpu", 1)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from attnres_compile import AttnResConfig, op, rewrite
+from attnres_compile import AttnResConfig, rewrite
+from attnres_compile.ops import depth_attention as op
 from attnres_compile.kernels import fused
 from attnres_compile.monitor import (CollapseController, DepthMonitor, find_collapse, format_stats, inspect_weights,
                                      log_stats, read_csv, record, trace_sites)
@@ -242,7 +243,7 @@ def test_controller_slows_the_collapsed_site_only(gpt, full, tmp_path, caplog):
 
 def test_csv_round_trip_and_plot_over_steps(gpt, block, tmp_path):
     pytest.importorskip("matplotlib")
-    from attnres_compile.plots import plot_weights_over_steps
+    from attnres_compile.utils.plots import plot_weights_over_steps
 
     gm, x = copy.deepcopy(block), gpt[1]
     opt = torch.optim.Adam(gm.parameters(), lr=0.05)
@@ -284,7 +285,7 @@ def test_tensorboard_and_plots(gpt, full, tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("matplotlib")
     from attnres_compile.monitor import tensorboard_writer
-    from attnres_compile.plots import plot_magnitude
+    from attnres_compile.utils.plots import plot_magnitude
 
     gm, x = full, gpt[1]
     writer = tensorboard_writer(tmp_path / "tb")

@@ -40,7 +40,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from attnres_compile.passes import onnx_function
+from attnres_compile.onnx import function as onnx_function
 
 tvm = pytest.importorskip("tvm")
 from attnres_compile.backends.tvm import build, depth_attention_func, host_target  # noqa: E402

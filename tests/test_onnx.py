@@ -17,14 +17,13 @@ import torch
 from onnx import TensorProto, helper
 
 import attnres_compile as ac
-from attnres_compile.backends import onnxruntime as ort_backend
-from attnres_compile.errors import (CorruptModelError, DynamicFeatureAxisError, ExternalDataError, InputError,
-                                    NoResidualChainError, NotOnnxError, OutputPathError, UnsupportedOpsetError)
-from attnres_compile.onnx_api import export_onnx, inspect_onnx, rewrite_onnx
-from attnres_compile.op import depth_attention
-from attnres_compile.passes import onnx_export, onnx_io
-from attnres_compile.passes.onnx_function import MERGE, OP_TYPE, PARTIAL, attach_functions, site_node
-from attnres_compile.passes.onnx_grouping import sites as onnx_sites
+from attnres_compile.onnx import runtime as ort_backend
+from attnres_compile.core.errors import (CorruptModelError, DynamicFeatureAxisError, ExternalDataError, InputError, NoResidualChainError, NotOnnxError, OutputPathError, UnsupportedOpsetError)
+from attnres_compile.onnx.pipeline import export_onnx, inspect_onnx, rewrite_onnx
+from attnres_compile.ops.depth_attention import depth_attention
+from attnres_compile.onnx import export as onnx_export, io as onnx_io
+from attnres_compile.onnx.function import MERGE, OP_TYPE, PARTIAL, attach_functions, site_node
+from attnres_compile.onnx.two_phase import sites as onnx_sites
 from samples import hf_models, models
 
 

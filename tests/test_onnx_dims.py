@@ -12,11 +12,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.onnx import runtime as ort_backend
 from attnres_compile.cli import main
-from attnres_compile.errors import ConfigError, ModelRunError
-from attnres_compile.onnx_api import rewrite_onnx
-from attnres_compile.passes import onnx_dims, verify
+from attnres_compile.core.errors import ConfigError, ModelRunError
+from attnres_compile.onnx.pipeline import rewrite_onnx
+from attnres_compile.onnx import dims as onnx_dims
+from attnres_compile.core import verify
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -63,7 +64,7 @@ GENAI = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["bat
 
 
 def test_genai_dims_from_the_graph():
-    """onnxruntime-genai's names: the head size the graph fixes (onnx_cache_dims.py) is bound, never zeroed
+    """onnxruntime-genai's names: the head size the graph fixes (onnx/cache_dims.py) is bound, never zeroed
     with the past; the mask's own length is past + sequence, so --input-shape solves through it as through
     optimum's expression; without past inputs a mask length stays a free name."""
     (default, no_past), (small, _) = onnx_dims.Dims(GENAI, implied={"kv_cache_dim": 32}).shape_sets()
@@ -194,7 +195,7 @@ def test_exported_files_are_verified_at_their_example_sizes(tmp_path):
     """16 samples are too few for this conv stack: onnxruntime refused the default set, so `compile` of our
     own export failed unless the user found --input-shape. The export records the example's sizes."""
     from attnres_compile import AttnResConfig
-    from attnres_compile.onnx_api import export_onnx
+    from attnres_compile.onnx.pipeline import export_onnx
 
     torch.manual_seed(0)
     export_onnx(_Strided().eval(), (torch.randn(2, 400),), tmp_path / "a.onnx", AttnResConfig(variant="full"))
@@ -244,7 +245,7 @@ def _cache_reader(path, op: str) -> str:
 def test_cache_head_size_from_the_attention_op(tmp_path, op):
     """The past's head dim gets the size the op implies (64 features over 2 heads: 32); onnxruntime runs the
     original at the shapes verification picks (it refuses the free 16)."""
-    from attnres_compile.passes import onnx_cache_dims
+    from attnres_compile.onnx import cache_dims as onnx_cache_dims
 
     path = _cache_reader(tmp_path / f"{op}.onnx", op)
     implied = onnx_cache_dims.head_sizes(onnx.load(path))

@@ -4,7 +4,7 @@ Real files from the real producers: onnxruntime-genai's model builder on a tiny 
 (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, GroupQueryAttention) and
 `onnxruntime.transformers.optimizer` on torch.onnx exports of tiny GPT-2 and BERT
 (SkipLayerNormalization with the bias folded in). Each must load, its fused norms unfused
-(passes/onnx_unfuse_skip_norm.py) must compute what the fused file computes in onnxruntime,
+(onnx/unfuse_skip_norm.py) must compute what the fused file computes in onnxruntime,
 the links must be found, and `rewrite` must pass its own verification and match the original
 in an independent onnxruntime run. Hand-built graphs check each rule against onnxruntime's
 kernels (bias, beta, default epsilon, both RMS norms) and the checker's refusals.
@@ -27,10 +27,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from attnres_compile import AttnResConfig
 from attnres_compile.cli import main
-from attnres_compile.errors import AttnResError, CorruptModelError
-from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
-from attnres_compile.passes import onnx_io
-from attnres_compile.passes.onnx_unfuse_skip_norm import unfuse
+from attnres_compile.core.errors import AttnResError, CorruptModelError
+from attnres_compile.onnx.pipeline import inspect_onnx, rewrite_onnx
+from attnres_compile.onnx import io as onnx_io
+from attnres_compile.onnx.unfuse_skip_norm import unfuse
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 2
 DIMS = {"batch_size": 1, "batch": 2,  # GroupQueryAttention: batch 1 when a past is given

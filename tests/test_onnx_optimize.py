@@ -1,4 +1,4 @@
-"""onnxscript's optimizer keeps a tiny epsilon: its no-op rules apply to exact 0 and 1 only (passes/onnx_optimize.py)."""
+"""onnxscript's optimizer keeps a tiny epsilon: its no-op rules apply to exact 0 and 1 only (onnx/optimize.py)."""
 
 import numpy as np
 import onnx
@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 
 from attnres_compile import AttnResConfig
 from attnres_compile.backends.tvm.onnx_prepare import simplify
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.onnx.pipeline import export_onnx
 
 
 def _model(constants: dict[str, float]) -> onnx.ModelProto:

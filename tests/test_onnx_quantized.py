@@ -1,6 +1,6 @@
 """Quantized ONNX files: onnxruntime.quantization.quantize_dynamic on an exported decoder (MatMulInteger after
 DynamicQuantizeLinear), rewritten and verified with the quantize steps fixed by the original's activations
-(passes/onnx_quantize_steps.py).
+(onnx/quantize_steps.py).
 
 An exact rewrite changes the residual sums by float rounding only, but an activation that close to a
 rounding boundary lands one int8 step away, and the logits move by percents: a plain comparison
@@ -19,9 +19,10 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from attnres_compile.backends import onnxruntime as ort_backend
-from attnres_compile.onnx_api import rewrite_onnx
-from attnres_compile.passes import onnx_quantize_steps, verify
+from attnres_compile.onnx import runtime as ort_backend
+from attnres_compile.onnx.pipeline import rewrite_onnx
+from attnres_compile.onnx import quantize_steps as onnx_quantize_steps
+from attnres_compile.core import verify
 
 LAYERS, HIDDEN = 8, 64      # 16 links: deep enough that Full's sums differ from the original's by rounding
 SHAPES = {"input_ids": (2, 128), "attention_mask": (2, 128)}  # enough activations that some sit on a boundary

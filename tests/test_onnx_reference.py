@@ -1,4 +1,4 @@
-"""The onnxruntime reference of verification computes Sigmoid exactly (backends/exact_sigmoid.py).
+"""The onnxruntime reference of verification computes Sigmoid exactly (onnx/exact_sigmoid.py).
 
 onnxruntime's own Sigmoid is accurate to ~1e-7 absolute only: on outputs of ~1e-5 (a head with a
 bias around -12, PaddleOCR PP-OCRv4 det on noise inputs) it is off by percents, and a correct
@@ -19,12 +19,12 @@ import torch
 import tvm
 
 from attnres_compile import AttnResConfig
-from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.onnx import runtime as ort_backend
 from attnres_compile.backends.tvm import compile_model
 from attnres_compile.backends.tvm.check import check
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.pipeline import build, make_target
-from attnres_compile.onnx_api import export_onnx, rewrite_onnx
+from attnres_compile.onnx.pipeline import export_onnx, rewrite_onnx
 
 SHAPE = (2, 16)
 DET_SHAPE = {"x": (1, 3, 64, 64)}

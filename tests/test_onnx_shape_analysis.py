@@ -15,11 +15,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attnres_compile.config import AttnResConfig
-from attnres_compile.errors import TimeLimitError
-from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
-from attnres_compile.passes import onnx_io, onnx_view
-from attnres_compile.passes.chain_analysis import analyze
+from attnres_compile.core.config import AttnResConfig
+from attnres_compile.core.errors import TimeLimitError
+from attnres_compile.onnx.pipeline import inspect_onnx, rewrite_onnx
+from attnres_compile.onnx import io as onnx_io, view as onnx_view
+from attnres_compile.core.chain_analysis import analyze
 from forked_cli import run_cli
 from hostile import tiny
 

@@ -17,15 +17,16 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import attnres_compile as ac
-from attnres_compile.backends import onnxruntime as ort_backend
-from attnres_compile.errors import CorruptModelError
-from attnres_compile.onnx_api import inspect_onnx, rewrite_onnx
-from attnres_compile.passes import onnx_export, verify
-from attnres_compile.passes.onnx_function import (DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node,
-                                                   partial_node)
-from attnres_compile.passes.onnx_grouping import MAX_GROUP, sites
-from attnres_compile.passes.onnx_site_check import check_sites
-from attnres_compile.passes.onnx_view import value_types
+from attnres_compile.onnx import runtime as ort_backend
+from attnres_compile.core.errors import CorruptModelError
+from attnres_compile.onnx.pipeline import inspect_onnx, rewrite_onnx
+from attnres_compile.onnx import export as onnx_export
+from attnres_compile.core import verify
+from attnres_compile.onnx.function import DOMAIN, MERGE, OP_TYPE, PARTIAL, attach_functions, merge_node, partial_node
+from attnres_compile.core.two_phase import MAX_GROUP
+from attnres_compile.onnx.two_phase import sites
+from attnres_compile.onnx.site_check import check_sites
+from attnres_compile.onnx.view import value_types
 from samples import models
 
 CONFIGS = {"full": ac.AttnResConfig(), "block": ac.AttnResConfig(variant="block", num_blocks=2)}

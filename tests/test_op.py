@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from attnres_compile import op as op_module
+from attnres_compile.ops import depth_attention as op_module
 from attnres_compile.kernels import cache as kernel_cache
 from attnres_compile.kernels import fused
-from attnres_compile.op import depth_attention_stacked
+from attnres_compile.ops.depth_attention import depth_attention_stacked
 
 op = torch.ops.attnres.depth_attention.default
 

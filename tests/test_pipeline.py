@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import schedule_stage_ranks, split_stages, stage_cache
-from attnres_compile.errors import ConfigError
+from attnres_compile.core.errors import ConfigError
 from samples import train_pipeline
 from samples.hf_models import gpt2_factory, llama_factory
 from samples.models import GPT

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from attnres_compile import AttnResConfig, rewrite
 from attnres_compile.distributed import SitePolicy, schedule_stage_ranks, split_stages
 from attnres_compile.distributed.planner import check_layout, plan_memory
-from attnres_compile.errors import ConfigError
+from attnres_compile.core.errors import ConfigError
 from samples import pipeline_memory
 
 GIB = 2**30

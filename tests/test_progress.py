@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from attnres_compile import progress
+from attnres_compile.utils import progress
 from tests.forked_cli import run_cli
 from tests.test_cli import chain_model
 

@@ -65,7 +65,7 @@ def test_hf_model_archive_loads_in_a_fresh_process(tmp_path):
     assert weights.code == 0 and "chain0" in weights.stdout, weights.stderr
 
     from attnres_compile import pt2
-    from attnres_compile.errors import ConfigError
+    from attnres_compile.core.errors import ConfigError
     from samples.hf_models import gpt2_factory
 
     loaded = pt2.load(out)
@@ -83,7 +83,7 @@ def test_a_program_exported_elsewhere_takes_its_constant_inputs_as_traced(tmp_pa
     """torch.export of the factory's inputs keeps use_cache=False as a constant input: `module()`
     supplies it when left out, and refuses another value in one line, before torch's guard."""
     from attnres_compile import pt2
-    from attnres_compile.errors import ConfigError
+    from attnres_compile.core.errors import ConfigError
     from samples.hf_models import gpt2_factory
 
     model, inputs = gpt2_factory()
@@ -162,8 +162,9 @@ def test_a_listed_operator_of_another_library_loads_in_a_fresh_process(tmp_path)
     the program runs; any other operator of another library is still refused."""
     pytest.importorskip("transformers.integrations.moe")
     from attnres_compile import pt2
-    from attnres_compile.errors import TraceError
-    from attnres_compile.passes import onnx_export
+    from attnres_compile.core.errors import TraceError, UnsafeArchiveError
+    from attnres_compile.pt2 import trust
+    from attnres_compile.onnx import export as onnx_export
 
     x = torch.randn(5, 4)
     program = torch.export.export(_GroupedExperts(), (x,))
@@ -171,7 +172,7 @@ def test_a_listed_operator_of_another_library_loads_in_a_fresh_process(tmp_path)
     fresh = subprocess.run([sys.executable, "-c", LIBRARY_OP, str(tmp_path / "moe.pt2")], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
     assert fresh.returncode == 0 and "OK" in fresh.stdout, fresh.stderr[-2000:]
-    with pytest.raises(pt2.UnsafeArchiveError, match=r"call target 'torch\.ops\.transformers\.other\.default'"):
-        pt2.check_program_json({"nodes": [{"target": "torch.ops.transformers.other.default"}]}, tmp_path / "x.pt2")
+    with pytest.raises(UnsafeArchiveError, match=r"call target 'torch\.ops\.transformers\.other\.default'"):
+        trust.check_program_json({"nodes": [{"target": "torch.ops.transformers.other.default"}]}, tmp_path / "x.pt2")
     with pytest.raises(TraceError, match="torch.onnx cannot export .*grouped_mm_fallback.*-o X.pt2"):
         onnx_export.export(_GroupedExperts(), (x,))

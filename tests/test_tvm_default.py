@@ -27,15 +27,15 @@ from tvm import relax, te
 from attnres_compile import AttnResConfig
 from attnres_compile.backends.tvm import compile_model, load
 from attnres_compile.backends.tvm.artifact import dim_text
-from attnres_compile.backends.tvm.cli import add_commands
+from attnres_compile.cli.parser import build as cli_parser
 from attnres_compile.backends.tvm.cpu_rules import PREPROC, DotProducts, Matmul, RowReduction, default_schedule
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX
 from attnres_compile.backends.tvm.pipeline import build, make_target
 from attnres_compile.backends.tvm.profile import format_table, profile
-from attnres_compile.errors import CompileError
+from attnres_compile.core.errors import CompileError
 from attnres_compile.kernels import tir_pipeline
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.onnx.pipeline import export_onnx
 from samples import hf_models, hf_zoo
 
 RTOL = 1e-4  # against onnxruntime / torch, relative to the output's largest magnitude
@@ -454,11 +454,9 @@ def test_profile_table_lists_every_depth_attention_kernel():
 def test_run_profile_prints_the_table(gpt_block, tmp_path, capsys):
     folder, _, feeds = gpt_block
     np.savez(tmp_path / "in.npz", **feeds)
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers())
-    args = parser.parse_args(["run", str(folder / "art"), "--inputs", str(tmp_path / "in.npz"), "-o",
+    args = cli_parser().parse_args(["run", str(folder / "art"), "--inputs", str(tmp_path / "in.npz"), "-o",
                               str(tmp_path / "out.npz"), "--profile"])
-    assert args.handler(args) == 0
+    assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "per-kernel time" in out and " float32[2, 8, 100]" in out and "depth-attention" in out
 
@@ -868,7 +866,7 @@ def test_a_sliced_example_input_compiles(tmp_path):
     exported program a stride symbol without a range, and TVM's importer failed: "vr must not be None for
     symbol s55" (mBART). Examples are made contiguous before torch.export (dynamic_dims.dense)."""
     from attnres_compile import rewrite
-    from attnres_compile.passes import dynamic_dims
+    from attnres_compile.fx import dynamic_dims
     from attnres_compile.pt2 import save
     from samples import models
 

@@ -46,7 +46,7 @@ def reference(sources, w, eps, scale):
 
 
 def backward_reference(sources, w, g, eps, scale):
-    """(d out / d sources, d out / d w) for the upstream gradient g, float64 (op.py's formula)."""
+    """(d out / d sources, d out / d w) for the upstream gradient g, float64 (ops/depth_attention.py's formula)."""
     v = np.stack([s.astype(np.float64) for s in sources])
     w, g = w.astype(np.float64), g.astype(np.float64)
     rinv = 1 / np.sqrt((v**2).mean(-1) + eps)
@@ -288,7 +288,7 @@ def _pair_reference(srcs, w, affine, norm, norm_eps, scale, grads):
 
 @pytest.mark.parametrize("norm, weight, bias, with_gm", [("layer", True, True, True), ("rms", False, False, False)])
 def test_site_norm_pair_forward_and_backward(norm, weight, bias, with_gm):
-    """The fused pair (op_site_norm.py): depth_attention_norm_func stores both the site's output and
+    """The fused pair (ops/site_norm.py): depth_attention_norm_func stores both the site's output and
     its norm; the backward, given the normed output's gradient (and the mixed output's, where it
     has readers of its own), recomputes the mixed row in cache and returns the sources', the
     query's and the weight's gradients (the bias's, sum_rows gn, is the binding's). Sources sit

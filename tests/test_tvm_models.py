@@ -29,22 +29,22 @@ import tvm
 from onnx import TensorProto, helper
 
 import attnres_compile as ac
-from attnres_compile.backends import onnxruntime as ort_backend
+from attnres_compile.onnx import runtime as ort_backend
 from attnres_compile.backends.tvm import LowerDepthAttention, compile_model, load
 from attnres_compile.backends.tvm import check as tvm_check
 from attnres_compile.backends.tvm import tune
-from attnres_compile.backends.tvm.cli import add_commands
+from attnres_compile.cli.parser import build as cli_parser
 from attnres_compile.backends.tvm.importers import from_onnx, import_model
 from attnres_compile.backends.tvm.lower import KERNEL_PREFIX, PARTIAL_PREFIX, calls
 from attnres_compile.backends.tvm.pipeline import make_target
-from attnres_compile.errors import ArtifactError, ConfigError, InputError, VerificationError
+from attnres_compile.core.errors import ArtifactError, ConfigError, InputError, VerificationError
 from attnres_compile.kernels import cache as kernel_cache
-from attnres_compile.onnx_api import export_onnx, rewrite_onnx
-from attnres_compile.op import depth_attention
-from attnres_compile.passes import onnx_grouping
-from attnres_compile.passes.onnx_export import auto_dynamic_shapes
-from attnres_compile.passes.onnx_function import attach_functions, site_node
-from attnres_compile.passes.onnx_grouping import sites as onnx_sites
+from attnres_compile.onnx.pipeline import export_onnx, rewrite_onnx
+from attnres_compile.ops.depth_attention import depth_attention
+from attnres_compile.core import two_phase as two_phase_policy
+from attnres_compile.onnx.export import auto_dynamic_shapes
+from attnres_compile.onnx.function import attach_functions, site_node
+from attnres_compile.onnx.two_phase import sites as onnx_sites
 from samples import hf_models, models
 
 ATOL = 1e-4
@@ -79,9 +79,9 @@ def _randomize_queries(path: Path, seed: int = 0) -> None:
 def two_phase_on_short_histories():
     """The samples are short (histories of at most 7 sources): lower them two-phase wherever it moves
     fewer bytes, so these tests run the partial + merge kernels (production waits for MIN_HISTORY)."""
-    default, onnx_grouping.MIN_HISTORY = onnx_grouping.MIN_HISTORY, 0
+    default, two_phase_policy.MIN_HISTORY = two_phase_policy.MIN_HISTORY, 0
     yield
-    onnx_grouping.MIN_HISTORY = default
+    two_phase_policy.MIN_HISTORY = default
 
 
 @pytest.fixture(scope="module")
@@ -447,10 +447,8 @@ def test_nchw_site_on_axis_1(tmp_path):
 
 
 def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.handler(args)
+    args = cli_parser().parse_args(argv)
+    return args.run(args)
 
 
 def test_cli_compile_and_run(tmp_path, capsys):

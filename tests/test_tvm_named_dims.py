@@ -28,8 +28,8 @@ from attnres_compile.backends.tvm.check import run
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.onnx_prepare import _dim_quotient
 from attnres_compile.backends.tvm.pipeline import build, make_target
-from attnres_compile.errors import CompileError
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.core.errors import CompileError
+from attnres_compile.onnx.pipeline import export_onnx
 
 RTOL = 1e-5  # against onnxruntime, relative to the output's largest magnitude
 

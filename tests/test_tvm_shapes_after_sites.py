@@ -21,8 +21,8 @@ from tvm import relax
 
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.pipeline import build, make_target
-from attnres_compile.onnx_api import rewrite_onnx
-from attnres_compile.passes.onnx_function import DOMAIN
+from attnres_compile.onnx.pipeline import rewrite_onnx
+from attnres_compile.onnx.function import DOMAIN
 
 RTOL = 1e-4  # against onnxruntime, relative to the output's largest magnitude
 

@@ -28,7 +28,7 @@ from attnres_compile.backends.tvm.cpu_rules import Injective, RowReduction, defa
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.lowerable import Lowerable
 from attnres_compile.backends.tvm.pipeline import build, lower, make_target, prepare
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.onnx.pipeline import export_onnx
 
 RTOL = 1e-4  # against onnxruntime, relative to the output's largest magnitude
 SHAPE = (1, 3, 16, 16)

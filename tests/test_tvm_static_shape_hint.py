@@ -17,7 +17,7 @@ from tvm import relax
 
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.pipeline import build, make_target
-from attnres_compile.errors import CompileError
+from attnres_compile.core.errors import CompileError
 
 
 class _Trimmed(torch.nn.Module):

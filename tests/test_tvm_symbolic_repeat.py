@@ -21,7 +21,7 @@ from attnres_compile import AttnResConfig
 from attnres_compile.backends.tvm import compile_model, load
 from attnres_compile.backends.tvm.importers import import_model
 from attnres_compile.backends.tvm.pipeline import build, make_target
-from attnres_compile.onnx_api import export_onnx
+from attnres_compile.onnx.pipeline import export_onnx
 
 RTOL = 1e-4  # against onnxruntime / torch, relative to the output's largest magnitude
 BATCHES = (2, 3)

@@ -12,11 +12,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import attnres_compile as ac
-from attnres_compile import op as op_module
+from attnres_compile.ops import depth_attention as op_module
 from attnres_compile.kernels import cache as kernel_cache
 from attnres_compile.kernels import fused
-from attnres_compile.op_two_phase import depth_attention_merge as merge
-from attnres_compile.op_two_phase import depth_attention_partial as partial
+from attnres_compile.ops.two_phase import depth_attention_merge as merge
+from attnres_compile.ops.two_phase import depth_attention_partial as partial
 from samples import hf_models
 
 op = torch.ops.attnres.depth_attention.default
@@ -190,7 +190,7 @@ def test_full_chain_becomes_partials_and_merges(name):
 
 
 def test_short_histories_stay_one_pass():
-    """By default a history needs 12 sources (onnx_grouping.MIN_HISTORY, the TVM lowering's rule):
+    """By default a history needs 12 sources (core/two_phase.py's MIN_HISTORY, the TVM lowering's rule):
     Block's histories (N=4 here: at most 4) never reach it, Full's last group at 16 sublayers does."""
     model, inputs = _model("gpt2", 8)
     block = ac.rewrite(model, inputs, ac.AttnResConfig(variant="block", num_blocks=4)).graph_module
@@ -228,9 +228,9 @@ def test_exporters_and_reanalysis_take_the_two_phase_form():
     """`one_pass` undoes the pass (the same op calls, bit-identical outputs); the ONNX exporter, the
     TVM importer and `rewrite` read a two-phase module as the one-pass module it came from."""
     from attnres_compile.backends.tvm.importers import import_model
-    from attnres_compile.passes.fx_two_phase import one_pass
-    from attnres_compile.passes.onnx_export import export
-    from attnres_compile.passes.onnx_grouping import sites as onnx_sites
+    from attnres_compile.fx.two_phase import one_pass
+    from attnres_compile.onnx.export import export
+    from attnres_compile.onnx.two_phase import sites as onnx_sites
 
     model, inputs = _model("gpt2", 8)
     gm = ac.rewrite(model, inputs, ac.AttnResConfig(variant="full")).graph_module

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import attnres_compile as ac
-from attnres_compile.api import trace
-from attnres_compile.decoder import _cache_param
-from attnres_compile.errors import ConfigError
-from attnres_compile.passes import verify
+from attnres_compile.fx.trace import trace
+from attnres_compile.fx.decoder import _cache_param
+from attnres_compile.core.errors import ConfigError
+from attnres_compile.core import verify
 from samples import hf_models, hf_zoo, models
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -147,7 +147,7 @@ def test_zero_rows_catch_the_nan_the_example_inputs_hide(tmp_path):
     assert good["verification"][0]["zero_rows"]["verdict"] == "pass" and "also with zero rows in arg0" in str(good)
 
     import onnx
-    from attnres_compile.onnx_api import rewrite_onnx
+    from attnres_compile.onnx.pipeline import rewrite_onnx
     from hostile import tiny
 
     onnx.save(tiny(), tmp_path / "m.onnx")

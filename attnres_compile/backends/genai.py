@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import progress
-from ..decoder import token_ids
-from ..errors import ConfigError, InputError, first_line
-from ..generate_loop import Generated
+from ..core.errors import ConfigError, InputError, first_line
+from ..fx.decoder import token_ids
+from ..generation.loop import Generated
+from ..utils import progress
 
 GENAI_CONFIG = "genai_config.json"
 

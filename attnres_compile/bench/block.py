@@ -47,8 +47,8 @@ VOCAB = 256
 def site_terms(sublayers: int, blocks: int) -> tuple[list[list[tuple[int, ...]]], int]:
     """(S_k of every site as source-index groups, B) for a chain of one-branch links, computed by
     the plan code the rewriters use: (0,) is v_0, a longer tuple a (partial) block sum."""
-    from ..config import AttnResConfig
-    from ..passes.plan import Chain, Link
+    from ..core.config import AttnResConfig
+    from ..core.plan import Chain, Link
 
     links = [Link(f"h{k}", f"h{k - 1}", [f"v{k}"], [f"add{k}"], ()) for k in range(1, sublayers + 1)]
     size = AttnResConfig(variant="block", num_blocks=blocks).block_size_for(sublayers)
@@ -249,7 +249,7 @@ def history_worker(variant: str, sublayers: int, blocks: int, T: int, D: int, th
     """In a fresh process: the stack (original, or rewritten Full / Block), its history walk, and
     the RSS high-water mark of a no-grad eager forward above the RSS before it (least of three)."""
     from ..api import rewrite
-    from ..config import AttnResConfig
+    from ..core.config import AttnResConfig
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

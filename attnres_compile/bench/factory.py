@@ -1,6 +1,6 @@
 """A user's own causal LM in `bench model` and `bench decode` (`--factory module:function`).
 
-The factory is the CLI's (`cli_args.load_factory`: a function returning (model, example_inputs));
+The factory is the CLI's (`utils/factory.py`: a function returning (model, example_inputs));
 the benchmarks need an HF causal LM from it: a forward taking `input_ids` / `attention_mask` and
 returning `.logits`, and a config naming its width (`hidden_size`) and depth
 (`num_hidden_layers`, two sublayers each). The model is timed at its own size, one configuration.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def load(spec: str) -> torch.nn.Module:
     """The factory's model in eval mode, checked to be an HF causal LM with the config fields the
     benchmarks read (ConfigError naming what is missing otherwise)."""
-    from ..cli_args import load_factory
+    from ..utils.factory import load_factory
 
     model, _ = load_factory(spec)
     config = getattr(model, "config", None)

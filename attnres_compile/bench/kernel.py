@@ -111,7 +111,7 @@ class Group:
             w_store = w.to(srcs[0].dtype)
             return lambda: self.eager(srcs, w_store)
         if name == "op":
-            from ..op import forward_reference
+            from ..ops.depth_attention import forward_reference
 
             return lambda: forward_reference(srcs, w, EPS, float(self.S), -1)
         if name == "compile":
@@ -148,7 +148,7 @@ class Group:
                                                                    self.threads, backward=True))
             return lambda: kernel(*srcs, w, g, *grads, dw)
         if name == "op":
-            from ..op import backward_reference
+            from ..ops.depth_attention import backward_reference
 
             return lambda: backward_reference(srcs, w, g, EPS, float(self.S), -1)
         leaves = [s.detach().requires_grad_() for s in srcs]
@@ -192,7 +192,7 @@ def _ort_session(S: int, w: torch.Tensor, dtype: str, device: str, threads: int)
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from ..passes import onnx_function
+    from ..onnx import function as onnx_function
 
     D = w.numel()
     elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
@@ -333,7 +333,7 @@ def measure(group: Group, T: int, backends: list[str], skipped: dict[str, str], 
 def measure_backward(group: Group, T: int, backends: list[str], skipped: dict[str, str], copy: CopyBandwidth,
                      rounds: int, min_time: float, seed: int = 0) -> dict:
     """One backward row: every backend's gradients on S sources of [T, D], timed interleaved with the copy."""
-    from ..op import backward_reference
+    from ..ops.depth_attention import backward_reference
 
     S, D, dtype, device = group.S, group.D, group.dtype, group.device
     torch_dtype = getattr(torch, dtype)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..outputs import umask
+from ..utils.outputs import umask
 
 
 def environment(threads: int, device: str = "cpu") -> dict:
@@ -25,7 +25,7 @@ def environment(threads: int, device: str = "cpu") -> dict:
     import onnxruntime
     import tvm
 
-    from .. import __version__
+    from ..core import __version__
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-
 CLOCKS = ("wall", "cpu", "thread")  # time.perf_counter, time.process_time, time.thread_time
 PAUSE_S = 0.05  # before each candidate's turn: other thread pools stop spinning
 

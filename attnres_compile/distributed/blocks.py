@@ -2,7 +2,7 @@
 
 The rewrite returns one flat GraphModule that reads every parameter through `get_attr` and never
 calls a submodule, so per-block `fully_shard` would never gather and `checkpoint` has nothing to
-wrap. The rewrite gives every node it inserts its site's `nn_module_stack` (passes/fx_rewrite.py),
+wrap. The rewrite gives every node it inserts its site's `nn_module_stack` (fx/rewrite.py),
 so torch.export records each depth-attention site inside the block that holds it, and
 `torch.export.unflatten` (the engine's own outliner) rebuilds the module tree: `blocks.3` is a
 called submodule that owns its parameters, under the same names as in the GraphModule. The
@@ -18,9 +18,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
-from ..op import is_attnres_op
-from ..pytree_warning import silenced
+from ..core.errors import TraceError
+from ..ops.depth_attention import is_attnres_op
+from ..utils.pytree_warning import silenced
 
 
 def called_blocks(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = None) -> torch.nn.Module:

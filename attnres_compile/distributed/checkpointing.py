@@ -18,7 +18,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..op import is_attnres_op
+from ..ops.depth_attention import is_attnres_op
 from .blocks import block_names
 
 

@@ -25,20 +25,17 @@ torch's own ops use), which returns the output spec itself, nested as the output
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import register_prop_rule
 from torch.distributed.tensor.experimental import register_sharding
 
-from .. import op, op_two_phase  # noqa: F401  (op_two_phase: its ops must exist to be registered)
-from ..errors import ShardingError
-
-_FORWARD = torch.ops.attnres.depth_attention.default
-_BACKWARD = torch.ops.attnres.depth_attention_backward.default
-_PARTIAL = torch.ops.attnres.depth_attention_partial.default
-_MERGE = torch.ops.attnres.depth_attention_merge.default
+from ..core.errors import ShardingError
+from ..ops.depth_attention import depth_attention as _FORWARD
+from ..ops.depth_attention import depth_attention_backward as _BACKWARD
+from ..ops.two_phase import depth_attention_merge as _MERGE
+from ..ops.two_phase import depth_attention_partial as _PARTIAL
 
 
 def register_dtensor_rules() -> None:

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .pipeline import _assign, _blocks, _carried, block_starts
 
 

@@ -26,9 +26,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, TraceError
-from ..op import is_attnres_op
-from ..pytree_warning import silenced
+from ..core.errors import ConfigError, TraceError
+from ..ops.depth_attention import is_attnres_op
+from ..utils.pytree_warning import silenced
 from .stage_cache import StageCache, cache_layout, check_ranks, seen_before
 
 aten = torch.ops.aten

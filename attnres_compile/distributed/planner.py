@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .checkpointing import SitePolicy
 from .memory_profile import Profile, profile_model
 from .pipeline import Carried, Hop, StagePlan, _cut_blocks

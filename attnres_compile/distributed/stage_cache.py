@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # torch places their stages in a V
 

@@ -4,4 +4,4 @@ tensorir.py defines them in TensorIR (forward, backward, two-phase partial and m
 schedules them for CPU and CUDA (target.py: what a target offers, tir_pipeline.py: the TIR
 pipeline they compile through), cache.py builds and keeps them (store.py: the trusted disk folder;
 prebuild.py: a rewrite's kernels built ahead in worker processes) and fused.py calls them on torch tensors. Nothing here imports the rest of attnres_compile: the op
-(op.py) and backends/tvm import these modules, never the other way round (DEVELOPMENT.md)."""
+(ops/depth_attention.py) and backends/tvm import these modules, never the other way round (DEVELOPMENT.md)."""

@@ -1,6 +1,6 @@
 """The depth-attention op's fused TVM kernels, called on torch tensors (DLPack, zero-copy).
 
-`forward`, `backward` and the two-phase pair `partial`, `merge` (op_two_phase.py) return None
+`forward`, `backward` and the two-phase pair `partial`, `merge` (ops/two_phase.py) return None
 where the fused kernels do not apply, and the op then runs its eager reference: storage dtypes
 other than float32/float16/bfloat16, a feature axis other than the last, rank-1 sources, devices
 other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from cache.py
@@ -242,7 +242,7 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra
     return out
 
 
-# ---- the fused site + norm pair (op_site_norm.py) ---------------------------------------------------
+# ---- the fused site + norm pair (ops/site_norm.py) ---------------------------------------------------
 
 def _pair_kernel(kind: str, sources: list[torch.Tensor], dim: int, eps: float, scale: float, threads: int, norm: str):
     """The pair's compiled kernel, or False: float32 storage on the CPU only (the norm's arithmetic is

@@ -228,7 +228,7 @@ def depth_attention_func(
     (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum.
     With `norm_eps`, `depth_attention(s0, ..., w, gamma, beta, out)` stores the LayerNorm of the
     site's output instead, or with norm="rms" `depth_attention(s0, ..., w, gamma, out)` its
-    RMSNorm (the next sublayer's norm in a PreNorm model, fused: norm_fusion.py)."""
+    RMSNorm (the next sublayer's norm in a PreNorm model, fused: backends/tvm/site_norm.py)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     scale = float(S) if scale is None else float(scale)
@@ -460,7 +460,7 @@ def depth_attention_backward_func(
     return ib.get()
 
 
-# ---- the fused site + norm pair (op_site_norm.py) ------------------------------------------------
+# ---- the fused site + norm pair (ops/site_norm.py) ------------------------------------------------
 
 def _row_sums(name: str, rows: tuple, size: int, terms: Sequence[Callable], names: Sequence[str] = ()) -> list:
     """stats_<name>[_<g>] stages: for each term (vr, vd) -> float32 value, its sum over the features

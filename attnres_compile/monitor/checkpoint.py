@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from ..errors import InputError, first_line
-from ..op import depth_attention
+from ..core.errors import InputError, first_line
+from ..ops.depth_attention import depth_attention
 from .collapse import find_collapse
 from .watch import DepthMonitor
 
@@ -53,7 +53,7 @@ def inspect_weights(checkpoint: str | Path, out: str | Path | None = None, input
     stats = monitor.stats()
     result = {"checkpoint": str(checkpoint), "stats": stats, "collapse": find_collapse(stats, min_entropy, dead_weight)}
     if out is not None:
-        from ..plots import plot_heatmap
+        from ..utils.plots import plot_heatmap
 
         result["heatmap"] = str(plot_heatmap(stats, out, title=Path(checkpoint).name))
     return result

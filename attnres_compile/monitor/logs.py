@@ -77,7 +77,7 @@ def log_stats(writer, stats: dict, step: int, prefix: str = "attnres") -> None:
     source weights as a grey-level image (white = 1); a no-op when `writer` is None."""
     if writer is None:
         return
-    from ..plots import weight_matrix
+    from ..utils.plots import weight_matrix
 
     for s in stats["sites"]:
         tag = f"{prefix}/{s['chain']}/site{s['site']:02d}"

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 from torch.fx._pytree import tree_flatten_spec
 
-from ..config import AttnResConfig
+from ..core.config import AttnResConfig
 from .sums import SiteSums, stats_of
 from .watch import DepthMonitor
 
@@ -60,9 +60,9 @@ def trace_sites(model: Any, example_inputs: Any, config: AttnResConfig | None = 
 
     The copy holds the model's weights as they are now; trace again after training.
     """
-    from ..api import trace
-    from ..passes.chain_analysis import analyze
-    from ..passes.fx_view import view_from_fx
+    from ..core.chain_analysis import analyze
+    from ..fx.trace import trace
+    from ..fx.view import view_from_fx
 
     traced = trace(model, example_inputs)
     plan = analyze(view_from_fx(traced.graph_module), config or AttnResConfig())

@@ -26,14 +26,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from .. import op_site_norm as _pair  # noqa: F401  (registers torch.ops.attnres.depth_attention_norm)
-from .. import op_two_phase as _ops  # noqa: F401  (registers torch.ops.attnres, the two-phase pair too)
-from ..op import depth_weights, observe
+from ..ops.depth_attention import depth_weights, observe
+from ..ops.site_norm import depth_attention_norm as _PAIR
+from ..ops.two_phase import depth_attention_merge as _MERGE
 from .logs import CsvLog, log_stats
 from .sums import SiteSums, site_of, stats_of
 
-_MERGE = torch.ops.attnres.depth_attention_merge.default
-_PAIR = torch.ops.attnres.depth_attention_norm.default
 _in_backward = torch._C._current_autograd_node  # the autograd node running now, None outside a backward
 
 
@@ -61,11 +59,11 @@ class DepthMonitor:
         if any(n.op == "call_function" and n.target is _MERGE for g in graphs for n in g.nodes):
             raise ValueError("the module is in the two-phase form (attnres_compile.two_phase), whose merged sites "
                              "are not watched: monitor the one-pass module, or undo the pass with "
-                             "attnres_compile.passes.fx_two_phase.one_pass(gm)")
+                             "attnres_compile.fx.two_phase.one_pass(gm)")
         if any(n.op == "call_function" and n.target is _PAIR for g in graphs for n in g.nodes):
             raise ValueError("the module's sites are fused with their norms (attnres_compile.fuse_norms), which are "
                              "not watched: monitor the module rewrite returned, or undo the pass with "
-                             "attnres_compile.passes.fx_site_norm.unfuse_norms(gm)")
+                             "attnres_compile.fx.site_norm.unfuse_norms(gm)")
         self.module, self.every, self.group, self.prefix = module, every, group, prefix
         self._queries: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}
         self._storages: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUERY_PREFIX = "attnres."  # the rewrite's holder of pseudo-queries (passes/fx_rewrite.py HOLDER)
+QUERY_PREFIX = "attnres."  # the rewrite's holder of pseudo-queries (fx/rewrite.py HOLDER)
 QUERY_LR_SCALE = 0.01  # the queries' learning rate relative to the model's, Adam-family optimizers (docs/finetune.md)
 SGD_QUERY_LR_SCALE = 1e-3  # the same for SGD, which steps by the gradient (the queries' is ~150x larger per element)
 WARMUP_STEPS = 20  # steps over which the queries' rate ramps from 0 to its value

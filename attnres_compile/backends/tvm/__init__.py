@@ -5,7 +5,7 @@ backward, two-phase pair) and their schedules from their home, attnres_compile.k
 The names below load on first use (PEP 562), so that `backends.tvm.cli`, which the command line
 imports to build its parser, does not import TVM (~3.5 s of CPU) for commands that never use it."""
 
-from ...lazy import exports
+from ...utils.lazy import exports
 
 _HOMES = {
     "Artifact": "runtime",

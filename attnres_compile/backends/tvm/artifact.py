@@ -25,10 +25,11 @@ from typing import Any, TextIO
 import tvm
 from tvm import relax
 
-from ... import __version__, outputs
-from ...decoder import GENERATION
-from ...errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
-from ...passes import onnx_io
+from ...core import __version__
+from ...core.errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
+from ...fx.decoder import GENERATION
+from ...onnx import io as onnx_io
+from ...utils import outputs
 from . import artifact_checks, vm_files
 from .artifact_checks import artifact_output
 from .cuda_binary import write_device_code

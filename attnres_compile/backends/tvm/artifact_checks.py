@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ArtifactError, first_line
-from ...outputs import Output
+from ...core.errors import ArtifactError, first_line
+from ...utils.outputs import Output
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is kilobytes; this bounds what a read takes in
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -17,7 +17,7 @@ onnxruntime, the original decoder 1.06e-4, on random inputs, against 1e-4 flat (
 is now 2.7e-4 (tests/test_smollm2.py's run: worst output 3.1e-5), while a wrong build is off by
 whole percents.
 
-The onnxruntime reference computes Sigmoid exactly (backends/exact_sigmoid.py, as `rewrite`'s
+The onnxruntime reference computes Sigmoid exactly (onnx/exact_sigmoid.py, as `rewrite`'s
 verification does): onnxruntime's own is accurate to ~1e-7 absolute only, and on PP-OCRv4 det's
 output (sigmoids of at most 5.9e-5) a correct build was 2.1e-3 off it and is 8.0e-6 off the exact
 one.
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from ...errors import first_line
-from ...op import is_attnres_op
-from ...passes import verify
+from ...core import verify
+from ...core.errors import first_line
+from ...ops.depth_attention import is_attnres_op
 from .importers import ImportedModel
 
 RTOL = 1e-4  # float32: kernels and fast-math exp/tanh/erf against onnxruntime or torch (zoo: <= 2.8e-6)
@@ -51,10 +51,10 @@ def onnx_depth(path: Path) -> int:
     """Residual steps of an ONNX model: its residual links (chain analysis) plus its AttnRes sites."""
     import onnx
 
-    from ...config import AttnResConfig
-    from ...passes.chain_analysis import analyze
-    from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE
-    from ...passes.onnx_view import view_from_onnx
+    from ...core.chain_analysis import analyze
+    from ...core.config import AttnResConfig
+    from ...onnx.function import DOMAIN, MERGE, OP_TYPE
+    from ...onnx.view import view_from_onnx
 
     model = onnx.load(os.fspath(path), load_external_data=False)
     sites = sum(n.domain == DOMAIN and n.op_type in (OP_TYPE, MERGE) for n in model.graph.node)
@@ -75,11 +75,11 @@ def check(model: Any, imported: ImportedModel, executable, device, input_shapes:
     """{"reference", "inputs" (name -> shape, the first set), "verified_shapes" (every set compared),
     "rows" (verify.compare rows per output, over the sets), "notes"}, or {"skipped": reason} when
     there is nothing to compare against."""
-    from ..onnxruntime import compare_outputs, merge_rows
+    from ...onnx.runtime import compare_outputs, merge_rows
 
     notes: list[str] = []
     if imported.kind == "onnx":
-        from ..onnxruntime import verification_runs
+        from ...onnx.runtime import verification_runs
 
         runs, notes = verification_runs(Path(model), None, input_shapes, timeout=timeout)
         reference, depth = "onnxruntime", onnx_depth(Path(model))

@@ -17,7 +17,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from ...errors import ArtifactError, CompileError, first_line
+from ...core.errors import ArtifactError, CompileError, first_line
 
 CALLBACK = "tvm_callback_cuda_compile"
 _served: dict[str, Path] = {}  # sha256 of a device source -> its fatbin

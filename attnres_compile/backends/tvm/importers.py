@@ -9,7 +9,7 @@ itself (the function body attached to the model is never expanded). PyTorch: the
 `from_exported_program` frontend takes a `custom_convert_map`, keyed by the fx target's
 name, for `torch.ops.attnres.depth_attention.default`. The fused site + norm pair
 (`attnres.DepthAttentionNorm`, `torch.ops.attnres.depth_attention_norm`) becomes the site's
-placeholder and the norm in the Relax forms norm_fusion.py fuses into that site's kernel
+placeholder and the norm in the Relax forms backends/tvm/site_norm.py fuses into that site's kernel
 (`_ln` / `_rms`): where only the norm reads the site, the lowering runs the pair as one kernel.
 """
 
@@ -28,18 +28,19 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ... import pytree_warning
-from ...decoder import GENERATION, flat_input_names, token_ids
-from ...errors import CompileError, first_line
-from ...passes import onnx_genai, onnx_io
-from ...passes.fx_two_phase import one_pass
-from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, default_opset
-from ...passes.onnx_grouping import sites as onnx_sites
-from ...passes.onnx_site_check import check_sites
-from ...passes.onnx_view import value_types
-from .norm_fusion import emit_norm
+from ...core.errors import CompileError, first_line
+from ...fx.decoder import GENERATION, flat_input_names, token_ids
+from ...fx.two_phase import one_pass
+from ...onnx import genai as onnx_genai
+from ...onnx import io as onnx_io
+from ...onnx.function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, default_opset
+from ...onnx.site_check import check_sites
+from ...onnx.two_phase import sites as onnx_sites
+from ...onnx.view import value_types
+from ...utils import pytree_warning
 from .onnx_prepare import ConverterFixes, simplify
 from .program_prepare import convertible
+from .site_norm import emit_norm
 from .sites import site_call
 from .tile import symbolic, tile
 
@@ -193,8 +194,7 @@ def from_exported_program(program) -> tvm.IRModule:
     """The Relax module of a torch.export program of a rewritten GraphModule (weights bound)."""
     from tvm.relax.frontend.torch import from_exported_program as convert
 
-    from ... import op as _op  # noqa: F401  (registers torch.ops.attnres before decompositions run)
-    from ... import op_site_norm as _pair_op  # noqa: F401
+    from ... import ops  # noqa: F401  (the program's attnres ops, which the decompositions dispatch)
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, TORCH_PAIR_NAME: _convert_torch_pair,
                                                 "view.default": _convert_reshape,

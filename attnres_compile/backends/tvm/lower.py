@@ -37,12 +37,17 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.relax import expr_functor
 from tvm.target import Target
 
-from ...errors import CompileError
+from ...core.errors import CompileError
+from ...core.two_phase import site_groups, two_phase_wins
 from ...kernels.cache import partial_links
 from ...kernels.schedule import schedule_cpu, schedule_cuda
-from ...kernels.tensorir import DTYPES, depth_attention_func, depth_attention_merge_indexed_func, depth_attention_partial_func
-from ...passes.onnx_grouping import site_groups, two_phase_wins
-from . import norm_fusion
+from ...kernels.tensorir import (
+    DTYPES,
+    depth_attention_func,
+    depth_attention_merge_indexed_func,
+    depth_attention_partial_func,
+)
+from . import site_norm as norm_fusion
 from .sites import Site, parse
 
 KERNEL_PREFIX = "attnres_depth_attention"

@@ -33,7 +33,6 @@ import contextlib
 import io
 import operator
 import re
-
 import warnings
 
 import numpy as np
@@ -44,9 +43,9 @@ from onnxscript.optimizer import _constant_folding
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ...errors import CompileError, ConfigError, first_line
-from ...passes.onnx_function import DOMAIN, MERGE, OP_TYPE
-from ...passes.onnx_optimize import exact_no_ops
+from ...core.errors import CompileError, ConfigError, first_line
+from ...onnx.function import DOMAIN, MERGE, OP_TYPE
+from ...onnx.optimize import exact_no_ops
 from .named_dims import NamedDims
 from .tile import tile
 

@@ -27,15 +27,22 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from ...errors import CompileError, ConfigError, first_line
+from ...core.errors import CompileError, ConfigError, first_line
 from ...kernels import tir_pipeline
 from ...kernels.target import host_target
 from . import cpu_rules, gpu_rules
 from .cumsum import LegalizeCumsum
 from .importers import ImportedModel
 from .lower import KERNEL_PREFIX, PARTIAL_PREFIX, LowerDepthAttention, calls
-from .rewrites import (ExpandSigmoid, FastMath, KeysInPlace, RewritePowers, RootBlocks, ScalarsIntoTirVars,
-                       WrapTakeIndices)
+from .rewrites import (
+    ExpandSigmoid,
+    FastMath,
+    KeysInPlace,
+    RewritePowers,
+    RootBlocks,
+    ScalarsIntoTirVars,
+    WrapTakeIndices,
+)
 from .sites import PACKED_NAME
 
 TARGETS = ("llvm", "cuda")

@@ -7,7 +7,7 @@
 - `aten.contiguous` becomes `aten.clone(memory_format=contiguous)`, the same value and strides:
   the frontend runs the core-ATen decompositions, whose `contiguous` of a transposed view is a
   no-op for fake tensors, and a later `view` then fails ("Cannot view a tensor with shape ...
-  and strides ...", T5, Swin); the ONNX exporter (passes/onnx_export.py) does the same;
+  and strides ...", T5, Swin); the ONNX exporter (onnx/export.py) does the same;
 - `aten.view` becomes `aten.reshape` (the same in a functional graph): decomposed, the attention
   of HF GPT-2 gets other strides than at export and its `view` of the transposed output fails
   the same way, while reshape copies when it must;
@@ -29,8 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, InputKind
 
-from ... import pytree_warning
-from ...passes.onnx_export import _contiguous_as_clone
+from ...onnx.export import _contiguous_as_clone
+from ...utils import pytree_warning
 
 
 def convertible(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...errors import ArtifactError, InputError, first_line
+from ...core.errors import ArtifactError, InputError, first_line
 from . import artifact_checks, vm_files
 from .cuda_binary import serve_fatbins
 

@@ -41,7 +41,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 from tvm.target import Target
 
-from ...errors import ConfigError
+from ...core.errors import ConfigError
 from .cpu_rules import default_schedule
 
 # Each build batch starts fresh worker processes (importing tvm: a few seconds, far more on a

@@ -18,7 +18,7 @@ w, c, ch = now()
 import torch
 import attnres_compile as ac
 from attnres_compile import api
-from attnres_compile.passes import verify
+from attnres_compile.core import verify
 from attnres_compile.kernels import cache
 sys.path.insert(0, os.getcwd())
 from samples.models import GPT, _tokens

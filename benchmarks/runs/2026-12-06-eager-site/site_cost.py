@@ -28,8 +28,8 @@ import timeit
 import torch
 
 import attnres_compile
-from attnres_compile import op
-from attnres_compile.bench.model import make_inputs, make_model, make_variants
+from attnres_compile.ops import depth_attention as op
+from attnres_compile.bench.model.measure import make_inputs, make_model, make_variants
 from attnres_compile.kernels import fused
 
 torch.set_num_threads(1)

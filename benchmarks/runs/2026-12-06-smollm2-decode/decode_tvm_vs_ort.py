@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from attnres_compile.backends.tvm.runtime import load  # noqa: E402
-from attnres_compile.generate_loop import greedy  # noqa: E402
+from attnres_compile.generation.loop import greedy  # noqa: E402
 from samples import smollm2  # noqa: E402
 
 onnx_path, artifact_path = sys.argv[1], sys.argv[2]

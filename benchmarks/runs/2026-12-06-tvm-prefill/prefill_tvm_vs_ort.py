@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from attnres_compile.bench.model_worker import load_tvm, onnxruntime_options, set_threads
+from attnres_compile.bench.model.worker import load_tvm, onnxruntime_options, set_threads
 
 set_threads(1)
 
@@ -33,7 +33,8 @@ import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
 
 from attnres_compile.backends.tvm import cpu_rules, profile  # noqa: E402
-from attnres_compile.bench import decode, decode_route, timing  # noqa: E402
+from attnres_compile.bench.decode.measure import measure as decode, route as decode_route
+from attnres_compile.bench import timing  # noqa: E402
 
 PROMPT, ROUNDS, MIN_TIME = 128, 5, 0.5
 

@@ -5,7 +5,7 @@ call and allocation without the kernel); 1-thread CPU, interleaved rounds of 5 s
 import collections, time, sys, statistics
 import torch
 import attnres_compile
-from attnres_compile.passes import fx_lean
+from attnres_compile.fx import lean as fx_lean
 from attnres_compile.kernels import fused
 torch.set_num_threads(1)
 layers, rounds = int(sys.argv[1]), int(sys.argv[2])

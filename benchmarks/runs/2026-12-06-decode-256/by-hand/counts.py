@@ -1,8 +1,8 @@
 """Operator calls of one decode step (Llama 12 x 256 .pt2 from make_pt2.py): call_function nodes of the raw module, its lean copy and inference form; torch.profiler events a step, original against Block."""
 import collections, torch
 import attnres_compile
-from attnres_compile.passes import fx_lean
-from attnres_compile import op
+from attnres_compile.fx import lean as fx_lean
+from attnres_compile.ops import depth_attention as op
 torch.set_num_threads(1)
 heads = torch.load("/tmp/d256/pt2_12/heads.pt")
 ids = torch.randint(0, 1000, (1, 141))

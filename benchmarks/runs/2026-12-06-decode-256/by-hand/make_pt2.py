@@ -2,8 +2,8 @@
 import collections, time, sys, os
 import torch
 from pathlib import Path
-from attnres_compile.bench.model import make_model
-from attnres_compile.bench.decode import make_variants, save_files
+from attnres_compile.bench.model.measure import make_model
+from attnres_compile.bench.decode.measure import make_variants, save_files
 torch.set_num_threads(1)
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 folder = Path(f"/tmp/d256/pt2_{layers}"); folder.mkdir(exist_ok=True)

@@ -1,0 +1,129 @@
+"""`attnres-compile rewrite`: a model rewritten to AttnRes, verified, and written as .onnx or .pt2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.errors import ConfigError, VerificationError, cli_words
+from ..utils import outputs
+from ..utils.factory import factory_file, load_factory
+from ..utils.file_kind import check_file
+from ..utils.outputs import Output
+from . import args as cli_args
+from .args import seconds
+
+
+def add_command(subparsers) -> None:
+    """Register `rewrite` on the main parser's subparsers."""
+    p = subparsers.add_parser("rewrite", help="rewrite a model to AttnRes and verify it")
+    p.add_argument("model", help=cli_args.MODEL_HELP)
+    p.add_argument("-o", "--output", required=True,
+                   help="output file: .onnx (ONNX model; from an ONNX file or a factory) or .pt2 (torch.export program)")
+    p.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
+    p.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
+                   help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
+    p.add_argument("--report", help="also write the report as JSON to this file")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite existing outputs (-o, its .data, --report); lets -o replace the input")
+    p.add_argument("--with-past", action="store_true",
+                   help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
+                        "(past_key_values.* in, logits and present.* out, as optimum names them)")
+    cli_args.add_config_args(p)
+    p.add_argument("--input-shape", action="append", metavar="NAME:1x128",
+                   help="ONNX input shape for the analysis and verification (repeatable); other symbolic dims are "
+                        "2 (leading) and 16, then all 1 (a second check); dims that are sums of others are computed")
+    cli_args.add_debug(p)
+    p.set_defaults(run=run, outputs=planned_outputs)
+
+
+def planned_outputs(args) -> tuple[list[Output], list[Path], bool]:
+    """(outputs, inputs, force) for outputs.check: -o (with its .data), --report; the model file's checks
+    and the options first, before the command imports onnx and torch."""
+    onnx_input = cli_args.is_onnx_path(args.model)
+    if onnx_input:
+        check_file(Path(args.model), "an ONNX model")
+    cli_args.config(args)
+    out = _output(args)
+    if onnx_input:
+        from ..onnx import io as onnx_io
+
+        inputs = onnx_io.files_of(Path(args.model))
+    else:
+        inputs = [f for f in [factory_file(args.model)] if f]
+    planned = outputs.onnx_outputs(out, "-o") if out.suffix.lower() == ".onnx" else [Output(out, "-o", primary=True)]
+    if args.report:
+        planned.append(Output(Path(args.report), "--report"))
+    return planned, inputs, args.force
+
+
+def _output(args) -> Path:
+    """-o, checked against the model kind (and --input-shape, --dynamic, --with-past against it)."""
+    onnx_input = cli_args.is_onnx_path(args.model)
+    out = Path(args.output)
+    suffixes = (".onnx",) if onnx_input else (".onnx", ".pt2")
+    if out.suffix.lower() not in suffixes:
+        raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
+    if not onnx_input:
+        cli_args.no_input_shape_for_factory(args)
+    if args.with_past and (onnx_input or args.dynamic is not None):
+        raise ConfigError("--with-past applies to package.module:factory models (HF causal LMs) and sets the dynamic "
+                          "dims itself; an ONNX decoder-with-past file is rewritten as it is, without the flag"
+                          if onnx_input else "--with-past sets the dynamic dims itself (batch, sequence, past length): "
+                          "drop --dynamic")
+    if onnx_input:
+        cli_args.no_dynamic_for_onnx(args)
+    else:
+        from ..fx.dynamic_dims import parse
+
+        parse(args.dynamic)
+    return out
+
+
+def run(args) -> int:
+    from .. import api
+
+    out = _output(args)
+    config = cli_args.config(args)
+    if cli_args.is_onnx_path(args.model):
+        from ..onnx.runtime import parse_input_shapes
+
+        result = api.rewrite_onnx(args.model, out, config, verify_outputs=not args.no_verify,
+                                  input_shapes=parse_input_shapes(args.input_shape), force=args.force,
+                                  verify_timeout=args.verify_timeout)
+    else:
+        model, example = load_factory(args.model)
+        if out.suffix.lower() == ".onnx":
+            result = api.export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
+                                     verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past)
+        else:
+            result = api.export_pt2(model, example, out, config, verify_outputs=not args.no_verify,
+                                    dynamic=args.dynamic, with_past=args.with_past)
+    report, written = result.report, result.written
+    if args.report:
+        done = " and ".join(str(p) for p in written)
+        outcome = f"wrote {done}, but not the report" if written else outputs.NOTHING_DONE
+        with outputs.staged(args.report, outcome) as stage:
+            stage.path.write_text(report.to_json())
+    print(cli_words(str(report)))
+    print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
+    _judge(report, args.scale)
+    return 0
+
+
+def _judge(report, scale: str) -> None:
+    """A failed verification is VerificationError (its exit code); in paper mode a note: the rewrite changes
+    the function by design."""
+    from ..core.verify import describe, paper_scale_note
+
+    failed = [r for r in report["verification"] or [] if r.get("ok") is False]
+    if failed and scale == "paper":
+        if paper_scale_note(len(failed)) not in report["notes"]:  # the torch API's report carries it already
+            print("note: " + paper_scale_note(len(failed)))
+    elif failed:
+        message = (f"{scale}-mode verification failed on {len(failed)} output(s), e.g. "
+                   f"{' '.join(describe(failed[0]).split()[1:])}")
+        if "original_export" in failed[0]:
+            message += ("; the original model, exported to ONNX the same way, fails that check too "
+                        f"({' '.join(failed[0]['original_export'].split()[2:])}): the ONNX export or onnxruntime "
+                        "computes this model wrongly, not the rewrite; -o X.pt2 keeps it in PyTorch")
+        raise VerificationError(message)

@@ -1,0 +1,167 @@
+"""The report: a JSON-able dict first (`Report.data`), a printed table second (`str(report)`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+
+from . import __version__
+from .config import AttnResConfig
+from .graph_view import format_shape
+from .plan import Plan
+from .verify import describe, nothing_compared
+
+
+class Report:
+    """What analysis found, what was rewritten and why not, and the verification, as data."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Strict JSON: non-finite numbers (an infinite min_rtol) are written as strings ("inf", "nan")."""
+        return json.dumps(_finite(self.data), indent=indent, default=str, allow_nan=False)
+
+    def __str__(self) -> str:
+        return format_table(self.data)
+
+    __repr__ = __str__
+
+
+@dataclass
+class ExportResult:
+    """A rewrite or export written to a file: its `report`, and `written`, the files written (the model first,
+    then its external data); nothing when there was nothing to rewrite."""
+
+    report: Report
+    written: list[Path] = field(default_factory=list)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, sites=None,
+          verification: list[dict] | None = None, notes: list[str] | None = None,
+          dynamic_dims: dict[str, list[int]] | None = None, passes: dict[str, int] | None = None,
+          extra: dict | None = None) -> Report:
+    """The report for one analysis (and rewrite, when `sites` is given); `dynamic_dims`: the
+    traced module's symbolic input axes ({input: [axis, ...]}); `passes`: what each pass of the
+    rewrite did, by name; `extra`: a format's own entries (ONNX: the ops it unfused and read)."""
+    sites = sites or []
+    by_chain: dict[int, list] = {}
+    for s in sites:
+        by_chain.setdefault(s.chain, []).append(s)
+    chains = []
+    for c in plan.chains:
+        block = config.block_size_for(len(c.sources) - 1) if c.rewrite else None
+        chains.append({
+            "index": c.index,
+            "status": "rewritten" if by_chain.get(c.index) else ("planned" if c.rewrite else "skipped"),
+            "reason": c.reason,
+            "changes_function": c.changes_function,
+            "through": c.through,
+            "links": len(c.links),
+            "sources": len(c.sources),
+            "root": c.root,
+            "feature_axis": c.feature_axis,
+            "feature_size": c.feature_size,
+            "shape": format_shape(c.links[0].shape),
+            "block_size": block,
+            "detail": [{"site": k, "result": link.result, "skip": link.skip, "branches": link.branches, "adds": link.adds}
+                       for k, link in enumerate(c.links, start=1)],
+            "sites": [{"site": s.site, "node": s.node, "param": s.param, "terms": s.num_terms, "scale": s.scale}
+                      for s in by_chain.get(c.index, [])],
+        })
+    in_links = sum(len(link.adds) for c in plan.chains for link in c.links)
+    data = {
+        "tool": "attnres-compile",
+        "version": __version__,
+        "source": source,
+        "config": config.to_dict(),
+        "summary": {
+            "nodes": view.number_of_nodes(),
+            "adds": plan.adds_total,
+            "adds_in_links": in_links,
+            "adds_skipped": len(plan.skipped_adds),
+            "links": sum(len(c.links) for c in plan.chains),
+            "chains": len(plan.chains),
+            "chains_rewritten": len(by_chain),
+            "sites_rewritten": len(sites),
+            "existing_sites": len(plan.existing_sites),
+            "changes_function": any(c.changes_function for c in plan.chains if by_chain.get(c.index)),
+        },
+        "chains": chains,
+        "skipped_adds": [{"node": s.node, "target": s.target, "reason": s.reason} for s in plan.skipped_adds],
+        "verification": verification,
+        "dynamic_dims": dynamic_dims or {},
+        "passes": passes or {},
+        "notes": notes or [],
+        **(extra or {}),
+    }
+    return Report(data)
+
+
+def verification_lines(rows: list[dict]) -> list[str]:
+    """The verification's header (naming the inputs also tried with zero rows) and one line per
+    row; a run that compared no value says so instead of showing nothing."""
+    zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
+    also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
+    lines = [f"verification (original vs rewritten, same inputs{also}):"]
+    lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in rows]
+    empty = nothing_compared(rows)
+    return lines + ([f"  {empty}"] if empty else [])
+
+
+def format_table(data: dict) -> str:
+    s = data["summary"]
+    cfg = data["config"]
+    variant = cfg["variant"] + (f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else "")
+    lines = [
+        f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  scale={cfg['scale']}",
+        f"{s['nodes']} nodes, {s['adds']} adds: {s['adds_in_links']} in {s['links']} residual links, {s['adds_skipped']} not residual; "
+        f"{s['chains']} chains, {s['chains_rewritten']} rewritten, {s['sites_rewritten']} sites",
+        "",
+        f"{'chain':>5}  {'status':<9} {'links':>5} {'srcs':>4} {'axis':>4} {'D':>6} {'block':>5}  root -> last site / reason",
+    ]
+    for c in data["chains"]:
+        block = "" if c["block_size"] is None else str(c["block_size"])
+        tail = f"{c['root']} -> {c['detail'][-1]['result']}"
+        if c["changes_function"]:
+            tail += f"  [CHANGES FUNCTION: through {', '.join(c['through'])}]"
+        if c["reason"]:
+            tail += f"  ({c['reason']})"
+        lines.append(f"{c['index']:>5}  {c['status']:<9} {c['links']:>5} {c['sources']:>4} {c['feature_axis']:>4} "
+                     f"{str(c['feature_size']):>6} {block:>5}  {tail}")
+    if data["skipped_adds"]:
+        lines += ["", "adds that are not residual links:"]
+        reasons: dict[str, list[str]] = {}
+        for a in data["skipped_adds"]:
+            reasons.setdefault(a["reason"], []).append(a["node"])
+        for reason, nodes in reasons.items():
+            shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
+            lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
+    if data["verification"] is not None:
+        lines += ["", *verification_lines(data["verification"])]
+    if data.get("verified_shapes"):
+        lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
+                                                           for name, dims in shapes.items())
+                                                 for shapes in data["verified_shapes"]))
+    if data.get("dynamic_dims"):
+        dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
+        lines.append(f"dynamic input dims: {dims}")
+    lines += [f"note: {n}" for n in data["notes"]]
+    return "\n".join(lines)

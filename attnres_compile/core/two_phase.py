@@ -1,0 +1,53 @@
+"""The two-phase policy, the same for every format: which sites of a chain share a history (one
+partial over it, then a merge per site), and whether that moves fewer bytes than one pass per site.
+
+- Block-like chains, where consecutive sites have identical lists but for their last term (the
+  partial block sum), group by that: one partial per block, merges with one extra.
+- Otherwise (Full, or Block with one source per block) groups of G = ceil(sqrt(n)) consecutive sites
+  (at most MAX_GROUP) share the first site's list but its last source: the history is read once
+  per group and each site reads at most G extras.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_GROUP = 16  # Full's group size beyond 256 sites: extras per site stay bounded, the file linear
+STATE_BYTES = 4  # a partial's state is float32
+MIN_HISTORY = 12  # shared sources below which a group keeps single-pass sites (two_phase_wins)
+
+
+def site_groups(terms: list[list]) -> list[tuple[int, int, int]]:
+    """(start, end, history length) of each group of a chain's sites, given their source lists in
+    order (any hashable source keys: the TVM lowering groups Relax placeholders with it too)."""
+    runs, start = [], 0
+    for i in range(1, len(terms) + 1):
+        if i == len(terms) or terms[i][:-1] != terms[start][:-1]:
+            runs.append((start, i, len(terms[start]) - 1))
+            start = i
+    if len(terms) >= 2 * len(runs):
+        return runs
+    size = min(math.ceil(math.sqrt(len(terms))), MAX_GROUP)
+    groups, start = [], 0
+    while start < len(terms):
+        history = terms[start][:-1]
+        end = start + 1
+        while (end < len(terms) and end - start < size and len(terms[end]) > len(history)
+               and terms[end][:len(history)] == history):
+            end += 1
+        groups.append((start, end, len(history)))
+        start = end
+    return groups
+
+
+def two_phase_wins(history: int, extras: list[int], itemsize: int, min_history: int | None = None) -> bool:
+    """Whether a group of sites over `history` shared sources (and `extras[i]` own ones each) runs
+    as one partial plus a merge per site rather than one single-pass site each.
+
+    It must move fewer bytes per row (the partial reads the history once and writes a float32
+    state per site, which its merge reads), and the history must be long (`min_history`, default
+    MIN_HISTORY): a short one stays in cache across the sites at inference's sequence lengths,
+    where the pair's extra calls and state cost more than re-reading it (docs/tvm.md)."""
+    one_pass = sum(history + e + 1 for e in extras) * itemsize
+    two_phase = history * itemsize + sum(2 * STATE_BYTES + (e + 1) * itemsize for e in extras)
+    return history >= (MIN_HISTORY if min_history is None else min_history) and two_phase < one_pass

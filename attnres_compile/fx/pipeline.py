@@ -1,0 +1,101 @@
+"""The fx rewrite as a list of passes: trace, analyse, rewrite the sites, verify, report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..core import verify
+from ..core.chain_analysis import analyze
+from ..core.checks import as_config, has_work, plan_notes
+from ..core.config import AttnResConfig
+from ..core.report import Report, build
+from ..kernels import prebuild
+from ..ops.depth_attention import fused_kernels
+from ..utils import progress
+from .rewrite import RewriteSites
+from .trace import Traced, decoder_with_past, trace
+from .view import view_from_fx
+
+
+@dataclass
+class RewriteResult:
+    """`graph_module`: the rewritten, trainable GraphModule; `report`; `modified`: False if nothing was done."""
+
+    graph_module: fx.GraphModule
+    report: Report
+    modified: bool
+
+
+def inspect(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, dynamic_shapes: Any = None,
+            dynamic: str | None = None) -> Report:
+    """Analyse `model` and report its residual chains, sites and skipped adds, without rewriting.
+
+    `dynamic` / `dynamic_shapes`: which input dims the trace keeps symbolic (fx/trace.py).
+    """
+    config = as_config(config)
+    with progress.stage("tracing"):
+        traced = trace(model, example_inputs, dynamic_shapes, dynamic)
+    return inspect_traced(traced, config)
+
+
+def inspect_traced(traced: Traced, config: AttnResConfig | None = None) -> Report:
+    """`inspect` of a model `trace` returned (the memory planner profiles the same trace)."""
+    config = as_config(config)
+    view = view_from_fx(traced.graph_module)
+    plan = analyze(view, config)
+    return build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
+
+
+def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
+            dynamic_shapes: Any = None, dynamic: str | None = None, with_past: bool = False) -> RewriteResult:
+    """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
+
+    With example inputs and `verify_outputs`, the original and rewritten models run on fresh copies
+    of them and are compared per output (core/verify.py: the tolerance follows the scale and the
+    dtype; function-changing rewrites get no verdict). `model` is left as it was.
+
+    `with_past`: `model` is an HF causal LM; what is traced and rewritten is its decoder with a KV
+    cache (fx/decoder.py), which `generation.causal_lm` serves to HF `generate()`.
+    """
+    config = as_config(config)
+    if with_past:
+        model, example_inputs, dynamic_shapes = decoder_with_past(model, example_inputs, dynamic_shapes, dynamic)
+    with progress.stage("tracing"):
+        traced = trace(model, example_inputs, dynamic_shapes, dynamic)
+    gm = traced.graph_module
+    view = view_from_fx(gm)
+    plan = analyze(view, config)
+    if not has_work(plan, config):
+        report = build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
+        return RewriteResult(gm, report, modified=False)
+    sites = RewriteSites(plan, config)
+    sites(gm)
+    verification = _verify(model, traced, config, plan) if verify_outputs and traced.args is not None else None
+    report = build(plan, view, config, traced.source, sites.sites, verification, traced.notes, traced.dynamic,
+                   passes={RewriteSites.name: len(sites.sites)})
+    return RewriteResult(gm, report, modified=True)
+
+
+
+def _verify(model: Any, traced: Traced, config: AttnResConfig, plan) -> list[dict] | None:
+    """The original against the rewritten module on the example inputs; notes join `traced.notes`."""
+    gm = traced.graph_module
+    original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+    changes = any(c.changes_function for c in plan.to_rewrite)
+    # the rewritten run's kernels build in the background meanwhile (kernels/prebuild.py)
+    workers = prebuild.start(prebuild.forward_specs(gm)) if fused_kernels() else []
+    try:
+        with progress.stage("verifying in torch"):
+            verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
+                                                       verify.tolerance(config.scale, changes))
+    finally:
+        prebuild.stop(workers)
+    traced.notes += notes
+    failed = [r for r in verification or [] if r.get("ok") is False]
+    if failed and config.scale == "paper":
+        traced.notes.append(verify.paper_scale_note(len(failed)))
+    return verification

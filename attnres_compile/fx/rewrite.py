@@ -1,0 +1,152 @@
+"""Apply a `Plan` to a torch.fx GraphModule: one depth_attention node per site.
+
+For each rewritten chain, every site k gets `depth_attention(S_k, w_k, eps, c_k, axis)`,
+inserted right after the site's original sum; all uses of the sum read it instead, and the
+residual adds (now unused) are erased. Block sums are plain adds shared between sites.
+Pseudo-queries are zero-initialised parameters at `attnres.chain<i>.site<k>` (k from 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from ..core.config import AttnResConfig
+from ..core.plan import Chain, Plan, RewrittenSite
+from ..ops import depth_attention
+from .view import InputDims, tensor_meta
+
+HOLDER = "attnres"
+
+
+class RewriteSites(PassBase):
+    """The pass that applies `plan` to a GraphModule, in place: one depth_attention node per site of
+    every chain marked for rewriting. `sites` holds what it rewrote, for the report."""
+
+    name = "rewrite_sites"
+
+    def __init__(self, plan: Plan, config: AttnResConfig):
+        super().__init__()
+        self.plan, self.config = plan, config
+        self.sites: list[RewrittenSite] = []
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not hasattr(gm, HOLDER):
+            gm.add_submodule(HOLDER, nn.Module())
+        holder = gm.get_submodule(HOLDER)
+        by_name = {n.name: n for n in gm.graph.nodes}
+        replaced: dict[fx.Node, fx.Node] = {}
+        dims = InputDims(gm)
+        for chain in self.plan.to_rewrite:
+            name = _free_name(holder)
+            params = nn.ParameterDict()
+            holder.register_module(name, params)
+            self.sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, self.config, dims)
+        for old, new in replaced.items():
+            old.replace_all_uses_with(new)
+        links = [link for c in self.plan.to_rewrite for link in c.links]
+        _erase_dead(gm.graph, [by_name[a] for link in links for a in link.adds + link.inner])
+        gm.graph.lint()
+        gm.recompile()
+        return PassResult(gm, bool(self.sites))
+
+
+def _free_name(holder: nn.Module) -> str:
+    i = 0
+    while hasattr(holder, f"chain{i}"):
+        i += 1
+    return f"chain{i}"
+
+
+def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config, dims) -> list[RewrittenSite]:
+    graph = gm.graph
+    sources = [by_name[s] for s in chain.sources]
+    terms = chain.site_terms(config.block_size_for(len(sources) - 1))
+    cache: dict[tuple, fx.Node] = {}
+    out = []
+    for k, (link, groups) in enumerate(zip(chain.links, terms), start=1):
+        site = by_name[link.result]
+        ref = by_name[link.branches[0]]  # has the site's shape and layout
+        val = site.meta.get("val")
+        device = val.device if isinstance(val, torch.Tensor) else None
+        params[f"site{k}"] = nn.Parameter(torch.zeros(chain.feature_size, dtype=torch.float32, device=device))
+        layout = (site, ref, tensor_meta(site, dims)[0], dims)
+        with graph.inserting_before(site.next):
+            inputs = [_term(graph, group, sources, layout, cache) for group in groups]
+            scale = float(len(inputs)) if config.scale == "preserve" else 1.0
+            query = graph.get_attr(f"{HOLDER}.{name}.site{k}")
+            _copy_scope(site, query)
+            node = graph.call_function(
+                depth_attention.depth_attention,
+                (inputs, query, float(config.eps), scale, chain.feature_axis),
+            )
+        _copy_meta(site, node)
+        node.meta["attnres"] = {"chain": name, "site": k}
+        replaced[site] = node
+        out.append(RewrittenSite(chain.index, k, node.name, f"{HOLDER}.{name}.site{k}", len(inputs), scale))
+    return out
+
+
+def _term(graph: fx.Graph, group: tuple[int, ...], sources, layout, cache) -> fx.Node:
+    """The node for one entry of S_k: a source, or the (partial) block sum over `group`.
+
+    `layout` is (site, a node with the site's shape, the site's shape, the graph's InputDims).
+    """
+    key = (group, layout[2])
+    if key in cache:
+        return cache[key]
+    last = _in_layout(graph, sources[group[-1]], layout, cache)
+    if len(group) == 1:
+        node = last
+    else:
+        node = graph.call_function(torch.ops.aten.add.Tensor, (_term(graph, group[:-1], sources, layout, cache), last))
+        _copy_meta(layout[0], node)
+        node.meta["attnres"] = {"role": "block_sum"}
+    cache[key] = node
+    return node
+
+
+def _in_layout(graph: fx.Graph, src: fx.Node, layout, cache) -> fx.Node:
+    """`src` brought to the site's layout ([B*T, D] vs [B, T, D]) when the two differ."""
+    site, ref, shape, dims = layout
+    key = (src, shape)
+    if key in cache:
+        return cache[key]
+    if tensor_meta(src, dims)[0] == shape:
+        cache[key] = src
+    else:
+        cache[key] = graph.call_method("reshape_as", (src, ref))
+        _copy_meta(site, cache[key])
+    return cache[key]
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    for key in ("val", "tensor_meta"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+    _copy_scope(src, dst)
+
+
+def _copy_scope(src: fx.Node, dst: fx.Node) -> None:
+    """Give `dst` the module scope of the site it belongs to, so module-aware tools (torch.export's
+    unflatten, the pipelining outliner, profilers) place the inserted node inside that block."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in src.meta:
+            dst.meta[key] = dict(src.meta[key]) if isinstance(src.meta[key], dict) else src.meta[key]
+
+
+def _erase_dead(graph: fx.Graph, adds: list[fx.Node]) -> None:
+    """Erase the now-unused residual adds (and the ops between them), then pure ops they leave
+    without users (skip-path casts).
+
+    One pass in reverse graph order suffices: a node's inputs always come before it.
+    """
+    doomed, candidates = set(adds), set(adds)
+    for node in reversed(list(graph.nodes)):
+        if node not in candidates or node.users:
+            continue
+        if node not in doomed and (node.op not in ("call_function", "call_method") or node.is_impure()):
+            continue
+        candidates.update(node.all_input_nodes)
+        graph.erase_node(node)

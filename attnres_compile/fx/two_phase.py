@@ -1,0 +1,117 @@
+"""Two-phase sites in a rewritten GraphModule, for eager inference (ops/two_phase.py).
+
+A site reads all of its sources, so a Full chain of L sites reads ~L^2/2 source tensors per
+forward. Sites of one chain that share a history (onnx_grouping.site_groups, the grouping the
+ONNX and TVM forms use: Block's sites per block, Full's ~sqrt(L) consecutive sites) become one
+`depth_attention_partial` over that history for all of their queries, placed before the group's
+first site, and a `depth_attention_merge` per site over its own newest sources. Only groups
+where that moves fewer bytes and the history is long enough (MIN_HISTORY) change.
+
+The canonical form, one `depth_attention` per site, is what `rewrite` returns and what the
+monitor reads; this pass is applied after it, to a module that is run (`two_phase(gm)`), e.g.
+one loaded from a .pt2 artifact. Gradients stay exact, through the ops' differentiable
+reference: training is cheaper on the canonical form. `one_pass` is the inverse, with which
+the ONNX exporter, the TVM importer and re-analysis take a two-phase module as they take the
+canonical one.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..core.two_phase import site_groups, two_phase_wins
+from ..ops.depth_attention import depth_attention as SITE
+from ..ops.two_phase import depth_attention_merge as MERGE
+from ..ops.two_phase import depth_attention_partial as PARTIAL
+
+
+def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
+    """Rewrite `gm`'s groups of sites over a shared history to partial + merges, in place."""
+    graph = gm.graph
+    chains: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is SITE and not node.kwargs and len(node.args) == 5:
+            sources, _, eps, _, dim = node.args
+            chains.setdefault((sources[0], eps, dim), []).append(node)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    merges = 0
+    for members in chains.values():
+        terms = [list(node.args[0]) for node in members]
+        for start, end, length in site_groups(terms):
+            group = members[start:end]
+            extras = [len(t) - length for t in terms[start:end]]
+            if end - start < 2 or not two_phase_wins(length, extras, _itemsize(group[0]), min_history):
+                continue
+            queries = [node.args[1] for node in group]
+            if any(q.op not in ("get_attr", "placeholder") and position[q] > position[group[0]] for q in queries):
+                continue  # a query computed after the group's first site: no partial can read it there
+            merges += _rewrite_group(graph, group, terms[start][:length])
+    if merges:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, merges > 0)
+
+
+def _itemsize(site: fx.Node) -> int:
+    val = site.meta.get("val")
+    return val.element_size() if isinstance(val, torch.Tensor) else 4
+
+
+def _rewrite_group(graph: fx.Graph, group: list[fx.Node], history: list[fx.Node]) -> int:
+    first = group[0]
+    _, _, eps, _, dim = first.args
+    with graph.inserting_before(first):
+        queries = [graph.get_attr(q.target) if q.op == "get_attr" else q for q in (node.args[1] for node in group)]
+        stacked = graph.call_function(torch.stack, (queries,))
+        partial = graph.call_function(PARTIAL, (history, stacked, eps, dim))
+        state = [graph.call_function(operator.getitem, (partial, i)) for i in range(3)]
+    for index, node in enumerate(group):
+        sources, query, eps, scale, dim = node.args
+        with graph.inserting_before(node):
+            merge = graph.call_function(MERGE,
+                                        (*state, index, sources[len(history):], query, eps, scale, dim))
+        merge.meta.update(node.meta)
+        node.replace_all_uses_with(merge)
+        graph.erase_node(node)
+    return len(group)
+
+
+def one_pass(gm: fx.GraphModule) -> PassResult:
+    """Undo `two_phase` in place: every merge back to one `depth_attention` over its partial's
+    history and its own extras (the same op calls `rewrite` made), the partials, their state and
+    their stacked queries removed."""
+    graph = gm.graph
+    partials = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not MERGE:
+            continue
+        state, *_, extra, query, eps, scale, dim = node.args
+        partial = state.args[0]
+        with graph.inserting_before(node):
+            site = graph.call_function(SITE, ([*partial.args[0], *extra], query, eps, scale, dim))
+        site.meta.update(node.meta)
+        node.replace_all_uses_with(site)
+        graph.erase_node(node)
+        if partial not in partials:
+            partials.append(partial)
+    for partial in partials:
+        for user in list(partial.users):
+            if not user.users:
+                graph.erase_node(user)
+        stacked = partial.args[1]
+        if not partial.users:
+            graph.erase_node(partial)
+        if isinstance(stacked, fx.Node) and stacked.op == "call_function" and not stacked.users:
+            queries = stacked.args[0]
+            graph.erase_node(stacked)
+            for q in queries:
+                if isinstance(q, fx.Node) and q.op == "get_attr" and not q.users:
+                    graph.erase_node(q)
+    if partials:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, bool(partials))

@@ -1,0 +1,394 @@
+"""The ONNX form of depth-attention sites, shared by the ONNX rewrite and the PyTorch export.
+
+Three node types of the `attnres` domain, each defined by a model-local function whose body is
+standard ops only, in float32 (`onnx_grouping.finalize_sites` chooses between them):
+
+    attnres.DepthAttention(s_1..s_n, query) -> out                       one site
+        attributes eps, scale, axis (negative: counted from the end, the same for every rank).
+        x_i = Cast(s_i, float32);  z_i = ReduceSum(query * x_i / Sqrt(ReduceMean(Pow(x_i, 2)) + eps))
+        out = CastLike(Sum_i(scale * softmax_i(z) * x_i), s_1)
+    attnres.DepthAttentionPartial([history, rms,] h_new_1..h_new_K, q_1..q_B)
+            -> (history_out, rms_out, lse, acc, columns)                 one per group of sites
+        phase 1 for B sites whose source lists start with the same history h_0..h_(J-1)
+        (Block: a block's sites; Full: ~sqrt(L) consecutive sites). history_out [.., J, D] is the
+        history stacked before the feature axis and rms_out [.., J, 1] the entries' RMS: with
+        carry = 1 the previous Partial's two outputs with the K new entries appended, so each
+        source is named once in the file and its RMS computed once. lse [.., 1, B] and
+        acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history;
+        columns [D, B] the B queries in float32, one per column.
+        attributes eps, axis (-1), queries (B), carry (0 or 1).
+    attnres.DepthAttentionNorm(s_1..s_n, query[, weight[, bias]]) -> (mixed, normed)
+        one site and the norm that reads it (ops/site_norm.py): mixed is DepthAttention's output,
+        normed = CastLike(LayerNorm or RMSNorm of it over the last axis, s_1), times weight plus
+        bias where given; attributes eps, scale, axis (-1), norm_eps, norm ("layer" | "rms"),
+        affine (0: no parameters, 1: weight, 2: weight and bias). The norm is written as the
+        decomposed ops onnxruntime fuses into LayerNormalization / SimplifiedLayerNormalization.
+    attnres.DepthAttentionMerge(lse, acc, columns, e_1..e_E, query) -> out   one per site
+        phase 2: row `index` of a Partial's state as one more term beside the site's own
+        extras e (Block: its partial block sum; Full: the group's sources up to the site):
+        out = CastLike(scale * (w_0 * acc_index + Sum_i w_i * e_i), e_1), w = softmax([lse, z]).
+        attributes index, eps, scale, axis (-1); `query` repeats the Partial's query at `index`,
+        which is column `index` of `columns`.
+
+Why function nodes rather than inlined ops with metadata: a site stays one node (or one Merge)
+that a backend matches by (domain, op_type) and reads its sources, query and attributes from,
+without pattern-matching ~10n ops; onnxruntime runs them by inlining the bodies.
+Why these bodies (onnxruntime runs each op as a pass over its tensors, at ~10 GB/s here):
+a term's logit takes one of two forms. The RMSNorm pattern Pow/ReduceMean/Add/Sqrt/Div/
+Mul-by-query, then ReduceSum, which onnxruntime fuses into one SimplifiedLayerNormalization pass,
+serves a Merge with one extra (Block: its partial block sum is a term of that site only) and
+feature axes other than the last. Elsewhere on the last axis (DepthAttention sites, a Merge's
+extras under Full) a source is a term of several sites: there the logit is a read-only MatMul
+with query columns over the source's own RMS, ReduceMean(Mul(x, x)), and onnxruntime's
+common-subexpression elimination computes the parts shared by several sites once: the RMS once
+per source, and in a Merge, whose MatMul takes all of its group's queries (`columns`, each site
+then picks its own column), the dots once per source and group. onnxruntime packs a constant
+right-hand side into 16-column panels, so one query column costs what sixteen do.
+Two terms are weighted by a Sigmoid (a two-way softmax in elementwise ops, no per-row
+Concat/Softmax/Split); the scale goes on the small weights, and a function ends in Sum, never
+Add, which onnxruntime would fuse with a following LayerNorm into its slow
+SkipLayerNormalization. A Partial reads its history in two MatMuls (logits of all B queries; the
+weighted means of all B sites, batched over the rows), which is where grouping saves: the
+history is read once per group instead of once per site. Its logits are turned to [.., B, J]
+before the softmax, so every reduction runs over the last axis, and its logsumexp is written
+out as max + log(sum(exp)): onnxruntime's Softmax on an inner axis and its ReduceLogSumExp took
+most of a Partial's time (J = 8, B = 6: 362 -> 321 us; J = 21, B = 7: 888 -> 678 us).
+Why DepthAttention bakes its values into one function per (arity, axis, scale, eps) (overload
+"n<arity>_axis<a>_scale<c>_eps<e>"): inlined, its body is then tensor Constants and static axes
+only, which tvm.relax.frontend.onnx imports. The Partial and Merge functions are one per structure
+(overloads "c<carry>_k<K>_q<B>", "e<E>") and read eps, scale and index through attribute
+references, so their number stays bounded at any depth. Overloads need IR version 10, so models
+are raised to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+DOMAIN = "attnres"
+OP_TYPE = "DepthAttention"
+DOMAIN_VERSION = 1
+MIN_OPSET = 15  # CastLike
+IR_VERSION = 10
+PARTIAL = "DepthAttentionPartial"
+MERGE = "DepthAttentionMerge"
+PAIR = "DepthAttentionNorm"
+NORMS = ("layer", "rms")
+
+
+def site_node(inputs: list[str], query: str, output: str, *, eps: float, scale: float, axis: int, rank: int,
+              name: str = "") -> onnx.NodeProto:
+    """One depth-attention site over `inputs` (rank-`rank` tensors) with pseudo-query `query`, written to `output`."""
+    return helper.make_node(OP_TYPE, [*inputs, query], [output], name=name, domain=DOMAIN,
+                            eps=float(eps), scale=float(scale), axis=negative_axis(axis, rank))
+
+
+def negative_axis(axis: int, rank: int) -> int:
+    if not -rank <= axis < rank:
+        raise ValueError(f"feature axis {axis} is out of range for rank-{rank} sources")
+    return axis - rank if axis >= 0 else axis
+
+
+def signature(node: onnx.NodeProto) -> tuple[int, int, float, float]:
+    """(arity, axis, scale, eps) of a site node: what its function body is specialised on."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return len(node.input) - 1, int(attrs["axis"]), float(attrs["scale"]), float(attrs["eps"])
+
+
+def overload(sig: tuple[int, int, float, float]) -> str:
+    """E.g. "n3_axis-1_scale3.0_eps1e-06" (float attributes are float32: shortest float32 spelling)."""
+    arity, axis, scale, eps = sig
+    return f"n{arity}_axis{axis}_scale{str(np.float32(scale))}_eps{str(np.float32(eps))}"
+
+
+class Body:
+    """Collects the nodes of a function body; `op` returns the output name(s)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+
+    def op(self, op_type: str, inputs: list[str], out: str | list[str], **attrs):
+        self.nodes.append(helper.make_node(op_type, inputs, [out] if isinstance(out, str) else out, **attrs))
+        return out
+
+    def const(self, out: str, dtype: int, values: list, dims: list[int] | None = None) -> str:
+        dims = [len(values)] if dims is None else dims
+        return self.op("Constant", [], out, value=helper.make_tensor(out, dtype, dims, values))
+
+
+def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.FunctionProto:
+    """The model-local function for sites with signature `sig`, for default-domain `opset`."""
+    n, axis, scale, eps = sig
+    fn_name = overload(sig)
+    b = Body()
+    b.op("CastLike", [_site_body(b, sig, opset), "s0"], "output")
+    fn = helper.make_function(DOMAIN, OP_TYPE, [f"s{i}" for i in range(n)] + ["query"], ["output"], b.nodes,
+                              [helper.make_opsetid("", opset)], attributes=["eps", "scale", "axis"],
+                              doc_string=f"AttnRes depth attention over {n} sources (attnres-compile): {fn_name}")
+    fn.overload = fn_name
+    return fn
+
+
+def _site_body(b: Body, sig: tuple[int, int, float, float], opset: int) -> str:
+    """A site's float32 output in `b`, from inputs s0..s{n-1} and query."""
+    n, axis, scale, eps = sig
+    axes = b.const("axes", TensorProto.INT64, [axis])
+    eps_c = b.const("eps", TensorProto.FLOAT, [eps], [])
+    scale_c = b.const("scale", TensorProto.FLOAT, [scale], [])
+    qshape = b.const("qshape", TensorProto.INT64, [-1] + [1] * (-axis - 1))  # [D, 1, .., 1]: broadcast on the axis
+    query = b.op("Reshape", [b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT), qshape], "qb")
+    xs = [b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT) for i in range(n)]
+    columns = (b.op("Unsqueeze", [query, b.const("col", TensorProto.INT64, [1])], "qcol"), None) if axis == -1 else None
+    return _attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns)
+
+
+# ---- the fused site + norm pair -------------------------------------------------------------------
+
+
+def pair_node(inputs: list[str], query: str, params: list[str], outputs: list[str], *, eps: float, scale: float,
+              norm_eps: float, norm: str, name: str = "") -> onnx.NodeProto:
+    """One site over `inputs` and the norm of its output ([mixed, normed] = `outputs`), over the last
+    axis, with `params` its weight and bias (as many as it has: [], [weight], [weight, bias])."""
+    return helper.make_node(PAIR, [*inputs, query, *params], outputs, name=name, domain=DOMAIN, eps=float(eps),
+                            scale=float(scale), axis=-1, norm_eps=float(norm_eps), norm=norm, affine=len(params))
+
+
+def pair_signature(node: onnx.NodeProto) -> tuple[int, int, float, float, str, float, int]:
+    """(arity, axis, scale, eps, norm, norm_eps, affine) of a pair node: what its function is specialised on."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    norm = attrs["norm"].decode() if isinstance(attrs["norm"], bytes) else attrs["norm"]
+    affine = int(attrs["affine"])
+    return (len(node.input) - 1 - affine, int(attrs["axis"]), float(attrs["scale"]), float(attrs["eps"]), norm,
+            float(attrs["norm_eps"]), affine)
+
+
+def pair_overload(sig: tuple) -> str:
+    """E.g. "n3_axis-1_scale3.0_eps1e-06_rms_eps1e-05_a1"."""
+    *site, norm, norm_eps, affine = sig
+    return f"{overload(tuple(site))}_{norm}_eps{str(np.float32(norm_eps))}_a{affine}"
+
+
+def pair_function(sig: tuple, opset: int) -> onnx.FunctionProto:
+    """The model-local function for pairs with signature `sig` (pair_signature), for `opset`."""
+    n, axis, scale, eps, norm, norm_eps, affine = sig
+    b = Body()
+    total = _site_body(b, (n, axis, scale, eps), opset)
+    b.op("CastLike", [total, "s0"], "mixed")
+    axes = b.const("norm_axes", TensorProto.INT64, [-1])
+    norm_eps_c = b.const("norm_eps", TensorProto.FLOAT, [norm_eps], [])
+    if norm == "layer":
+        mean = _reduce(b, "ReduceMean", total, axes, -1, "norm_mean", opset)
+        x = b.op("Sub", [total, mean], "norm_centred")
+    else:
+        x = total
+    var = _reduce(b, "ReduceMean", b.op("Mul", [x, x], "norm_sq"), axes, -1, "norm_var", opset)
+    out = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [var, norm_eps_c], "norm_vare")], "norm_std")], "norm_n")
+    params = ["weight", "bias"][:affine]
+    for i, (param, op_type) in enumerate(zip(params, ("Mul", "Add"))):
+        out = b.op(op_type, [out, b.op("Cast", [param], f"norm_p{i}", to=TensorProto.FLOAT)], f"norm_a{i}")
+    b.op("CastLike", [out, "s0"], "normed")
+    return _function(PAIR, pair_overload(sig), [f"s{i}" for i in range(n)] + ["query", *params], ["mixed", "normed"],
+                     b, opset, ["eps", "scale", "axis", "norm_eps", "norm", "affine"],
+                     f"AttnRes depth attention over {n} sources and the {norm} norm of its output")
+
+
+def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str, axis: int, opset: int,
+            state: tuple[str, str] | None = None, columns: tuple[str, str | None] | None = None) -> str:
+    """scale * sum_i softmax_i(z_i) x_i over float32 terms `xs`, z_i = query . RMSNorm(x_i) along `axis`;
+    `state` (lse, acc) is one more term, a history already reduced to its logsumexp and weighted mean.
+
+    Logits: with `columns` (matrix [D, C], pick) (the last axis only) MatMul(x, matrix), column
+    `pick` of it where C > 1, over sqrt(ReduceMean(x * x) + eps): onnxruntime computes the parts
+    that do not depend on the site once for all the sites a source is a term of. Without, the
+    RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which onnxruntime fuses
+    into one SimplifiedLayerNormalization, then ReduceSum. The scale goes on the (small) weights,
+    and the sum of the weighted terms is the last op: a Sum, never an Add."""
+    zs = [state[0]] if state else []
+    if columns:
+        matrix, pick = columns
+        for i, x in enumerate(xs):
+            mean_sq = _reduce(b, "ReduceMean", b.op("Mul", [x, x], f"sq{i}"), axes, axis, f"ms{i}", opset)
+            rms = b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")
+            dot = b.op("MatMul", [x, matrix], f"dots{i}")
+            dot = b.op("Gather", [dot, pick], f"dot{i}", axis=-1) if pick else dot          # [.., 1]
+            zs.append(b.op("Div", [dot, rms], f"z{i}"))
+    else:
+        two = b.const("two", TensorProto.FLOAT, [2.0], [])
+        for i, x in enumerate(xs):
+            mean_sq = _reduce(b, "ReduceMean", b.op("Pow", [x, two], f"sq{i}"), axes, axis, f"ms{i}", opset)
+            normed = b.op("Div", [x, b.op("Sqrt", [b.op("Add", [mean_sq, eps], f"mse{i}")], f"rms{i}")], f"k{i}")
+            zs.append(_reduce(b, "ReduceSum", b.op("Mul", [normed, query], f"kq{i}"), axes, axis, f"z{i}", opset))
+    terms = ([state[1]] if state else []) + xs
+    if len(terms) == 2:  # a two-way softmax is a sigmoid: elementwise ops, no per-row Concat/Softmax/Split
+        second = b.op("Mul", [b.op("Sigmoid", [b.op("Sub", [zs[1], zs[0]], "gap")], "t"), scale], "p1")
+        ps = [b.op("Sub", [scale, second], "p0"), second]
+    else:
+        p = b.op("Mul", [b.op("Softmax", [b.op("Concat", zs, "z", axis=axis)], "p", axis=axis), scale], "ps")
+        ps = b.op("Split", [p, b.const("splits", TensorProto.INT64, [1] * len(terms))],
+                  [f"p{i}" for i in range(len(terms))], axis=axis)
+    weighted = [b.op("Mul", [pi, x], f"px{i}") for i, (pi, x) in enumerate(zip(ps, terms))]
+    return weighted[0] if len(weighted) == 1 else b.op("Sum", weighted, "total")
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The model's default-domain (ai.onnx) opset version, or None if it imports none."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.FunctionProto]]:
+    """(overload, build(opset) -> function) of an attnres node: what its function is specialised on."""
+    if node.op_type == OP_TYPE:
+        sig = signature(node)
+        return overload(sig), lambda opset: function_proto(sig, opset)
+    if node.op_type == PARTIAL:
+        structure = partial_structure(node)
+        return partial_overload(*structure), lambda opset: partial_function(*structure, opset)
+    if node.op_type == PAIR:
+        sig = pair_signature(node)
+        return pair_overload(sig), lambda opset: pair_function(sig, opset)
+    extras = len(node.input) - 4
+    return merge_overload(extras), lambda opset: merge_function(extras, opset)
+
+
+def attach_functions(model: onnx.ModelProto) -> int:
+    """Give every attnres node of `model.graph` its overload and function definition.
+
+    The attnres functions are (re)generated from the nodes: definitions already in the model
+    under our domain are replaced, so the file holds exactly the bodies this module writes.
+    Also imports the `attnres` domain and raises the IR version to one with overloads.
+    Returns the number of sites (DepthAttention and Merge nodes).
+    """
+    opset = default_opset(model)
+    ours = [n for n in model.graph.node if n.domain == DOMAIN]
+    functions: dict[tuple[str, str], onnx.FunctionProto] = {}
+    for node in ours:
+        node.overload, build = definition(node)
+        if (node.op_type, node.overload) not in functions:
+            functions[node.op_type, node.overload] = build(opset)
+    kept = [f for f in model.functions if f.domain != DOMAIN]
+    model.ClearField("functions")
+    model.functions.extend(kept + list(functions.values()))
+    if ours and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    if ours:
+        model.ir_version = max(model.ir_version, IR_VERSION)
+    return sum(n.op_type in (OP_TYPE, MERGE, PAIR) for n in ours)
+
+
+# ---- the two-phase pair ---------------------------------------------------------------------------
+
+
+def partial_node(carried: list[str], new: list[str], queries: list[str], outputs: list[str], *, eps: float,
+                 name: str) -> onnx.NodeProto:
+    """A Partial over `carried` (a previous Partial's (history_out, rms_out), or []) plus `new` entries,
+    for `queries`; `outputs` are (history_out, rms_out, lse, acc, columns)."""
+    carry = int(bool(carried))
+    node = helper.make_node(PARTIAL, [*carried, *new, *queries], outputs, name=name, domain=DOMAIN, eps=float(eps),
+                            axis=-1, queries=len(queries), carry=carry)
+    node.overload = partial_overload(carry, len(new), len(queries))
+    return node
+
+def merge_node(lse: str, acc: str, columns: str, extras: list[str], query: str, output: str, *, index: int,
+               eps: float, scale: float, name: str) -> onnx.NodeProto:
+    """The Merge of one site: row `index` of a Partial's state (lse, acc) with the site's `extras`."""
+    node = helper.make_node(MERGE, [lse, acc, columns, *extras, query], [output], name=name, domain=DOMAIN,
+                            index=int(index), eps=float(eps), scale=float(scale), axis=-1)
+    node.overload = merge_overload(len(extras))
+    return node
+
+def partial_structure(node: onnx.NodeProto) -> tuple[int, int, int]:
+    """(carry, new entries, queries) of a Partial node: what its function body is specialised on."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    carry, queries = int(attrs["carry"]), int(attrs["queries"])
+    return carry, len(node.input) - 2 * carry - queries, queries
+
+
+def partial_overload(carry: int, new: int, queries: int) -> str:
+    return f"c{carry}_k{new}_q{queries}"
+
+def merge_overload(extras: int) -> str:
+    return f"e{extras}"
+
+def _ref(b: Body, out: str, attr: str, kind: int) -> str:
+    """A Constant holding the node's attribute `attr` (an attribute reference)."""
+    field = {AttributeProto.FLOAT: "value_float", AttributeProto.INT: "value_int"}[kind]
+    ref = AttributeProto(name=field, ref_attr_name=attr, type=kind)
+    node = helper.make_node("Constant", [], [out])
+    node.attribute.append(ref)
+    b.nodes.append(node)
+    return out
+
+def _reduce(b: Body, op: str, x: str, axes: str, axis: int, out: str, opset: int) -> str:
+    """A keepdims reduction over one axis: axes as an input from opset 18 (ReduceSum: 13), else an attribute."""
+    if opset >= (13 if op == "ReduceSum" else 18):
+        return b.op(op, [x, axes], out, keepdims=1)
+    return b.op(op, [x], out, axes=[axis], keepdims=1)
+
+def _stack(b: Body, names: list[str], axes: str, prefix: str) -> list[str]:
+    """Each input cast to float32 and given a unit axis before the feature axis."""
+    return [b.op("Unsqueeze", [b.op("Cast", [n], f"{prefix}f{i}", to=TensorProto.FLOAT), axes], f"{prefix}u{i}")
+            for i, n in enumerate(names)]
+
+def _function(op_type: str, overload: str, inputs: list[str], outputs: list[str], b: Body, opset: int,
+              attributes: list[str], doc: str) -> onnx.FunctionProto:
+    fn = helper.make_function(DOMAIN, op_type, inputs, outputs, b.nodes, [helper.make_opsetid("", opset)],
+                              attributes=attributes, doc_string=f"{doc} (attnres-compile): {overload}")
+    fn.overload = overload
+    return fn
+
+def partial_function(carry: int, new: int, queries: int, opset: int) -> onnx.FunctionProto:
+    """The function of Partial nodes with this structure, for default-domain `opset`."""
+    b = Body()
+    m1, m2 = b.const("m1", TensorProto.INT64, [-1]), b.const("m2", TensorProto.INT64, [-2])
+    zero = b.const("zero", TensorProto.INT64, [0])
+    eps = _ref(b, "eps", "eps", AttributeProto.FLOAT)
+    carried = ["history", "rms"] if carry else []
+    inputs = carried + [f"h{i}" for i in range(new)] + [f"q{i}" for i in range(queries)]
+    entries = _stack(b, inputs[len(carried):len(carried) + new], m2, "h")
+    rms = [b.op("Sqrt", [b.op("Add", [_reduce(b, "ReduceMean", b.op("Mul", [h, h], f"hh{i}"), m1, -1, f"ms{i}", opset),
+                                       eps], f"mse{i}")], f"rms{i}") for i, h in enumerate(entries)]
+    stacked = _concat(b, carried[:1] + entries, "history_out", -2)
+    norms = _concat(b, carried[1:] + rms, "rms_out", -2)                              # [.., J, 1]
+    qs = [b.op("Unsqueeze", [b.op("Cast", [q], f"qf{i}", to=TensorProto.FLOAT), zero], f"qu{i}")
+          for i, q in enumerate(inputs[len(carried) + new:])]
+    q_cols = b.op("Transpose", [_concat(b, qs, "qrows", 0)], "qcols", perm=[1, 0])    # [D, B]
+    z = b.op("Div", [b.op("MatMul", [stacked, q_cols], "dots"), norms], "z")           # [.., J, B]
+    zt = b.op("Einsum", [z], "zt", equation="...jb->...bj")                            # [.., B, J]
+    top = _reduce(b, "ReduceMax", zt, m1, -1, "top", opset)                            # [.., B, 1]
+    ez = b.op("Exp", [b.op("Sub", [zt, top], "shifted")], "ez")
+    total = _reduce(b, "ReduceSum", ez, m1, -1, "total", opset)
+    lse = b.op("Add", [top, b.op("Log", [total], "log_total")], "lse_rows")
+    b.op("Einsum", [lse], "lse", equation="...bo->...ob")                              # [.., 1, B]
+    b.op("MatMul", [b.op("Div", [ez, total], "p"), stacked], "acc")
+    b.op("Identity", [q_cols], "columns")
+    return _function(PARTIAL, partial_overload(carry, new, queries), inputs,
+                     ["history_out", "rms_out", "lse", "acc", "columns"],
+                     b, opset, ["eps", "axis", "queries", "carry"], "AttnRes phase 1 over a shared history")
+
+
+def _concat(b: Body, parts: list[str], out: str, axis: int) -> str:
+    return b.op("Concat", parts, out, axis=axis) if len(parts) > 1 else b.op("Identity", parts, out)
+
+
+def merge_function(extras: int, opset: int) -> onnx.FunctionProto:
+    """The function of Merge nodes with `extras` extra terms, for default-domain `opset`."""
+    b = Body()
+    m1 = b.const("m1", TensorProto.INT64, [-1])
+    eps = _ref(b, "eps_c", "eps", AttributeProto.FLOAT)
+    scale = _ref(b, "scale_c", "scale", AttributeProto.FLOAT)
+    index = _ref(b, "index", "index", AttributeProto.INT)
+    inputs = ["lse", "acc", "columns"] + [f"e{i}" for i in range(extras)] + ["query"]
+    lse = b.op("Gather", ["lse", index], "lse_i", axis=-1)           # [.., 1]
+    acc = b.op("Gather", ["acc", index], "acc_i", axis=-2)           # [.., D]
+    xs = [b.op("Cast", [e], f"x{i}", to=TensorProto.FLOAT) for i, e in enumerate(inputs[3:-1])]
+    query = b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT)
+    # one extra (Block): the fused RMSNorm form; more (Full): the group's dots, shared by its Merges
+    pick = b.op("Unsqueeze", [index, b.const("zero", TensorProto.INT64, [0])], "pick") if extras > 1 else None
+    columns = ("columns", pick) if pick else None
+    b.op("CastLike", [_attend(b, xs, query, eps, scale, m1, -1, opset, (lse, acc), columns=columns), "e0"], "output")
+    return _function(MERGE, merge_overload(extras), inputs, ["output"], b, opset, ["index", "eps", "scale", "axis"],
+                     "AttnRes phase 2 of one site")

@@ -1,0 +1,293 @@
+"""The ONNX side of the API: inspect and rewrite ONNX files, export PyTorch models to AttnRes ONNX.
+
+Same analysis (chain_analysis.py), same report (report.py) and same verdicts as `api.py`;
+verification runs original and rewritten in onnxruntime on the same generated inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core import verify
+from ..core.chain_analysis import analyze
+from ..core.checks import as_config, has_work, plan_notes, split_inputs
+from ..core.config import AttnResConfig
+from ..core.errors import AttnResError, ModelRunError
+from ..core.report import ExportResult, Report, build
+from ..fx.pipeline import rewrite
+from ..utils import outputs, progress, pytree_warning
+from . import contrib_ops as onnx_contrib_ops
+from . import genai as onnx_genai
+from . import io as onnx_io
+from . import passes
+from .function import default_opset
+from .passes import FINALIZE, FuseNorms, RewriteSites, UnfuseSkipNorms
+from .view import view_from_onnx
+
+
+def _notes(model, path: Path) -> list[str]:
+    producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "unknown producer"
+    old = onnx_io.converted_from(model)
+    opset = f"opset {old}, converted to {default_opset(model)} on reading" if old else f"opset {default_opset(model)}"
+    notes = [f"{path.name}: {producer}, {opset}, IR version {model.ir_version}"]
+    ort_ops = onnx_io.ort_only_ops(model)
+    if ort_ops:
+        notes.append(f"default-domain op(s) that onnx does not define and onnxruntime runs: {', '.join(ort_ops)} "
+                     "(checked against onnxruntime's schemas)")
+    return notes
+
+
+def inspect_onnx(path: str | os.PathLike, config: AttnResConfig | None = None,
+                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+    """Analyse the ONNX file at `path`: chains, links, sources, sites and skipped adds (no rewrite),
+    with the inputs of `input_shapes` bound to those shapes (`_view`)."""
+    config = as_config(config)
+    path = Path(path)
+    model = onnx_io.load(path, with_data=False)
+    analysis = _Analysis(model, path, config, input_shapes)
+    return build(analysis.plan, analysis.view, config, "onnx", notes=analysis.notes, extra=analysis.fused_ops)
+
+
+class _Analysis:
+    """An ONNX model read for the rewrite: onnxruntime's fused residual norms unfused first (their sums are
+    residual adds), its view and plan, how each contrib op was read, and the notes on all of it."""
+
+    def __init__(self, model, path: Path, config: AttnResConfig, input_shapes):
+        self.notes = _notes(model, path)
+        unfuse = UnfuseSkipNorms()
+        self.passes = passes.run(model, [unfuse])
+        self.notes += unfuse.unfused.notes()
+        self.view = _view(model, input_shapes)
+        self.plan = analyze(self.view, config)
+        contrib = onnx_contrib_ops.contrib_ops(model, unfuse.unfused, {c.root: c.index for c in self.plan.chains})
+        self.notes += onnx_contrib_ops.notes(contrib) + _analysis_notes(self.plan, self.view, input_shapes)
+        self.fused_ops = {"unfused": unfuse.unfused.counts, "contrib_ops": contrib}
+
+
+def _view(model, input_shapes: dict[str, tuple[int, ...]] | None):
+    """The model's view, its shapes inferred with the inputs of `input_shapes` bound: sizes that shape
+    inference cannot relate symbolically (`unk__12` vs `unk__18`) are compared at those shapes.
+    The shapes are checked against the model's inputs first (ConfigError)."""
+    from . import dims as onnx_dims
+
+    if input_shapes:
+        onnx_dims.Dims(onnx_dims.declared(model), input_shapes)
+    return view_from_onnx(model, input_shapes)
+
+
+def _analysis_notes(plan, view, input_shapes) -> list[str]:
+    """plan_notes, and without `input_shapes` a hint where adds were skipped for symbolic dims that
+    shape inference could not prove equal."""
+    unproven = [s for s in plan.skipped_adds if s.reason.startswith("skip shape")
+                and any(not isinstance(d, int) for d in view.nodes[s.node]["shape"] or ())]
+    hint = (f"{len(unproven)} add(s) skipped because shape inference cannot prove their operands' dims equal "
+            f"(e.g. {unproven[0].node}); --input-shape NAME:1x3x224x224 analyses the model at given input shapes"
+            if unproven and not input_shapes else None)
+    return plan_notes(plan) + ([hint] if hint else [])
+
+
+def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
+                 verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False) -> ExportResult:
+    """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
+
+    Weights stay external (`<output>.data`) when the input kept them external, or when large.
+    The staged output must pass the same checks as an input (onnx_io.load). With
+    `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
+    with `verify_timeout` seconds (default sized to the model), before the output is put in
+    place, at the default and the all-1 shape sets (onnx/dims.py; `input_shapes` fixes
+    an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
+    file of the input, is refused unless `force`. `fuse_norms`: each site that a norm reads is written
+    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py).
+    """
+    config = as_config(config)
+    path, output = Path(path), Path(output)
+    model = onnx_io.load(path, with_data=False)
+    carried = onnx_genai.sidecars(path, output)
+    outputs.check([*outputs.onnx_outputs(output), *(outputs.Output(dst, f"output's {dst.name}") for _, dst in carried)],
+                  onnx_io.input_files(model, path), force)
+    with progress.stage(f"analysing {path.name}"):
+        analysis = _Analysis(model, path, config, input_shapes)
+    plan, view, notes = analysis.plan, analysis.view, analysis.notes
+    if not has_work(plan, config):
+        return ExportResult(build(plan, view, config, "onnx", notes=notes + ["no file written"], extra=analysis.fused_ops))
+    if verify_outputs:
+        _check_test_inputs(model, input_shapes or {})
+    external = bool(onnx_io.external_tensors(model))
+    onnx_io.load_data(model, path)
+    sites = RewriteSites(plan, config, view)
+    done = passes.run(model, [sites, *([FuseNorms(view)] if fuse_norms else []), *(p() for p in FINALIZE)])
+    verification, extra = None, dict(analysis.fused_ops)
+    with onnx_io.staged(output) as stage:
+        onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
+        check_written(stage.path)
+        if verify_outputs:
+            from . import runtime as ort_backend
+
+            tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+            with progress.stage("verifying in onnxruntime"):
+                verification, verified, run_notes = ort_backend.compare_files(
+                    path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
+                    consequence="the rewritten model was not written")
+            notes += run_notes
+            extra["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
+    written = list(stage.written)
+    for src, dst in carried:
+        with outputs.staged(dst, f"wrote {output}, but not all of its onnxruntime-genai folder") as side:
+            side.path.write_bytes(onnx_genai.content(src, path, output))
+        written += side.written
+    if carried:
+        notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
+                     f"onnxruntime-genai folder (og.Model loads it)")
+    report = build(plan, view, config, "onnx", sites.sites, verification, notes,
+                   passes={**analysis.passes, **done}, extra=extra)
+    return ExportResult(report, written)
+
+
+def check_written(path: Path) -> None:
+    """What we write must load as an input would (our own checks and the ONNX checker)."""
+    try:
+        onnx_io.load(path, with_data=False)
+    except AttnResError as exc:
+        raise AttnResError(f"internal error: the rewritten model fails its own checks ({exc}); nothing written; "
+                           "please report this with the input model") from None
+
+
+MAX_TEST_INPUT_ELEMENTS = 1 << 26  # per generated verification input: 512 MiB while drawn as float64
+
+
+def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
+    """Check --input-shape against the model and refuse to verify when a generated input would be
+    absurdly large (a static dim of 2**40, say), before anything is allocated (default shape set)."""
+    from . import cache_dims as onnx_cache_dims
+    from . import dims as onnx_dims
+
+    metadata = {p.key: p.value for p in model.metadata_props}
+    implied = {k: v.size for k, v in onnx_cache_dims.head_sizes(model).items()}
+    sizes = onnx_dims.Dims(onnx_dims.declared(model), overrides, onnx_dims.examples(metadata), implied)
+    for name, dims in sizes.shape_sets()[0][0].items():
+        count = math.prod(max(int(d), 1) for d in dims)
+        if count > MAX_TEST_INPUT_ELEMENTS:
+            raise ModelRunError(f"input {name!r} of shape {list(dims)} has {count} elements, too many to generate "
+                                "a verification input; nothing written; verify_outputs=False skips verification")
+
+
+def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
+                verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None,
+                with_past: bool = False, fuse_norms: bool = False) -> ExportResult:
+    """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
+
+    `dynamic` picks the input dims that stay symbolic (fx/dynamic_dims.py; default batch
+    and sequence); when the dynamic trace or export fails, both fall back to static shapes with a
+    note. With `verify_outputs`, the torch comparison of api.rewrite is followed by rows
+    "onnxruntime:<output>": the exported file in onnxruntime against the original PyTorch
+    model on the example inputs.
+
+    `with_past`: the decoder of an HF causal LM with its KV cache (fx/decoder.py), named as optimum
+    names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
+    out; batch, sequence and past length dynamic). `fuse_norms`: the module exported is the rewritten
+    one after `fuse_norms` (fx/site_norm.py): each pair one `attnres.DepthAttentionNorm` node.
+    """
+    from ..fx import dynamic_dims
+    from . import dims as onnx_dims
+    from .export import export_or_static
+
+    config = as_config(config)
+    if with_past:
+        from ..fx.trace import decoder_with_past
+
+        model, example_inputs, spec = decoder_with_past(model, example_inputs, None, dynamic)
+        args, kwargs = example_inputs, {}
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        spec = (*spec[:3], *spec[3])  # the rewritten module takes the past as separate arguments
+        what = "dynamic batch, sequence and past length"
+    else:
+        args, kwargs = split_inputs(example_inputs)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+        dims = dynamic_dims.parse(dynamic)
+        spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
+        what = f"dynamic {dims.text}"
+    notes = result.report.data["notes"]
+    with onnx_io.staged(output) as stage:
+        with progress.stage("exporting to ONNX"):
+            module = result.graph_module
+            if fuse_norms:
+                from ..fx.site_norm import fuse_norms as fuse
+
+                module = fuse(pytree_warning.deepcopy(module)).graph_module
+            proto = export_or_static(module, args or (), kwargs, spec, what, notes)
+        if with_past:
+            from ..fx import decoder
+            from . import decoder_names as onnx_decoder_names
+
+            onnx_decoder_names.name(proto, model.geometry.input_names(), model.geometry.output_names())
+            entry = proto.metadata_props.add()  # what `generate` stops a row at
+            entry.key, entry.value = decoder.GENERATION, json.dumps(decoder.generation_ids(model.wraps))
+        onnx_dims.record_examples(proto, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
+        check_written(stage.path)
+        if verify_outputs and args is not None:
+            tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
+            with progress.stage("verifying in onnxruntime"):
+                rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
+            result.report.data["verification"] = (result.report.data["verification"] or []) + rows
+    return ExportResult(result.report, stage.written)
+
+
+def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,
+                   timeout: float | None) -> list[dict]:
+    """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by
+    output, on the example inputs and on their zero-row copy (verify.zero_rows) when there is a verdict."""
+    from . import runtime as ort_backend
+
+    original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+
+    def compared(inputs: tuple[tuple, dict]) -> tuple[list[dict], list, dict]:
+        expected = [t for t in pytree.tree_leaves(verify.run(original, inputs)) if isinstance(t, torch.Tensor)]
+        tensors = [t.numpy() for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        actual = ort_backend.run_file(output, tensors, timeout=timeout, consequence="the exported model was not written")
+        names = [f"onnxruntime:{n}" for n in actual]
+        expected = dict(zip(names, (e.numpy() for e in expected)))
+        return ort_backend.compare_outputs(expected, dict(zip(names, actual.values())), tolerance), tensors, expected
+
+    rows, tensors, expected = compared((args, kwargs))
+    zeroed, inputs = verify.zero_rows((args, kwargs)) if tolerance is not None else (None, [])
+    if inputs:
+        verify.fold_zero_rows(rows, compared(zeroed)[0], inputs)
+    if any(r.get("ok") is False for r in rows):
+        _blame_export(original, args, kwargs, tensors, expected, rows, tolerance, timeout)
+    return rows
+
+
+def _blame_export(original: Any, args: tuple, kwargs: dict, tensors: list, expected: dict, rows: list[dict],
+                  tolerance: tuple, timeout: float | None) -> None:
+    """After a failed onnxruntime check, the original model exported the same way (static shapes)
+    and checked alike: where it fails too, the exporter or onnxruntime computes this model wrongly,
+    not the rewrite, and the failed rows say so (`original_export`: that check's line)."""
+    import tempfile
+
+    from . import runtime as ort_backend
+    from .export import export
+
+    with tempfile.TemporaryDirectory(prefix="attnres-original-") as folder:
+        path = Path(folder) / "original.onnx"
+        try:
+            with verify.kept(original):  # the exporter may run the model
+                onnx_io.write(export(original, *verify.fresh((args, kwargs)), None), path)
+            actual = ort_backend.run_file(path, tensors, timeout=timeout, consequence="no verdict on the original")
+        except Exception:  # noqa: BLE001 - no verdict on the original: the rows stay as they are
+            return
+    if len(actual) != len(expected):
+        return
+    checked = {r["output"]: r for r in ort_backend.compare_outputs(expected, dict(zip(expected, actual.values())), tolerance)}
+    for row in rows:
+        same = checked.get(row["output"])
+        if row.get("ok") is False and same is not None and same.get("ok") is False:
+            row["original_export"] = verify.describe(same)

@@ -1,0 +1,51 @@
+"""PyTorch -> .pt2: a rewritten model exported with torch.export and written as an archive."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..core.checks import as_config, split_inputs
+from ..core.config import AttnResConfig
+from ..core.report import ExportResult
+from ..fx import decoder, dynamic_dims
+from ..fx.pipeline import rewrite
+from ..fx.trace import decoder_with_past
+from ..utils import outputs, progress
+from .write import WithConstants, bind_constants, drop_guards, save
+
+
+def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
+               verify_outputs: bool = True, dynamic: str | None = None, with_past: bool = False) -> ExportResult:
+    """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
+
+    The archive takes the model's tensor inputs, its non-tensor keyword inputs bound at their
+    traced values (`use_cache=False`), and returns a flat tuple of named outputs. `dynamic`: the
+    input dims that stay symbolic (fx/dynamic_dims.py). `with_past`: the decoder of an HF causal LM
+    with its KV cache (fx/decoder.py), the past as separate tensor inputs, for `generate`.
+    """
+    config = as_config(config)
+    if with_past:
+        wrapper, args, spec = decoder_with_past(model, example_inputs, None, dynamic)
+        result = rewrite(wrapper, args, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        with progress.stage(f"exporting {Path(output).name}"):
+            program = dynamic_dims.export_program(result.graph_module, args, {}, (*spec[:3], *spec[3]),
+                                                  "dynamic batch, sequence and past length", result.report.data["notes"])
+            drop_guards(program)
+            with outputs.staged(output) as stage:
+                save(program, stage.path, extra={decoder.GENERATION: decoder.generation_ids(model)})
+        return ExportResult(result.report, stage.written)
+    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+    args, kwargs = split_inputs(example_inputs)
+    dims = dynamic_dims.parse(dynamic)
+    spec = dynamic_dims.export_spec(dims, model, args, kwargs) if result.report["dynamic_dims"] else None
+    module, tensor_kwargs = bind_constants(result.graph_module, args, kwargs, like=model)
+    if isinstance(spec, dict):  # use_cache=False and other constants are bound, not inputs
+        spec = {k: v for k, v in spec.items() if k not in kwargs or k in tensor_kwargs}
+    with progress.stage(f"exporting {Path(output).name}"):
+        program = dynamic_dims.export_program(module, args, tensor_kwargs, spec, f"dynamic {dims.text}",
+                                              result.report.data["notes"])
+        with outputs.staged(output) as stage:
+            save(program, stage.path, module.constants if isinstance(module, WithConstants) else None)
+    return ExportResult(result.report, stage.written)

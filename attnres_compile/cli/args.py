@@ -54,8 +54,8 @@ def is_onnx_path(model: str) -> bool:
     return model.lower().endswith(".onnx") or (os.path.exists(model) and not os.path.isdir(model))
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """The rewrite's options (AttnResConfig's fields) and --dynamic, on `p`."""
+def add_config_args(p: argparse.ArgumentParser, input_shape_help: str) -> None:
+    """The rewrite's options (AttnResConfig's fields), --dynamic (factories) and --input-shape (ONNX files), on `p`."""
     p.add_argument("--variant", choices=["full", "block"], default="full",
                    help="full: every site attends over all earlier sources (default); block: over block sums")
     g = p.add_mutually_exclusive_group()
@@ -72,6 +72,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamic", metavar="DIMS",
                    help="factory models: input dims the trace keeps dynamic: none, batch, batch,seq (default), all, "
                         "or INPUT.AXIS (e.g. pixel_values.2), comma-separated")
+    p.add_argument("--input-shape", action="append", metavar="NAME:1x128", help=input_shape_help)
 
 
 def config(args):

@@ -27,10 +27,8 @@ def add_command(subparsers) -> None:
                    "(default: beside the checkpoint, .png)")
     p.add_argument("--force", action="store_true", help="with --weights: overwrite an existing heatmap")
     _budget_args(p)
-    cli_args.add_config_args(p)
-    p.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                   help="ONNX input shape for the analysis (repeatable): dims that shape inference cannot relate "
-                        "symbolically are compared at these shapes")
+    cli_args.add_config_args(p, "ONNX input shape for the analysis (repeatable): dims that shape inference cannot "
+                                "relate symbolically are compared at these shapes")
     cli_args.add_debug(p)
     p.set_defaults(run=run, outputs=planned_outputs)
 

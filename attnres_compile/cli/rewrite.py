@@ -28,10 +28,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--with-past", action="store_true",
                    help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
                         "(past_key_values.* in, logits and present.* out, as optimum names them)")
-    cli_args.add_config_args(p)
-    p.add_argument("--input-shape", action="append", metavar="NAME:1x128",
-                   help="ONNX input shape for the analysis and verification (repeatable); other symbolic dims are "
-                        "2 (leading) and 16, then all 1 (a second check); dims that are sums of others are computed")
+    cli_args.add_config_args(p, "ONNX input shape for the analysis and verification (repeatable); other symbolic dims "
+                                "are 2 (leading) and 16, then all 1 (a second check); dims that are sums of others are "
+                                "computed")
     cli_args.add_debug(p)
     p.set_defaults(run=run, outputs=planned_outputs)
 

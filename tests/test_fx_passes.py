@@ -9,9 +9,6 @@ that changes layout), fx/two_phase.py `two_phase` / `one_pass`, fx/site_norm.py 
 
 from __future__ import annotations
 
-import copy
-import operator
-
 import pytest
 import torch
 from torch import fx, nn
@@ -98,8 +95,13 @@ def structure(gm: fx.GraphModule) -> list[tuple]:
 
 
 def assert_same_graph(got: fx.GraphModule, expected: fx.GraphModule) -> None:
+    """The same structure, and the same parameters and buffers (names, values): the queries a pass adds included."""
     got_s, expected_s = structure(got), structure(expected)
     assert got_s == expected_s, "\n".join(["got:", *map(str, got_s), "expected:", *map(str, expected_s)])
+    got_state, expected_state = got.state_dict(), expected.state_dict()
+    assert sorted(got_state) == sorted(expected_state)
+    for name, value in got_state.items():
+        torch.testing.assert_close(value, expected_state[name], rtol=0, atol=0, msg=name)
 
 
 def exported(module: nn.Module, *args) -> fx.GraphModule:
@@ -147,8 +149,9 @@ class Layers(nn.Module):
 
     def __init__(self, n: int):
         super().__init__()
-        torch.manual_seed(0)
-        self.f = nn.ModuleList(nn.Linear(D, D) for _ in range(n))
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.f = nn.ModuleList(nn.Linear(D, D) for _ in range(n))
 
 
 # ---- split_alpha --------------------------------------------------------------------------------------
@@ -215,8 +218,19 @@ class TwoFull(nn.Module):
         return SITE([x, b0, b1], q(self, 0, 2), EPS, 3.0, -1)
 
 
-def test_rewrite_sites_full():
-    before = Two()
+class TwoCloned(Two):
+    """Two with a copy on the second link's skip (value-preserving: the chain goes through it)."""
+
+    def forward(self, x):
+        h = x + self.f[0](x)
+        return h.clone() + self.f[1](h)
+
+
+@pytest.mark.parametrize("model", [Two, TwoCloned])
+def test_rewrite_sites_full(model):
+    """Each h_k one depth_attention over x and the branches so far, its query at attnres.chain0.site<k>;
+    the residual adds go, and with them the ops on the skip path they leave unread (the clone)."""
+    before = model()
     gm = exported(before, X)
     result = rewrite_sites(gm, AttnResConfig())
     assert result.modified
@@ -356,11 +370,8 @@ class Sites(Layers):
         super().__init__(6)
         queries(self, 2, random=True)
 
-    def sources(self, x):
-        return [x] + [f(x) for f in self.f]
-
     def forward(self, x):
-        s = self.sources(x)
+        s = [x] + [f(x) for f in self.f]
         return SITE(s[:6], q(self, 0, 1), EPS, 6.0, -1), SITE(s, q(self, 0, 2), EPS, 7.0, -1)
 
 
@@ -416,7 +427,7 @@ class HFRMSNorm(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.weight = nn.Parameter(torch.rand(D) + 0.5)
+        self.weight = nn.Parameter(torch.ones(D))
         self.eps = 1e-5
 
     def forward(self, x):
@@ -432,13 +443,13 @@ class PreNorm(Layers):
 
     def __init__(self, norm: str):
         super().__init__(2)
-        torch.manual_seed(1)
         self.norm, self.final = NORMS[norm](), NORMS[norm]()
+        g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for module in (self.norm, self.final):
-                module.weight.uniform_(0.5, 1.5)
+                module.weight.uniform_(0.5, 1.5, generator=g)
                 if getattr(module, "bias", None) is not None:
-                    module.bias.uniform_(-0.5, 0.5)
+                    module.bias.uniform_(-0.5, 0.5, generator=g)
         queries(self, 2, random=True)
 
     def forward(self, x):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-import onnxruntime.tools.symbolic_shape_infer  # noqa: F401 - imported once here, not in each view's child
+import onnxruntime.tools.symbolic_shape_infer  # imported here once: the views' shape inference forks from this process
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -20,7 +20,13 @@ from attnres_compile.core.config import AttnResConfig
 from attnres_compile.onnx import function
 from attnres_compile.onnx.exact_sigmoid import exact_sigmoids
 from attnres_compile.onnx.function import merge_node, pair_node, partial_node, site_node
-from attnres_compile.onnx.passes import AttachFunctions, FuseNorms, GroupSites, RewriteSites, UnfuseSkipNorms
+from attnres_compile.onnx.passes import (
+    AttachFunctions,
+    FuseNorms,
+    GroupSites,
+    RewriteSites,
+    UnfuseSkipNorms,
+)
 from attnres_compile.onnx.view import view_from_onnx
 
 D = 4
@@ -242,10 +248,21 @@ def site(inputs: list[str], k: int, output: str, chain: int = 0) -> onnx.NodePro
     return site_node(inputs, query, output, eps=EPS, scale=len(inputs), axis=-1, rank=3)
 
 
-def test_rewrite_sites_full():
+def identity_on_skip() -> onnx.ModelProto:
+    """chain(2) with an Identity on the second link's skip (value-preserving: the chain goes through it)."""
+    m = chain(2)
+    nodes = list(m.graph.node)
+    nodes[3].input[0] = "k"
+    m.graph.ClearField("node")
+    m.graph.node.extend([*nodes[:2], node("Identity", ["h1"], "k"), *nodes[2:]])
+    return m
+
+
+@pytest.mark.parametrize("before", [chain(2), identity_on_skip()], ids=["plain", "identity_on_skip"])
+def test_rewrite_sites_full(before):
     """Each h_k becomes one DepthAttention over x and the branches so far, under h_k's own name (its
-    readers read it unchanged), with a zero query `attnres.chain0.site<k>`; the Adds go."""
-    before = chain(2)
+    readers read it unchanged), with a zero query `attnres.chain0.site<k>`; the Adds go, and with them the
+    ops on the skip path they leave unread (the Identity)."""
     m = copy(before)
     result, rewrite_sites = rewrite(m, AttnResConfig())
     assert result.count == 2 and [s.param for s in rewrite_sites.sites] == ["attnres.chain0.site1",

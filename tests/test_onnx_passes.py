@@ -490,7 +490,8 @@ def sigmoids(elem: int, opset: int = OPSET) -> onnx.ModelProto:
     return model([node("Sigmoid", ["x"], "y"), node("Sigmoid", ["y"], "z")], ["x"], ["z"], opset=opset, elem=elem)
 
 
-@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16])
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16],
+                         ids=["float", "double", "float16"])
 def test_exact_sigmoids(elem):
     """Each Sigmoid becomes Reciprocal(Add(Exp(Neg(x)), 1)) under its own output name, the 1 one Constant
     of the value's type shared by both."""

@@ -15,6 +15,7 @@ import networkx as nx
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.graph_view import Kind, ViewNode, build_view
 from ..ops.depth_attention import depth_attention
@@ -165,8 +166,8 @@ def _is_layout(node: fx.Node) -> bool:
 INPLACE_ADDS = {aten.add_.Tensor, operator.iadd, "add_", "__iadd__"}
 
 
-def split_alpha(gm: fx.GraphModule) -> None:
-    """Rewrite every tensor add `add(a, b, alpha=k)` of `gm` (in place too) into `add(a, mul(b, k))`.
+def split_alpha(gm: fx.GraphModule) -> PassResult:
+    """Rewrite every tensor add `add(a, b, alpha=k)` of `gm` (in place too) into `add(a, mul(b, k))`, in place.
 
     The branch of `h + k * f` is `k * f`: as its own node it is a source like any other, and
     the chain is not split at that link.
@@ -189,6 +190,7 @@ def split_alpha(gm: fx.GraphModule) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
+    return PassResult(gm, changed)
 
 
 def _add_blocker(node: fx.Node, pos: dict[fx.Node, int]) -> str | None:

@@ -288,3 +288,24 @@ def test_any_module_converts_with_its_example():
     lora(tokens).square().mean().backward()
     grads = {n: p.grad for n, p in lora.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values()) and any("attnres" in n for n in grads)
+
+
+def test_trained_queries_reach_onnx_and_pt2(tmp_path, capsys):
+    """A converted model with planted queries exported with `ac.export_onnx` / `ac.export_pt2`: the files
+    generate the model's own greedy tokens, which differ from the untrained conversion's."""
+    from attnres_compile.cli.program import main
+
+    _, original, converted = _pair("llama")
+    trained = copy.deepcopy(converted)
+    _plant(trained)
+    prompt = torch.tensor([[5, 17, 42, 8]])
+    args = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = trained.generate(prompt, **args)[0, 4:].tolist()
+    assert want != converted.generate(prompt, **args)[0, 4:].tolist()
+    ac.export_onnx(trained, None, tmp_path / "m.onnx", with_past=True, verify_outputs=False)  # the tokens check it
+    ac.export_pt2(trained, None, tmp_path / "m.pt2", with_past=True, verify_outputs=False)
+    capsys.readouterr()
+    for name in ("m.onnx", "m.pt2"):
+        assert main(["generate", str(tmp_path / name), "--prompt-ids", "5,17,42,8", "--max-new-tokens", "8",
+                     "--ignore-eos"]) == 0
+        assert capsys.readouterr().out.strip().splitlines()[0] == ",".join(map(str, want)), name

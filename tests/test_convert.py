@@ -209,8 +209,7 @@ print(json.dumps(result))
 def test_save_pretrained_then_a_fresh_process_loads_it_bitwise(tmp_path):
     saved = {}
     for arch in ("llama", "gpt2"):
-        torch.manual_seed(0)
-        model = ac.convert(tf.AutoModelForCausalLM.from_config(_config(arch)).eval(), CONFIG)
+        model = copy.deepcopy(_pair(arch)[2])
         _plant(model)
         ids = _ids(3)
         with torch.no_grad():
@@ -290,9 +289,9 @@ def test_any_module_converts_with_its_example():
     assert all(g is not None for g in grads.values()) and any("attnres" in n for n in grads)
 
 
-def test_trained_queries_reach_onnx_and_pt2(tmp_path, capsys):
-    """A converted model with planted queries exported with `ac.export_onnx` / `ac.export_pt2`: the files
-    generate the model's own greedy tokens, which differ from the untrained conversion's."""
+def test_trained_queries_reach_pt2(tmp_path, capsys):
+    """A converted model with planted queries exported with `ac.export_pt2`: the archive generates the model's own
+    greedy tokens, which differ from the untrained conversion's (the ONNX route: tests/test_readme.py's loop)."""
     from attnres_compile.cli.program import main
 
     _, original, converted = _pair("llama")
@@ -302,10 +301,8 @@ def test_trained_queries_reach_onnx_and_pt2(tmp_path, capsys):
     args = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
     want = trained.generate(prompt, **args)[0, 4:].tolist()
     assert want != converted.generate(prompt, **args)[0, 4:].tolist()
-    ac.export_onnx(trained, None, tmp_path / "m.onnx", with_past=True, verify_outputs=False)  # the tokens check it
-    ac.export_pt2(trained, None, tmp_path / "m.pt2", with_past=True, verify_outputs=False)
+    ac.export_pt2(trained, None, tmp_path / "m.pt2", with_past=True, verify_outputs=False)  # the tokens check it
     capsys.readouterr()
-    for name in ("m.onnx", "m.pt2"):
-        assert main(["generate", str(tmp_path / name), "--prompt-ids", "5,17,42,8", "--max-new-tokens", "8",
-                     "--ignore-eos"]) == 0
-        assert capsys.readouterr().out.strip().splitlines()[0] == ",".join(map(str, want)), name
+    assert main(["generate", str(tmp_path / "m.pt2"), "--prompt-ids", "5,17,42,8", "--max-new-tokens", "8",
+                 "--ignore-eos"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[0] == ",".join(map(str, want))

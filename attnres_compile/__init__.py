@@ -12,7 +12,8 @@ from .core.errors import AttnResError
 from .utils import lazy
 
 _HOMES = {"RewriteResult": "api", "inspect": "api", "rewrite": "api", "inspect_onnx": "api", "rewrite_onnx": "api",
-          "export_onnx": "api", "export_pt2": "api", "two_phase": "api", "fuse_norms": "api"}
+          "export_onnx": "api", "export_pt2": "api", "two_phase": "api", "fuse_norms": "api", "convert": "api",
+          "load": "api"}
 __all__ = ["AttnResConfig", "AttnResError", *_HOMES, "__version__"]
 __getattr__, __dir__ = lazy.exports(__name__, _HOMES)
 

@@ -151,14 +151,33 @@ def test_compile_keeps_the_op_opaque_forward_and_backward(kernel):
 
 
 def test_bad_arguments_raise_clear_errors(kernel):
-    with pytest.raises(ValueError, match="share shape"):
+    with pytest.raises(ValueError, match="of one shape"):
         op([torch.randn(2, 4), torch.randn(2, 5)], torch.zeros(4), 1e-6, 2.0, -1)
-    with pytest.raises(ValueError, match="share shape"):
-        op([torch.randn(2, 4), torch.randn(2, 4).double()], torch.zeros(4), 1e-6, 2.0, -1)
+    with pytest.raises(ValueError, match="floating tensors"):
+        op([torch.ones(2, 4, dtype=torch.long)] * 2, torch.zeros(4), 1e-6, 2.0, -1)
     with pytest.raises(ValueError, match="query must have shape"):
         op([torch.randn(2, 4)], torch.zeros(3), 1e-6, 1.0, -1)
     with pytest.raises(ValueError, match="at least one source"):
         op([], torch.zeros(3), 1e-6, 1.0, -1)
+
+
+def test_mixed_dtypes_are_promoted_as_the_sum_would_be(kernel):
+    """A float32 root and bfloat16 branches (a stream under autocast): the op computes on the sources
+    promoted as `+` would (float32 here), and each source's gradient comes back in its own dtype."""
+    torch.manual_seed(0)
+    sources = [torch.randn(3, 5, 16), *(torch.randn(3, 5, 16).bfloat16() for _ in range(3))]
+    query = torch.randn(16, dtype=torch.bfloat16)
+    leaves = [s.clone().requires_grad_() for s in sources]
+    out = op(leaves, query, 1e-6, 4.0, -1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, op([s.float() for s in sources], query.float(), 1e-6, 4.0, -1))
+    out.square().sum().backward()
+    assert [s.grad.dtype for s in leaves] == [s.dtype for s in sources]
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        assert op([fake.from_tensor(s) for s in sources], fake.from_tensor(query), 1e-6, 4.0, -1).dtype == torch.float32
+    with torch.no_grad():  # the eager shortcut (no autograd) promotes too
+        assert op(sources[1:], query, 1e-6, 3.0, -1).dtype == torch.bfloat16
 
 
 def test_zero_query_paper_scale_is_the_mean(kernel):

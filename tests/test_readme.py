@@ -1,6 +1,7 @@
 """The README is a user's map: its Python examples run from any folder, it stays short and narrow, and its links
 stay inside the repository; docs/ holds prose only (the measured runs live in benchmarks/runs/)."""
 
+import json
 import os
 import re
 import subprocess
@@ -22,10 +23,24 @@ def _run(code: str, folder: Path) -> str:
 
 
 def test_python_examples_run_outside_the_checkout(tmp_path):
-    api, generate = re.findall(r"```python\n(.*?)```", README, re.S)
+    api, generate, _ = re.findall(r"```python\n(.*?)```", README, re.S)
     out = _run(api, tmp_path)
     assert "'verdict': 'pass'" in out and "torch.Size([3, 20, 100]) torch.Size([32])" in out
     assert _run(generate, tmp_path).strip().splitlines()[-1] == "True"
+
+
+def test_fine_tune_and_ship_loop(tmp_path):
+    """convert -> LoRA + queries with Trainer -> save_pretrained -> from_pretrained -> ONNX -> generate: the ONNX
+    file's greedy tokens (the README's `attnres-compile generate` line) are the trained model's own."""
+    loop = re.findall(r"```python\n(.*?)```", README, re.S)[2]
+    assert len(loop.strip().splitlines()) <= 25
+    tokens = json.loads(_run(loop, tmp_path).strip().splitlines()[-1])
+    assert len(tokens) == 8
+    line = re.search(r"\n    (attnres-compile generate tuned.onnx [^#\n]*?)\s*#", README).group(1).split()
+    done = subprocess.run([sys.executable, "-m", "attnres_compile.cli", *line[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[0] == ",".join(map(str, tokens))
 
 
 def test_readme_stays_a_map():

@@ -11,6 +11,11 @@ The eager reference never stacks the sources: per source it reads the norm and t
 storage) whatever the storage dtype. It serves float64, feature axes other than the last,
 devices without a fused kernel, and is what the fused kernels are tested against.
 
+Sources may come in different floating dtypes (under autocast a stream holds a float32 root and
+bfloat16 branches, which `+` promotes): the op promotes them as `+` would (`promoted`, before the
+autograd kernel records it, so each source's gradient comes back in its own dtype) and returns
+the promoted dtype; the query may be of any floating dtype (the arithmetic is float32 anyway).
+
 Registration is a torch.library Library (schema, backend kernels, fake kernels) with a Python
 Autograd kernel: it stays one node through torch.export and an opaque op under torch.compile,
 and costs a few microseconds per call (torch.library.custom_op's Python wrapper cost tens, the
@@ -96,14 +101,31 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def common_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype `+` gives the sum of `sources` (torch.promote_types over them)."""
+    dtype = sources[0].dtype
+    for s in sources:
+        if s.dtype is not dtype:
+            dtype = torch.promote_types(dtype, s.dtype)
+    return dtype
+
+
+def promoted(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`sources` in their common dtype, as `+` computes with them (under autocast a residual stream
+    holds a float32 root and bfloat16 branches); the list itself where they share one. The casts
+    are differentiable: each source's gradient comes back in its own dtype."""
+    dtype = common_dtype(sources) if sources else None
+    return sources if all(s.dtype is dtype for s in sources) else [s.to(dtype) for s in sources]
+
+
 def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, dim: int) -> int:
     if len(sources) == 0:
         raise ValueError("depth_attention needs at least one source")
     first = sources[0]
     for i, s in enumerate(sources):
-        if s.shape != first.shape or s.dtype != first.dtype or s.device != first.device:
+        if s.shape != first.shape or s.device != first.device or not s.is_floating_point():
             raise ValueError(
-                f"depth_attention sources must share shape, dtype and device: source 0 is "
+                f"depth_attention sources must be floating tensors of one shape and device: source 0 is "
                 f"{tuple(first.shape)} {first.dtype} {first.device}, source {i} is {tuple(s.shape)} {s.dtype} {s.device}"
             )
     if not -first.dim() <= dim < first.dim():
@@ -139,6 +161,7 @@ def forward_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: flo
                       dim: int) -> torch.Tensor:
     """The eager forward: scale * sum_i softmax_i(query . RMSNorm(sources[i])) * sources[i]."""
     _check(sources, query, dim)
+    sources = promoted(sources)
     dtype = sources[0].dtype
     ctype = _compute_dtype(dtype)
     srcs = _last(sources, dim)
@@ -189,6 +212,7 @@ def _forward(sources, query, eps, scale, dim):
     compiled or not, through the dispatcher or `_SiteOverload`) reaches it once, so it is where
     observers see the calls."""
     fused = _fused if _fused is not None else _resolve()  # fused_kernels(), inline: the decode hot path
+    sources = promoted(sources)
     out = None
     if fused:
         try:
@@ -285,6 +309,7 @@ def plain_eager(sources, query) -> bool:
 def _autograd(sources, query, eps, scale, dim):
     """The Autograd kernel: the autograd.Function only when a gradient is wanted, else the backend
     kernel (directly in plain eager execution)."""
+    sources = promoted(sources)  # differentiable casts, recorded before the op
     direct = plain_eager(sources, query)
     if direct and not torch.is_grad_enabled():  # inference (a decode step): straight to the kernel
         return _forward(sources, query, eps, scale, dim)
@@ -359,7 +384,7 @@ _LIB.impl("depth_attention", _autograd, "Autograd")
 @torch.library.register_fake(OP_NAME)
 def _(sources, query, eps, scale, dim):
     _check(sources, query, dim)
-    return sources[0].new_empty(sources[0].shape)
+    return sources[0].new_empty(sources[0].shape, dtype=common_dtype(sources))
 
 
 @torch.library.register_fake(BACKWARD_NAME)

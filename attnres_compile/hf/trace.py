@@ -1,0 +1,106 @@
+"""Trace an HF backbone with a KV cache, rewrite it, and keep the result as program data (program.py).
+
+What is traced is `WithPast(backbone)`: `(input_ids, attention_mask, position_ids, *past) ->
+(last_hidden_state, *present)`, decoder.py's decoder-with-past without the head, batch, sequence
+and past length dynamic. Past length 0 is a training forward or a prefill, anything more a decode
+step: one graph serves `Trainer` and `generate()`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.chain_analysis import analyze
+from ..core.checks import has_work
+from ..core.config import AttnResConfig
+from ..core.errors import TraceError
+from ..fx.decoder import fresh_cache, positions
+from ..fx.rewrite import RewriteSites
+from ..fx.trace import trace
+from ..fx.view import view_from_fx
+from ..utils import progress
+from . import outline as outlining
+from . import program as prog
+from .classes import base_class
+from .state import Geometry, State, dtype_name
+
+PAST, SEQ, BATCH = 7, 5, 2  # example sizes: none is 0 or 1, which torch.export would specialise
+
+
+class WithPast(nn.Module):
+    """`backbone` (an HF decoder: LlamaModel, GPT2Model, ...) as a flat function of tensors."""
+
+    def __init__(self, backbone: nn.Module, cache_param: str, takes_positions: bool = True):
+        super().__init__()
+        self.model = backbone
+        self._cache = cache_param
+        self._positions = takes_positions
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        extra = {"position_ids": position_ids} if self._positions else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                         **{self._cache: fresh_cache(past)}, **extra)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return (out.last_hidden_state, *(getattr(layer, kv + "s") for layer in cache.layers for kv in ("key", "value")))
+
+
+def example(geometry: Geometry, vocab: int, dtype: torch.dtype, device) -> tuple[tuple, tuple]:
+    """(example args, dynamic_shapes) of WithPast: a past of zeros, random tokens, all ones mask."""
+    ids = torch.randint(0, max(vocab, 2), (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones(BATCH, PAST + SEQ, dtype=torch.long, device=device)
+    past = [torch.zeros(BATCH, geometry.heads[i], PAST, geometry.head_dims[i], dtype=dtype, device=device)
+            for i in range(geometry.layers) for _ in range(2)]
+    dyn = torch.export.Dim.DYNAMIC
+    spec = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past))
+    return (ids, mask, positions(mask, SEQ).contiguous(), *past), spec
+
+
+def rewrite(backbone: nn.Module, state: State, config: AttnResConfig, dtype: torch.dtype, device, vocab: int,
+            takes_positions: bool = True):
+    """(program data, sites, the rewritten GraphModule) of `backbone` traced in `dtype`.
+
+    `backbone` is an unconverted module of the backbone's own class (its module tree is what the
+    outlining checks); its weights are never read by the graph."""
+    args, spec = example(state.geometry, vocab, dtype, device)
+    traced = trace(WithPast(backbone, state.cache_param, takes_positions), args, spec)
+    gm = traced.graph_module
+    plan = analyze(view_from_fx(gm), config)
+    if not has_work(plan, config):  # it raises where there is no chain; False: rewritten already
+        raise TraceError(f"{type(backbone).__name__} holds depth-attention sites already: convert the original model")
+    sites_pass = RewriteSites(plan, config)
+    sites_pass(gm)
+    rewritten = sites_pass.sites
+    sizes = {name: tuple(p.shape) for name, p in gm.named_parameters() if name.startswith("attnres.")}
+    sites = [[s.param.split(".")[1], s.site, sizes[s.param][0]] for s in rewritten]
+    graph, blocks, leaves = outlining.outline(gm.graph, backbone, "model", state.layers)
+    attrs = {n.target: list(_attr_shape(backbone, sizes, n.target)) for n in graph.find_nodes(op="get_attr")}
+    modules = {n.target: type(backbone.get_submodule(n.target)).__name__ for n in graph.find_nodes(op="call_module")}
+    extra = {"dtype": dtype_name(dtype), "device": str(torch.device(device)), "layers": state.layers,
+             "leaves": leaves, "attrs": attrs, "modules": modules}
+    return prog.to_data(graph, blocks, extra), sites, gm
+
+
+def _attr_shape(backbone: nn.Module, sizes: dict, target: str) -> tuple:
+    if target in sizes:
+        return sizes[target]
+    owner, _, name = target.rpartition(".")
+    return tuple(getattr(backbone.get_submodule(owner) if owner else backbone, name).shape)
+
+
+def retrace(backbone: nn.Module, state: State, dtype: torch.dtype) -> dict:
+    """Program data for a converted `backbone` in a dtype it has no program for: a fresh instance of
+    its own class in `dtype` on the meta device (no weights; PEFT's modules are not in it) traced
+    and rewritten with the conversion's settings, which must find the same sites. The graph's
+    device is the meta device, replaced by the inputs' when it is compiled (program.from_data)."""
+    config = getattr(backbone, "config", None)
+    name = base_class(backbone).__name__
+    with progress.stage(f"tracing the converted {name} for {dtype_name(dtype)} (once per dtype)"):
+        with torch.device("meta"):  # no weights allocated: the trace reads shapes and dtypes only
+            fresh = base_class(backbone)(config).to(dtype).train(False)
+        data, sites, _ = rewrite(fresh, state, AttnResConfig(**state.config), dtype, "meta",
+                                 int(getattr(config, "vocab_size", 2)))
+    if sites != state.sites:
+        raise TraceError(f"traced in {dtype_name(dtype)}, {name} has {len(sites)} sites where "
+                         f"the conversion has {len(state.sites)}: convert the model in {dtype_name(dtype)} instead")
+    return data

@@ -306,3 +306,21 @@ def test_trained_queries_reach_pt2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "m.pt2"), "--prompt-ids", "5,17,42,8", "--max-new-tokens", "8",
                  "--ignore-eos"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[0] == ",".join(map(str, want))
+
+
+def test_graph_data_runs_no_code():
+    """A saved graph is data: call targets are arithmetic, torch.sym_* or compute-only torch ops. An
+    `operator.call` / `methodcaller` chain (x.numpy().tofile(path)) or an aten op that does I/O is refused
+    before anything runs, in one line."""
+    from attnres_compile.hf.program import GraphDataError, from_data
+
+    def graph(target, *args):
+        return {"nodes": [{"op": "placeholder", "target": "x", "name": "x"},
+                          {"op": "call_function", "target": target, "args": [{"n": "x"}, *args], "name": "y"},
+                          {"op": "output", "target": "output", "args": [{"n": "y"}], "name": "output"}]}
+
+    assert from_data(graph("operator:add", 1))[0] is not None
+    for target in ("operator:call", "operator:methodcaller", "operator:attrgetter", "op:aten::save.default",
+                   "op:aten::from_file.default", "op:os::system.default", "builtins:eval"):
+        with pytest.raises(GraphDataError, match="is not one this reader allows"):
+            from_data(graph(target, "/tmp/written-by-a-graph"))

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..pt2.trust import OPERATOR_FNS, does_io
+
 FORMAT = 1
 OP_NAMESPACES = ("aten", "attnres", "prims")
 _SYM = {f.__name__: f for f in (torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int,
                                 torch.sym_ite, torch.sym_sum)}
-_OPERATORS = {name for name in dir(operator) if not name.startswith("_")}
 
 
 class GraphDataError(ValueError):
@@ -60,7 +61,7 @@ def _enc(value):
 def _target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return "op:" + target._schema.name + "." + (target._overloadname or "default")
-    if getattr(target, "__module__", None) in ("_operator", "operator") and target.__name__ in _OPERATORS:
+    if getattr(target, "__module__", None) in ("_operator", "operator") and target.__name__ in OPERATOR_FNS:
         return "operator:" + target.__name__
     if _SYM.get(getattr(target, "__name__", None)) is target:
         return "sym:" + target.__name__
@@ -89,14 +90,15 @@ def to_data(graph: fx.Graph, blocks: dict[fx.Node, int], extra: dict) -> dict:
 
 def _resolve(name: str):
     kind, _, rest = name.partition(":")
-    if kind == "operator" and rest in _OPERATORS:
+    if kind == "operator" and rest in OPERATOR_FNS:  # arithmetic: never call, attrgetter or methodcaller
         return getattr(operator, rest)
     if kind == "sym" and rest in _SYM:
         return _SYM[rest]
     if kind == "op":
         qualified, _, overload = rest.rpartition(".")
         namespace, _, op_name = qualified.partition("::")
-        if namespace in OP_NAMESPACES and op_name.isidentifier() and overload.isidentifier():
+        if namespace in OP_NAMESPACES and op_name.isidentifier() and overload.isidentifier() and \
+                not does_io(namespace, op_name):
             if namespace == "attnres":
                 from ..ops import depth_attention  # noqa: F401  (registers torch.ops.attnres.*)
             try:

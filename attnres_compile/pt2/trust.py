@@ -19,7 +19,7 @@ from ..core.errors import InputError, UnsafeArchiveError
 
 MAX_EXPR_CHARS = 4096
 
-_OPERATOR_FNS = {"getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "pow", "neg", "pos", "eq", "ne",
+OPERATOR_FNS = {"getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "pow", "neg", "pos", "eq", "ne",
                  "lt", "le", "gt", "ge", "and_", "or_", "not_", "abs"}
 _MATH_FNS = {"ceil", "floor", "trunc", "sqrt"}
 _TORCH_SYM_FNS = {"sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_ite", "sym_sum", "_sym_sqrt"}
@@ -84,7 +84,7 @@ def _walk(value: Any, key: str = "") -> None:
 
 def _check_target(target: str) -> None:
     if target.startswith("_operator."):
-        ok = target.split(".", 1)[1] in _OPERATOR_FNS
+        ok = target.split(".", 1)[1] in OPERATOR_FNS
     elif target.startswith("math."):
         ok = target.split(".", 1)[1] in _MATH_FNS
     elif target.startswith("torch.") and target.split(".", 1)[1] in _TORCH_SYM_FNS:
@@ -95,7 +95,7 @@ def _check_target(target: str) -> None:
             _register(m["ns"], m["op"])
             return
         ok = bool(m) and m["ns"] in _NAMESPACES and (m["ns"] != "higher_order" or m["op"] in _HIGHER_ORDER)
-        ok = ok and not _does_io(m["ns"], m["op"])
+        ok = ok and not does_io(m["ns"], m["op"])
     if not ok:
         raise _Refused(f"call target {target[:80]!r}")
 
@@ -112,7 +112,7 @@ def _register(namespace: str, op: str) -> None:
                          "to load it") from None
 
 
-def _does_io(namespace: str, op: str) -> bool:
+def does_io(namespace: str, op: str) -> bool:
     """aten operators that read or write files or print: save, from_file, _print, warn."""
     return namespace == "aten" and op in {"save", "from_file", "_print", "warn", "load"}
 
@@ -187,7 +187,7 @@ def check_program(program: torch.export.ExportedProgram, path: Path) -> None:
     import math
     import operator
 
-    allowed = {getattr(operator, n) for n in _OPERATOR_FNS} | {getattr(math, n) for n in _MATH_FNS}
+    allowed = {getattr(operator, n) for n in OPERATOR_FNS} | {getattr(math, n) for n in _MATH_FNS}
     allowed |= {getattr(torch, n) for n in _TORCH_SYM_FNS if hasattr(torch, n)}
     for module in program.graph_module.modules():
         graph = getattr(module, "graph", None)
@@ -200,7 +200,7 @@ def check_program(program: torch.export.ExportedProgram, path: Path) -> None:
             target = node.target
             if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
                 ns, op = target.namespace, target.__name__.split(".")[0]
-                ok = ns in _NAMESPACES and not _does_io(ns, op) or (ns, op) in _LIBRARY_OPS
+                ok = ns in _NAMESPACES and not does_io(ns, op) or (ns, op) in _LIBRARY_OPS
             else:
                 ok = target in allowed
             if not ok:

@@ -1,40 +1,19 @@
 """A copy of an exported graph module that runs with less per-call overhead, for decode steps.
 
-HF `generate()` through `generation.causal_lm` runs the rewritten decoder once per token, and at
-width 256 a step is ~900 aten calls of a few microseconds: what a graph runs besides the model's
-own ops is a measurable share (tiny Llama 12 x 256, a step at past 140, 1-thread CPU time: the
-trace 6.99 ms against HF's forward 5.94 ms). `lean_copy` builds a module that computes the same
-values with, per call:
+HF `generate()` through `generation.causal_lm` runs the rewritten decoder once per token, where
+what a graph runs besides the model's own ops is a measurable share. `lean_copy` computes the same
+values without: `_assert_tensor_metadata` on computed tensors and `to.dtype` to a tensor's own
+dtype; dead nodes (the empty-cache chains torch.export leaves per layer); HF's `repeat_kv` copy of
+the KV cache before SDPA on the CPU (SDPA reads it unrepeated with `enable_gqa=True`, bitwise the
+same); attribute paths of many `Module.__getattr__` hops (one hop through the owner). Its second
+form, `Lean.inference`, calls the depth-attention sites' backend kernel directly, the op's per-site
+checks made once per call of the graph (`Lean.pick`).
 
-- no `_assert_tensor_metadata` on computed tensors, and no `aten.to.dtype` to the dtype its input
-  already has (an alias of the input: torch.export writes HF's `.to(float32)` of float32 values
-  as both, ~4 per layer); checks of inputs and attributes stay;
-- no dead nodes, also the empty-cache `lift_fresh_copy` / in-place `detach_` / `cat` chains
-  torch.export leaves per layer (~10 per layer: HF's cache initialisation, never read);
-- grouped-query attention on the CPU reads the KV cache as it is: HF's `repeat_kv` (unsqueeze,
-  expand, reshape: a copy of every layer's whole cache per step, each KV head once per query head
-  it serves) feeding `scaled_dot_product_attention` becomes the unrepeated K and V with
-  `enable_gqa=True` (HF's own forward does the same without a mask; the trace always has one).
-  SmolLM2, past 140: 25 us a layer (bitwise the same output);
-- attributes read as `self.<owner>.<leaf>` in one attribute hop, the owning submodule held by
-  the copy, instead of `getattr(self.model.model.layers, "3").mlp.up_proj.weight` (~7 `Module.__getattr__`
-  calls each, ~750 a step at 12 layers);
-- and, in its second form `Lean.inference`, depth-attention sites that call the op's backend
-  kernel (`op.direct_forward`) without the per-site checks of the op's eager shortcut (~15
-  calls a site: grad mode, dispatch and function modes, profiler, trace, the type of each
-  source): `Lean.pick` checks them once per call of the graph instead, which is what they would
-  find at every site (the graph runs no user code between its sites, and with the inputs and
-  attributes plain tensors on the traced CPU/CUDA device, so is everything it computes).
-
-Exact: the removed nodes compute nothing read (dead) or return their input (`to.dtype` to its own
-dtype); SDPA's `enable_gqa` computes each query head against the KV head `repeat_kv` copied for
-it. The removed checks hold whenever the inputs and attributes have the dtypes and devices the
-graph was traced with, which `Lean.fits` checks on every call (~160 tensors, a few microseconds a
-step); a call that does not fit (the model cast to another dtype or moved) runs the graph itself,
-which checks as it always has. The attributes are read through their owners on every call, so a
-parameter updated in place or reassigned (`load_state_dict(assign=True)`) is what the copy reads;
-replacing a submodule, or editing the graph, needs a new copy (generation/serve.py keys its copies on
-the graph module's code).
+Exact: the removed nodes compute nothing read or return their input; the removed checks hold while
+the inputs and attributes have the dtypes and devices of the trace, which `Lean.fits` checks on
+every call (a call that does not fit runs the graph itself). Attributes are read through their
+owners on every call, so in-place updates are seen; a replaced submodule or an edited graph needs a
+new copy (generation/serve.py keys its copies on the graph module's code).
 """
 
 from __future__ import annotations

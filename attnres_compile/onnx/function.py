@@ -1,64 +1,11 @@
 """The ONNX form of depth-attention sites, shared by the ONNX rewrite and the PyTorch export.
 
-Three node types of the `attnres` domain, each defined by a model-local function whose body is
-standard ops only, in float32 (`onnx_grouping.finalize_sites` chooses between them):
-
-    attnres.DepthAttention(s_1..s_n, query) -> out                       one site
-        attributes eps, scale, axis (negative: counted from the end, the same for every rank).
-        x_i = Cast(s_i, float32);  z_i = ReduceSum(query * x_i / Sqrt(ReduceMean(Pow(x_i, 2)) + eps))
-        out = CastLike(Sum_i(scale * softmax_i(z) * x_i), s_1)
-    attnres.DepthAttentionPartial([history, rms,] h_new_1..h_new_K, q_1..q_B)
-            -> (history_out, rms_out, lse, acc, columns)                 one per group of sites
-        phase 1 for B sites whose source lists start with the same history h_0..h_(J-1)
-        (Block: a block's sites; Full: ~sqrt(L) consecutive sites). history_out [.., J, D] is the
-        history stacked before the feature axis and rms_out [.., J, 1] the entries' RMS: with
-        carry = 1 the previous Partial's two outputs with the K new entries appended, so each
-        source is named once in the file and its RMS computed once. lse [.., 1, B] and
-        acc [.., B, D] are each query's logsumexp and softmax-weighted mean over the history;
-        columns [D, B] the B queries in float32, one per column.
-        attributes eps, axis (-1), queries (B), carry (0 or 1).
-    attnres.DepthAttentionNorm(s_1..s_n, query[, weight[, bias]]) -> (mixed, normed)
-        one site and the norm that reads it (ops/site_norm.py): mixed is DepthAttention's output,
-        normed = CastLike(LayerNorm or RMSNorm of it over the last axis, s_1), times weight plus
-        bias where given; attributes eps, scale, axis (-1), norm_eps, norm ("layer" | "rms"),
-        affine (0: no parameters, 1: weight, 2: weight and bias). The norm is written as the
-        decomposed ops onnxruntime fuses into LayerNormalization / SimplifiedLayerNormalization.
-    attnres.DepthAttentionMerge(lse, acc, columns, e_1..e_E, query) -> out   one per site
-        phase 2: row `index` of a Partial's state as one more term beside the site's own
-        extras e (Block: its partial block sum; Full: the group's sources up to the site):
-        out = CastLike(scale * (w_0 * acc_index + Sum_i w_i * e_i), e_1), w = softmax([lse, z]).
-        attributes index, eps, scale, axis (-1); `query` repeats the Partial's query at `index`,
-        which is column `index` of `columns`.
-
-Why function nodes rather than inlined ops with metadata: a site stays one node (or one Merge)
-that a backend matches by (domain, op_type) and reads its sources, query and attributes from,
-without pattern-matching ~10n ops; onnxruntime runs them by inlining the bodies.
-Why these bodies (onnxruntime runs each op as a pass over its tensors, at ~10 GB/s here):
-a term's logit takes one of two forms. The RMSNorm pattern Pow/ReduceMean/Add/Sqrt/Div/
-Mul-by-query, then ReduceSum, which onnxruntime fuses into one SimplifiedLayerNormalization pass,
-serves a Merge with one extra (Block: its partial block sum is a term of that site only) and
-feature axes other than the last. Elsewhere on the last axis (DepthAttention sites, a Merge's
-extras under Full) a source is a term of several sites: there the logit is a read-only MatMul
-with query columns over the source's own RMS, ReduceMean(Mul(x, x)), and onnxruntime's
-common-subexpression elimination computes the parts shared by several sites once: the RMS once
-per source, and in a Merge, whose MatMul takes all of its group's queries (`columns`, each site
-then picks its own column), the dots once per source and group. onnxruntime packs a constant
-right-hand side into 16-column panels, so one query column costs what sixteen do.
-Two terms are weighted by a Sigmoid (a two-way softmax in elementwise ops, no per-row
-Concat/Softmax/Split); the scale goes on the small weights, and a function ends in Sum, never
-Add, which onnxruntime would fuse with a following LayerNorm into its slow
-SkipLayerNormalization. A Partial reads its history in two MatMuls (logits of all B queries; the
-weighted means of all B sites, batched over the rows), which is where grouping saves: the
-history is read once per group instead of once per site. Its logits are turned to [.., B, J]
-before the softmax, so every reduction runs over the last axis, and its logsumexp is written
-out as max + log(sum(exp)): onnxruntime's Softmax on an inner axis and its ReduceLogSumExp took
-most of a Partial's time (J = 8, B = 6: 362 -> 321 us; J = 21, B = 7: 888 -> 678 us).
-Why DepthAttention bakes its values into one function per (arity, axis, scale, eps) (overload
-"n<arity>_axis<a>_scale<c>_eps<e>"): inlined, its body is then tensor Constants and static axes
-only, which tvm.relax.frontend.onnx imports. The Partial and Merge functions are one per structure
-(overloads "c<carry>_k<K>_q<B>", "e<E>") and read eps, scale and index through attribute
-references, so their number stays bounded at any depth. Overloads need IR version 10, so models
-are raised to it.
+Four node types of the `attnres` domain, each defined by a model-local function whose body is
+standard ops only, in float32: DepthAttention (one site), DepthAttentionPartial and
+DepthAttentionMerge (a group of sites over a shared history: core/two_phase.py), and
+DepthAttentionNorm (a site and the norm that reads it: ops/site_norm.py). docs/onnx-format.md is
+the specification: their inputs, outputs and attributes, and why the bodies are written as they
+are (what onnxruntime fuses, what tvm.relax.frontend.onnx imports, why overloads).
 """
 
 from __future__ import annotations

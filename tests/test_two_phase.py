@@ -131,7 +131,7 @@ def test_bad_arguments_raise_clear_errors():
         partial(x, torch.zeros(4), 1e-6, -1)
     with pytest.raises(ValueError, match="query must have shape"):
         partial(x, torch.zeros(2, 5), 1e-6, -1)
-    with pytest.raises(ValueError, match="share shape"):
+    with pytest.raises(ValueError, match="one shape and device"):
         merge(*partial(x, torch.zeros(1, 4), 1e-6, -1), 0, [x[0], torch.randn(2, 5)], torch.zeros(4), 1e-6, 3.0, -1)
 
 

@@ -118,7 +118,7 @@ def test_warm_up_is_a_stage_of_its_own_on_a_terminal(files):
     (["generate", "{onnx}", "--prompt-ids", "1", "--eos-id", "2", "--ignore-eos"], "contradict each other"),
     (["generate", "{onnx}", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["generate", "{plain}", "--prompt-ids", "1,2"], "takes no past_key_values"),
-    (["generate", "{genai}", "--prompt-ids", "1,2"], "onnxruntime-genai cannot load it"),
+    (["generate", "{genai}", "--prompt-ids", "1,2"], "not an onnxruntime-genai config"),
     (["rewrite", "{onnx}", "-o", "{out}", "--with-past"], "--with-past applies to package.module:factory"),
     (["rewrite", FACTORY, "-o", "{out}", "--with-past", "--dynamic", "batch"], "drop --dynamic"),
 ])
@@ -127,7 +127,7 @@ def test_mistakes_get_one_line(files, tmp_path, argv, message):
     if "{plain}" in argv:  # a model with no past inputs
         torch.onnx.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), str(plain), dynamo=False, input_names=["input_ids"])
     (tmp_path / "genai").mkdir()
-    (tmp_path / "genai" / "genai_config.json").write_text("{}")  # a folder og.Model refuses
+    (tmp_path / "genai" / "genai_config.json").write_text("{}")  # a folder og.Model would refuse
     values = {"onnx": files / "m.onnx", "plain": plain, "out": tmp_path / "out.onnx", "genai": tmp_path / "genai"}
     run = run_cli([a.format(**values) for a in argv], cwd=ROOT, timeout=120)
     assert run.code != 0 and len(run.lines) == 1 and run.lines[0].startswith("attnres-compile: error: "), run.stderr

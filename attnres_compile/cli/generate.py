@@ -12,6 +12,7 @@ cache take minutes), and the report gives that set-up apart from prefill time an
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ def generate_command(args) -> int:
         raise ConfigError("--ignore-eos and --eos-id contradict each other: pass one")
     from ..backends import genai
 
-    if (Path(args.model) / genai.GENAI_CONFIG).is_file():
+    if genai.is_genai_folder(Path(args.model)):
         if args.eos_id:
             raise ConfigError("--eos-id: og.Generator stops at the eos_token_id of the folder's genai_config.json; "
                               "edit it there, or pass --ignore-eos")
@@ -141,7 +142,7 @@ def open_model(args, batch: int):
     if path.suffix.lower() == ".onnx":
         from ..backends.genai import GENAI_CONFIG
 
-        if (path.parent / GENAI_CONFIG).is_file():  # GroupQueryAttention's inputs are og.Generator's business
+        if os.path.lexists(path.parent / GENAI_CONFIG):  # GroupQueryAttention's inputs are og.Generator's business
             raise InputError(f"{path} is the decoder of an onnxruntime-genai folder: generate with the folder, "
                              f"`attnres-compile generate {path.parent}` (og.Generator runs it)")
         return _onnxruntime(path, batch)

@@ -174,6 +174,7 @@ _CLI_WORDS = [
     (r"\binput_shapes\b", "--input-shape"),
     (r"\b(eps|scale|variant) must\b", r"--\1 must"),
     (r"\beps=(\S+) is\b", r"--eps \1 is"),
+    (r"\b(stages|ranks|micro_batches)=(\S+?)(:| is)", lambda m: f"--{m[1].replace('_', '-')} {m[2]}{m[3]}"),
 ]
 
 

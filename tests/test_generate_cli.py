@@ -132,3 +132,22 @@ def test_mistakes_get_one_line(files, tmp_path, argv, message):
     run = run_cli([a.format(**values) for a in argv], cwd=ROOT, timeout=120)
     assert run.code != 0 and len(run.lines) == 1 and run.lines[0].startswith("attnres-compile: error: "), run.stderr
     assert message in run.lines[0]
+
+
+@pytest.mark.parametrize("model", ["m.onnx", "m.pt2", FACTORY])
+def test_a_one_token_prompt_generates_on_every_runtime(files, model):
+    """Issue 62 item 6: a prompt shorter than 4 tokens was refused (the exported decoder's mask is at least
+    past + sequence = 2 + 2 long: torch's range check). Each prompt, one to three tokens and a batch of
+    them, gives HF generate()'s tokens on the same prompts."""
+    target = model if ":" in model else files / model
+    hf, _ = llama_factory()
+    for rows in ([[5]], [[5, 17, 42]], [[7], [9, 3]]):
+        argv = [a for r in rows for a in ("--prompt-ids", ",".join(map(str, r)))]
+        run = run_cli(["generate", target, *argv, "--max-new-tokens", "6", "--json"], cwd=ROOT, timeout=300)
+        assert run.code == 0, (rows, run.stderr)
+        data = json.loads(run.stdout)
+        width = max(len(r) for r in rows)
+        prompt = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        want = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist()
+        assert data["tokens"] == want and data["prompt_length"] == width, rows

@@ -189,3 +189,17 @@ def test_sigterm_ends_inspect_budget_at_any_point(tmp_path):
         assert len(run.lines) == 1, run.stderr
         if run.code == 143:
             assert "terminated (SIGTERM)" in run.lines[0]
+
+
+def test_plan_memory_and_plan_traced_refuse_what_they_cannot_plan(profile):
+    """Issue 62 item 8: plan_memory(None, ...) and plan_traced(None, ...) ended in NoneType errors."""
+    from attnres_compile.distributed.planner import plan_traced
+
+    with pytest.raises(ConfigError, match="plan_memory: profile is NoneType"):
+        plan_memory(None, GIB, 2)
+    with pytest.raises(ConfigError, match="budget=nan is not a whole number"):
+        plan_memory(profile, float("nan"), 2)
+    with pytest.raises(ConfigError, match="plan_traced: traced is NoneType"):
+        plan_traced(None, {"chains": []}, GIB, 2)
+    with pytest.raises(ConfigError, match="plan_traced: report is NoneType"):
+        plan_traced(type("T", (), {"graph_module": object()})(), None, GIB, 2)

@@ -126,3 +126,33 @@ def test_every_plot_a_benchmark_writes_is_declared():
         for name in re.findall(r'"([a-z_{}]+\.png)"', path.read_text()):
             expanded = [name.replace("{prefix}", p) for p in ("kernel", "kernel_backward")] if "{" in name else [name]
             assert set(expanded) <= declared, (path.name, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 62 item 9: a bench --factory runs in an isolated child with time and memory limits
+
+HANG = "import time\n\ndef f():\n    time.sleep(10**6)\n"
+HOG = "import torch\n\ndef f():\n    return torch.ones(2**31, dtype=torch.uint8), None\n"
+
+
+@pytest.mark.parametrize("bench", ["model", "decode"])
+def test_a_factory_that_never_returns_is_stopped(tmp_path, bench):
+    """A --factory whose function never returns hung `bench` (the factory ran in-process)."""
+    from forked_cli import run_cli
+
+    (tmp_path / "hang.py").write_text(HANG)
+    run = run_cli(["bench", bench, "--factory", "hang:f", "--runtimes", "eager", "--factory-timeout", "3",
+                   "--out", tmp_path / "out"], cwd=tmp_path, timeout=60)
+    errors = [line for line in run.lines if line.startswith("attnres-compile: error: ")]  # after progress lines
+    assert run.code == 17 and len(errors) == 1 and errors[0] == run.lines[-1], (run.code, run.signal, run.stderr)
+    assert "--factory hang:f did not finish within 3 s" in errors[0] and not (tmp_path / "out").exists()
+
+
+def test_a_factory_past_the_memory_limit_is_stopped(tmp_path):
+    from forked_cli import run_cli
+
+    (tmp_path / "hog.py").write_text(HOG)
+    run = run_cli(["bench", "model", "--factory", "hog:f", "--runtimes", "eager", "--out", tmp_path / "out"],
+                  cwd=tmp_path, timeout=60, env={"ATTNRES_COMPILE_MEMORY_LIMIT": "512M"})
+    errors = [line for line in run.lines if line.startswith("attnres-compile: error: ")]
+    assert run.code == 18 and len(errors) == 1 and "ran out of memory" in errors[0], (run.code, run.stderr)

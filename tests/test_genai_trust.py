@@ -196,3 +196,23 @@ def test_read_config_is_the_one_reader(tmp_path):
     os.symlink(tmp_path / "fifo", folder / onnx_genai.CONFIG)
     with pytest.raises(InputError, match="symlink"):  # never opened: a FIFO would block
         onnx_genai.read_config(folder)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "5,2147483648"], "--prompt-ids: token id 2147483648 does not fit onnxruntime-genai's int32"),
+    (["--prompt-ids", "5", "--max-new-tokens", "1000000000"], "exceeds the folder's context length of 64"),
+])
+def test_generate_arguments_a_genai_folder_cannot_take_are_exit_2(tmp_path, argv, message):
+    """Issue 62 item 9: prompt ids beyond int32 ended in exit 1 (OverflowError), the bug code."""
+    folder = genai_folder(tmp_path / "g", config())
+    run = run_cli(["generate", folder, *argv], cwd=tmp_path, timeout=120)
+    one_line(run, 2, message)
+
+
+def test_ids_in_a_genai_config_must_fit_int32(tmp_path):
+    """The pad id right-pads the shorter row into og's int32 prompt: 2**40 was an OverflowError, exit 1."""
+    data = config()
+    data["model"]["pad_token_id"] = 2**40
+    folder = genai_folder(tmp_path / "g", data)
+    run = run_cli(["generate", folder, "--prompt-ids", "5", "--prompt-ids", "5,6"], cwd=tmp_path, timeout=120)
+    one_line(run, 6, "pad_token_id", "int32")

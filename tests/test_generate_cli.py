@@ -151,3 +151,10 @@ def test_a_one_token_prompt_generates_on_every_runtime(files, model):
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         want = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist()
         assert data["tokens"] == want and data["prompt_length"] == width, rows
+
+
+@pytest.mark.parametrize("ids", ["9223372036854775808", "5,99999999999999999999999"])
+def test_prompt_ids_beyond_int64_are_exit_2(files, ids):
+    """Issue 62 item 9: ids beyond int64 ended in exit 1 (OverflowError), the bug code."""
+    run = run_cli(["generate", files / "m.onnx", "--prompt-ids", ids], cwd=ROOT, timeout=120)
+    assert run.code == 2 and len(run.lines) == 1 and "does not fit" in run.lines[0], run.stderr

@@ -37,6 +37,26 @@ def ids(config: dict) -> dict:
     return found or {"eos_token_id": [], "pad_token_id": None}
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _check_ids(folder: Path, config: dict, rows: list[list[int]], pad: int, length: int) -> None:
+    """og takes int32 token ids and a max_length within the model's context: a prompt id or length
+    beyond them is a bad argument (ConfigError), a config id beyond int32 bad input (InputError)."""
+    big = max(max(r) for r in rows)
+    if big > INT32_MAX:
+        raise ConfigError(f"--prompt-ids: token id {big} does not fit onnxruntime-genai's int32 token ids "
+                          f"(at most {INT32_MAX})")
+    if pad > INT32_MAX:
+        raise InputError(f"{folder / GENAI_CONFIG}: pad_token_id {pad} does not fit onnxruntime-genai's int32 "
+                         "token ids")
+    context = config["model"].get("context_length")
+    if type(context) is int and context > 0 and length > context:
+        raise ConfigError(f"the prompt ({max(len(r) for r in rows)} tokens) plus --max-new-tokens "
+                          f"({length - max(len(r) for r in rows)}) exceeds the folder's context length of {context}: "
+                          "generate fewer tokens")
+
+
 def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
              ignore_eos: bool = False) -> tuple[Generated, float, list[int], int]:
     """(Generated, warm-up seconds, eos ids, the pad id used): greedy tokens of og.Generator after each row.
@@ -52,6 +72,7 @@ def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
     found = ids(config)
     pad = found["pad_token_id"] if found["pad_token_id"] is not None else (found["eos_token_id"] or [0])[0]
     width = max(len(r) for r in rows)
+    _check_ids(folder, config, rows, pad, width + max_new_tokens)
     prompt = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int32)
     try:
         model = og.Model(str(folder))

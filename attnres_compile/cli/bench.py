@@ -105,6 +105,10 @@ def add_command(subparsers) -> None:
         p.add_argument("--tuning-db", help="folder keeping TVM tuning records across runs (default OUT/tuning-db)")
     parsers["model"].add_argument("--factory", help="module:function returning (model, example_inputs) of an HF causal "
                                   "LM, e.g. samples.smollm2:factory: time that model at its own size instead")
+    for name in ("model", "decode"):
+        parsers[name].add_argument("--factory-timeout", type=cli_args.seconds, metavar="SECONDS",
+                                   help="time limit of --factory, which runs in a child process with the memory "
+                                        "limit of ATTNRES_COMPILE_MEMORY_LIMIT (default 600)")
 
 
 def _decode_flags(p) -> None:

@@ -41,15 +41,22 @@ def add_command(subparsers) -> None:
     gen.set_defaults(run=generate_command, outputs=cli_args.no_outputs)
 
 
+MAX_ID = 2**63 - 1  # token ids are int64 on every route (int32 in onnxruntime-genai: backends/genai.py)
+
+
 def prompt_rows(values: list[str]) -> list[list[int]]:
-    """`["1,2,3;4,5", "6"]` -> [[1, 2, 3], [4, 5], [6]]: non-empty rows of ids >= 0."""
+    """`["1,2,3;4,5", "6"]` -> [[1, 2, 3], [4, 5], [6]]: non-empty rows of ids from 0 that fit int64."""
     text = ";".join(values)
     try:
         rows = [[int(t) for t in row.split(",")] for row in text.split(";")]
     except ValueError:
-        raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+        raise ConfigError(f"--prompt-ids {text[:80]!r}: expected comma-separated token ids, e.g. 1,2,3") from None
     if min(min(r) for r in rows) < 0:
-        raise ConfigError(f"--prompt-ids {text!r}: token ids are 0 or more")
+        raise ConfigError(f"--prompt-ids {text[:80]!r}: token ids are 0 or more")
+    big = max(max(r) for r in rows)
+    if big > MAX_ID:
+        raise ConfigError(f"--prompt-ids: token id {big} does not fit int64 (at most {MAX_ID}); "
+                          "give the model's own token ids")
     return rows
 
 

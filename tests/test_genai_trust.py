@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from forked_cli import leftovers, run_cli
-from hostile import tiny
+from hostile import genai_config, tiny
 
 from attnres_compile.core.errors import InputError, UnsafeConfigError
 from attnres_compile.onnx import genai as onnx_genai
@@ -34,20 +34,7 @@ def one_line(run, code: int, *texts: str) -> None:
     assert "Traceback" not in run.stderr and all(t in run.lines[0] for t in texts), run.lines
 
 
-def config(session_options: dict | None = None, **decoder) -> dict:
-    """A genai_config.json as onnxruntime-genai's builder writes it (cpu), for the tiny chain model."""
-    return {"model": {"bos_token_id": 1, "context_length": 64, "eos_token_id": 2, "pad_token_id": 0, "type": "llama",
-                      "vocab_size": 16,
-                      "decoder": {"session_options": {"log_id": "onnxruntime-genai", "provider_options": [],
-                                                      **(session_options or {})},
-                                  "filename": "model.onnx", "head_size": 8, "hidden_size": 16, "num_attention_heads": 2,
-                                  "num_hidden_layers": 1, "num_key_value_heads": 2,
-                                  "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                                             "past_key_names": "past_key_values.%d.key",
-                                             "past_value_names": "past_key_values.%d.value"},
-                                  "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                                              "present_value_names": "present.%d.value"}, **decoder}},
-            "search": {"max_length": 64, "do_sample": False, "num_beams": 1}}
+config = genai_config  # what onnxruntime-genai's builder writes (cpu), for the tiny chain model
 
 
 def genai_folder(folder: Path, content: dict | str | bytes) -> Path:

@@ -203,3 +203,18 @@ def test_ids_in_a_genai_config_must_fit_int32(tmp_path):
     folder = genai_folder(tmp_path / "g", data)
     run = run_cli(["generate", folder, "--prompt-ids", "5", "--prompt-ids", "5,6"], cwd=tmp_path, timeout=120)
     one_line(run, 6, "pad_token_id", "int32")
+
+
+def test_the_note_never_claims_a_folder_that_is_not_whole(tmp_path):
+    """A folder of several models (a vision model beside the decoder) rewritten into another folder lacks
+    the models that were not rewritten; a config whose decoder is another file runs the original: the
+    note says so instead of `og.Model loads it` (issue 62, item 3)."""
+    data = config()
+    data["model"]["vision"] = {"filename": "vision.onnx"}
+    folder = genai_folder(tmp_path / "g", data)
+    shutil.copy(folder / "model.onnx", folder / "vision.onnx")
+    run = run_cli(["rewrite", folder / "model.onnx", "-o", tmp_path / "out" / "rw.onnx"], cwd=tmp_path, timeout=120)
+    assert run.code == 0 and "lacks vision.onnx, which its config names" in run.stdout, run.stderr
+    assert "og.Model loads it" not in run.stdout
+    run = run_cli(["rewrite", folder / "vision.onnx", "-o", tmp_path / "out2" / "v.onnx"], cwd=tmp_path, timeout=120)
+    assert run.code == 0 and "its config's decoder is model.onnx, not v.onnx" in run.stdout, run.stderr

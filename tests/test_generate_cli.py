@@ -137,11 +137,11 @@ def test_mistakes_get_one_line(files, tmp_path, argv, message):
 @pytest.mark.parametrize("model", ["m.onnx", "m.pt2", FACTORY])
 def test_a_one_token_prompt_generates_on_every_runtime(files, model):
     """Issue 62 item 6: a prompt shorter than 4 tokens was refused (the exported decoder's mask is at least
-    past + sequence = 2 + 2 long: torch's range check). Each prompt, one to three tokens and a batch of
-    them, gives HF generate()'s tokens on the same prompts."""
+    past + sequence = 2 + 2 long: torch's range check). A one-token prompt, and a batch of a one- and a
+    two-token prompt, give HF generate()'s tokens on the same prompts (three tokens: test_generate.py)."""
     target = model if ":" in model else files / model
     hf, _ = llama_factory()
-    for rows in ([[5]], [[5, 17, 42]], [[7], [9, 3]]):
+    for rows in ([[5]], [[7], [9, 3]]):
         argv = [a for r in rows for a in ("--prompt-ids", ",".join(map(str, r)))]
         run = run_cli(["generate", target, *argv, "--max-new-tokens", "6", "--json"], cwd=ROOT, timeout=300)
         assert run.code == 0, (rows, run.stderr)

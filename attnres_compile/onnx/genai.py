@@ -239,6 +239,8 @@ class Carried:
     config: tuple[Path, bytes] | None = None
     copies: list[tuple[Path, Path]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # files the config names that the output folder lacks
+    decoder: str | None = None  # the config's decoder file, where it is not the rewritten one
 
     @property
     def destinations(self) -> list[Path]:
@@ -254,10 +256,17 @@ class Carried:
             shutil.copyfile(src, folder / dst.name, follow_symlinks=False)
 
     def note(self, output: Path) -> str | None:
+        """What the output folder is now: a genai folder og.Model loads, or what it still lacks."""
         if not self.config:
             return None
         names = ", ".join(p.name for p in self.destinations)
         left = f" (not copied: {', '.join(self.skipped)}, symlinks)" if self.skipped else ""
+        if self.decoder is not None:
+            return (f"copied {names} beside it{left}; its config's decoder is {self.decoder}, not {output.name}: "
+                    f"og.Model in {output.parent} would not run the rewritten model")
+        if self.missing:
+            return (f"copied {names} beside it{left}; {output.parent} lacks {', '.join(self.missing)}, which its "
+                    "config names (the folder's other models are not copied): og.Model needs them there")
         return f"copied {names} beside it{left}: {output.parent} is an onnxruntime-genai folder (og.Model loads it)"
 
 
@@ -281,4 +290,22 @@ def carried(model_path: Path, output: Path) -> Carried:
             result.skipped.append(p.name)
         elif p.is_file():
             result.copies.append((p, output.parent / p.name))
+    if decoder.get("filename") != output.name:
+        result.decoder = str(decoder.get("filename"))
+    there = {output.name, CONFIG, *(dst.name for _, dst in result.copies)}
+    result.missing = sorted({name for name in _file_names(config) if name not in there
+                             and not os.path.lexists(output.parent / name)})
     return result
+
+
+def _file_names(config) -> list[str]:
+    """Every `filename` the config names (the decoder, the encoder, vision and pipeline models...)."""
+    found, stack = [], [config]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            found += [v for k, v in value.items() if k == "filename" and isinstance(v, str)]
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return found

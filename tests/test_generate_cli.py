@@ -153,8 +153,10 @@ def test_a_one_token_prompt_generates_on_every_runtime(files, model):
         assert data["tokens"] == want and data["prompt_length"] == width, rows
 
 
-@pytest.mark.parametrize("ids", ["9223372036854775808", "5,99999999999999999999999"])
-def test_prompt_ids_beyond_int64_are_exit_2(files, ids):
-    """Issue 62 item 9: ids beyond int64 ended in exit 1 (OverflowError), the bug code."""
-    run = run_cli(["generate", files / "m.onnx", "--prompt-ids", ids], cwd=ROOT, timeout=120)
-    assert run.code == 2 and len(run.lines) == 1 and "does not fit" in run.lines[0], run.stderr
+@pytest.mark.parametrize("argv", [["--prompt-ids", "9223372036854775808"], ["--prompt-ids", "5,99999999999999999999999"],
+                                  ["--prompt-ids", "5", "--eos-id", "9223372036854775808"]])
+def test_ids_beyond_int64_are_exit_2(files, argv):
+    """Issue 62 item 9: prompt ids beyond int64 ended in exit 1 (OverflowError), the bug code; an --eos-id
+    beyond it in exit 6 with a line blaming the model."""
+    run = run_cli(["generate", files / "m.onnx", *argv], cwd=ROOT, timeout=120)
+    assert run.code == 2 and len(run.lines) == 1 and "fit int64" in run.lines[0], run.stderr

@@ -68,6 +68,9 @@ def generate_command(args) -> int:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be 1 or more")
     if args.ignore_eos and args.eos_id:
         raise ConfigError("--ignore-eos and --eos-id contradict each other: pass one")
+    bad = next((e for e in args.eos_id or [] if not 0 <= e <= MAX_ID), None)
+    if bad is not None:
+        raise ConfigError(f"--eos-id {bad}: token ids are whole numbers from 0 that fit int64 (at most {MAX_ID})")
     from ..backends import genai
 
     if genai.is_genai_folder(Path(args.model)):

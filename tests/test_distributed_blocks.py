@@ -104,3 +104,39 @@ def test_offload_copies_each_saved_tensor_once():
     references = sum(not isinstance(t, torch.nn.Parameter) for t in kept)
     assert offload.copies == len(distinct) < references  # save_on_cpu would copy every reference
     assert offload.saves == len(kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 62 item 8: nonsense arguments get one clear exception naming the argument
+
+
+def test_called_blocks_refuses_a_module_that_is_not_rewritten(capsys):
+    """A module that was not rewritten gave torch's "Checking mutability" lines on stdout and a raw
+    pytree ValueError ("leaves has length 19 ..."); a plain nn.Module an AttributeError inside a TraceError."""
+    from attnres_compile.core.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=32, layers=2, heads=2, max_len=16).eval()
+    x = torch.randint(0, 64, (2, 16))
+    for gm, what in [(torch.fx.symbolic_trace(model), "no depth-attention site"), (model, "not a torch.fx.GraphModule")]:
+        with pytest.raises(ConfigError, match=f"called_blocks: gm .*{what}"):
+            called_blocks(gm, (x,))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_stages": 2.0}, "num_stages=2.0 is not a whole number"),
+    ({"num_stages": True}, "num_stages=True is not a whole number"),
+    ({"num_stages": 10**9}, "num_stages=1000000000, but the model has 4 blocks"),
+    ({"cuts": "blocks.2"}, "cuts='blocks.2' is not a list of block names"),
+    ({"num_stages": 2, "max_carried": -1}, "max_carried=-1: at least 0"),
+    ({"num_stages": 2, "stage_ranks": [0, "a"]}, "stage_ranks"),
+])
+def test_split_stages_refuses_nonsense_in_one_line(options, message):
+    """split_stages(num_stages=2.0) ended in a bare TypeError after the export."""
+    from attnres_compile.core.errors import ConfigError
+    from attnres_compile.distributed import split_stages
+
+    gm, x = _gpt()
+    with pytest.raises(ConfigError, match=message):
+        split_stages(gm, (x,), **options)

@@ -5,13 +5,18 @@ subgraphs, spoofed attnres functions, external data, names, onnxruntime crashes 
 hostile output paths, --force over inputs (their weights, their folder), FIFOs, device nodes and
 folders where files belong, crafted .pt2 archives (every code-execution vector, marker payloads),
 bad factories, Ctrl-C / SIGTERM at random moments, edge-case verdicts (eps out of range, empty and
-integer-only outputs, zero rows) and poisoned kernel caches. Each run must end with a documented exit
+integer-only outputs, zero rows), poisoned kernel caches, and (issue 62) onnxruntime-genai folders
+(config fields, libraries to load, files to write, malformed and symlinked configs, odd sidecars, for
+`generate` and `rewrite`), `inspect --budget` layouts (with SIGTERM) and `generate` prompt arguments.
+Each run must end with a documented exit
 code from the case's set, one error line, no traceback, no signal death, no run past its time
 limit, nothing left behind, no input changed, no payload run, no false verdict (hostile.judge).
 
-CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 30) after one case of each class;
-`python tests/test_fuzz_hostile.py --cases 10000 [--seed N]` is the long run, which prints the
-counts by exit code and by failure class.
+CI runs a fixed-seed sample for FUZZ_BUDGET seconds (default 30) after one case of each class (under
+60 s in all, some 50 to 100 cases); `python tests/test_fuzz_hostile.py --cases 5000 --seed N` twice
+(two seeds) is the long run, which prints the counts by exit code and by failure class
+(benchmarks/runs/fuzz-hostile/). Run it with the worktree first on PYTHONPATH when the editable
+install points elsewhere.
 """
 
 from __future__ import annotations

@@ -61,6 +61,22 @@ def test_generate_matches_the_original(rewritten):
     np.testing.assert_array_equal(loop.tokens, expected.numpy())
 
 
+def test_prompts_of_one_to_three_tokens_generate(rewritten):
+    """Issue 62 item 6: the traced mask's length (past + sequence) had a minimum of 4 that torch enforced,
+    so HF generate() through causal_lm and our loop refused a prompt of 1 to 3 tokens."""
+    name, model, example, result = rewritten
+    lm = generation.causal_lm(model, result.graph_module)
+    for length in (1, 2, 3):
+        prompt = example["input_ids"][:1, :length]
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        got = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, expected), (name, length)
+        geometry, empty = _empty(model, 1)
+        loop = generate_loop.greedy(generation.torch_step(result.graph_module, geometry.input_names()),
+                                    prompt.numpy(), empty, 8)
+        np.testing.assert_array_equal(loop.tokens, expected.numpy())
+
+
 def test_left_padded_batch_generates_as_the_original():
     model, example = DECODERS["llama"]()
     result = ac.rewrite(model, example, BLOCK2, with_past=True, verify_outputs=False)

@@ -155,7 +155,7 @@ def test_keyword_inputs_and_refusals(gpt):
     assert len(monitor.stats()["sites"]) == 4
     with pytest.raises(ValueError, match="no site to monitor"):
         DepthMonitor(model)
-    with pytest.raises(ValueError, match="every must be"):
+    with pytest.raises(ValueError, match="every=0: give a whole number"):
         DepthMonitor(gm, every=0)
 
 
@@ -298,3 +298,50 @@ def test_tensorboard_and_plots(gpt, full, tmp_path):
     log_stats(None, stats, step=0)  # no writer: no-op
     plot_magnitude({"rewritten": [s["rms"] for s in stats["sites"]]}, tmp_path / "mag.png")
     assert (tmp_path / "mag.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 62 items 7 and 8: the log never truncates a file it was not told to; nonsense is refused
+
+
+def test_an_existing_file_is_never_truncated(full, tmp_path):
+    """DepthMonitor(gm, csv=PATH) and CsvLog(PATH) truncated any file at PATH."""
+    from attnres_compile.monitor import CsvLog
+
+    mine = tmp_path / "notes.csv"
+    mine.write_text("precious,data\n1,2\n")
+    with pytest.raises(FileExistsError, match=f"{mine} exists"):
+        DepthMonitor(full, csv=mine)
+    with pytest.raises(FileExistsError, match="not a depth-weight log"):
+        CsvLog(mine, append=True)
+    assert mine.read_text() == "precious,data\n1,2\n"
+    folder = tmp_path / "folder.csv"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        CsvLog(folder, overwrite=True)
+    CsvLog(mine, overwrite=True)  # asked for
+    assert mine.read_text().startswith("step,chain,site")
+
+
+def test_a_log_of_ours_continues_only_when_asked(full, gpt, tmp_path):
+    from attnres_compile.monitor import CsvLog
+
+    path = tmp_path / "w.csv"
+    monitor = DepthMonitor(full, csv=path)
+    with monitor.watch(0):
+        full(gpt[1])
+    with pytest.raises(FileExistsError, match="append=True"):
+        DepthMonitor(full, csv=path)
+    resumed = DepthMonitor(full, csv=CsvLog(path, append=True))
+    with resumed.watch(1):
+        full(gpt[1])
+    assert [h["step"] for h in read_csv(path)] == [0, 1]
+    DepthMonitor(full, csv=path, overwrite=True)
+    assert read_csv(path) == []
+
+
+@pytest.mark.parametrize("every", [float("nan"), float("inf"), 2.5, 0, -1, True, "5", None])
+def test_every_must_be_a_whole_number_of_steps(full, every):
+    """DepthMonitor(gm, every=nan) watched nothing and stats() stayed silently empty."""
+    with pytest.raises(ValueError, match="every="):
+        DepthMonitor(full, every=every)

@@ -115,3 +115,91 @@ def test_prediction_within_15_percent_of_the_measured_peak(profile):
         assert abs(row["error"]) <= 0.15, row
     measured = {(r["schedule"], r["rank"]): r["measured"] for r in rows}
     assert measured["gpipe", 0] > 1.3 * measured["1f1b", 0]  # GPipe holds 4 micro-batches, 1F1B 2
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 62 item 4: every layout number bounded before any schedule is built; SIGTERM ends it
+
+
+@pytest.mark.parametrize("layout, message", [
+    ((4, "1f1b", None, 100_000_000), "micro_batches=100000000: at most 256"),
+    ((20_000_000, "interleaved", 1), "stages=20000000: at most 256"),
+    ((10**23, "1f1b"), "stages=100000000000000000000000: at most 256"),
+    ((4, "gpipe", 4, 10**40), "micro_batches=10000000000000000000000000000000000000000: at most 256"),
+    ((128, "1f1b", 128, 128), "stages x micro-batches = 16384: at most 8192"),
+    ((2.0, "1f1b"), "stages=2.0 is not a whole number"),
+    ((4, "1f1b", True), "ranks=True is not a whole number"),
+    ((4, "1f1b", 0), "ranks=0: at least 1"),
+    ((4, "1f1b", 10**30), "ranks=1000000000000000000000000000000: at most 256"),
+])
+def test_layout_numbers_are_bounded_before_any_schedule(layout, message, monkeypatch):
+    from attnres_compile.distributed import planner
+
+    monkeypatch.setattr(planner, "_pipeline_order", lambda *a: pytest.fail("a schedule was built"))
+    with pytest.raises(ConfigError, match=message):
+        check_layout(*layout)
+
+
+def test_stages_beyond_the_models_blocks_are_refused_before_any_schedule(profile, monkeypatch):
+    from attnres_compile.distributed import planner
+
+    monkeypatch.setattr(planner, "_pipeline_order", lambda *a: pytest.fail("a schedule was built"))
+    with pytest.raises(ConfigError, match="8 stages, but the model has 4 layers"):
+        plan_memory(profile, GIB, 8, "interleaved", ranks=4, micro_batches=8)
+
+
+def test_the_largest_layouts_plan_in_seconds(profile):
+    import time
+
+    start = time.process_time()
+    with pytest.raises(ConfigError, match="the smallest budget that fits"):
+        plan_memory(profile, 1, 4, "zbv", micro_batches=256)
+    assert time.process_time() - start < 30
+
+
+@pytest.mark.parametrize("argv", [
+    ["--micro-batches", "100000000"],
+    ["--stages", "20000000", "--ranks", "1", "--schedule", "interleaved"],
+    ["--stages", "64", "--micro-batches", "256"],
+])
+def test_inspect_budget_refuses_huge_layouts_at_once(argv):
+    """`inspect --budget 1GiB --micro-batches 100000000` built torch's whole order first: 21 GB resident
+    in minutes. Now one line, exit 2, in about the time the CLI takes to start."""
+    from forked_cli import run_cli
+
+    run = run_cli(["inspect", "tests.missing_module:factory", "--budget", "1GiB", *argv], timeout=60)
+    assert run.code == 2 and len(run.lines) == 1 and "at most" in run.lines[0], (run.code, run.stderr)
+    assert run.seconds < 20, run.seconds
+
+
+def test_sigterm_ends_inspect_budget_at_any_point(tmp_path):
+    """SIGTERM at any moment of `inspect --budget` (the factory's import, tracing, profiling, the
+    schedule's order, the plan) ends it within seconds: exit 143 and one line, or the plan if it won."""
+    import signal
+    from pathlib import Path
+
+    from forked_cli import run_cli
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["inspect", "samples.pipeline_memory:model_and_inputs", "--budget", "1", "--stages", "4", "--schedule",
+            "zbv", "--micro-batches", "256"]
+    for delay in (0.05, 0.5, 2.0, 5.0, 10.0):  # the whole run takes about 20 s on a loaded 2-core machine
+        run = run_cli(argv, cwd=root, timeout=delay + 20, send=(signal.SIGTERM, delay))
+        assert not run.timed_out and run.code in (143, 2), (delay, run.code, run.signal, run.stderr)
+        assert len(run.lines) == 1, run.stderr
+        if run.code == 143:
+            assert "terminated (SIGTERM)" in run.lines[0]
+
+
+def test_plan_memory_and_plan_traced_refuse_what_they_cannot_plan(profile):
+    """Issue 62 item 8: plan_memory(None, ...) and plan_traced(None, ...) ended in NoneType errors."""
+    from attnres_compile.distributed.planner import plan_traced
+
+    with pytest.raises(ConfigError, match="plan_memory: profile is NoneType"):
+        plan_memory(None, GIB, 2)
+    with pytest.raises(ConfigError, match="budget=nan is not a whole number"):
+        plan_memory(profile, float("nan"), 2)
+    with pytest.raises(ConfigError, match="plan_traced: traced is NoneType"):
+        plan_traced(None, {"chains": []}, GIB, 2)
+    with pytest.raises(ConfigError, match="plan_traced: report is NoneType"):
+        plan_traced(type("T", (), {"graph_module": object()})(), None, GIB, 2)

@@ -60,3 +60,31 @@ def test_refusals():
         param_groups(plain, lr=1e-3)
     with pytest.raises(ValueError, match="param_groups"):
         query_warmup(torch.optim.SGD(plain.parameters(), lr=1e-3))
+
+
+@pytest.mark.parametrize("option, value", [("lr", float("nan")), ("lr", -1.0), ("lr", float("inf")), ("lr", "0.1"),
+                                           ("lr", None), ("weight_decay", -0.1), ("weight_decay", float("nan")),
+                                           ("query_lr", float("nan")), ("query_lr", -1e-3),
+                                           ("query_lr_scale", float("nan")), ("query_lr_scale", -1.0)])
+def test_param_groups_refuses_rates_that_are_not_rates(option, value):
+    """Issue 62 item 8: param_groups(gm, lr=nan) and lr=-1 were accepted."""
+    from attnres_compile import AttnResConfig, rewrite
+    from attnres_compile.training import param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = model
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    gm = rewrite(Chain(), (torch.randn(2, 4),), AttnResConfig(), verify_outputs=False).graph_module
+    options = {"lr": 1e-3, option: value}
+    with pytest.raises(ValueError, match=f"{option}="):
+        param_groups(gm, **options)

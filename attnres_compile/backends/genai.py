@@ -16,7 +16,6 @@ that id in the row's sequence (a finished row of a batch is padded from there), 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -25,19 +24,37 @@ import numpy as np
 from ..core.errors import ConfigError, InputError, first_line
 from ..fx.decoder import token_ids
 from ..generation.loop import Generated
+from ..onnx.genai import CONFIG as GENAI_CONFIG
+from ..onnx.genai import is_genai_folder, read_config
 from ..utils import progress
 
-GENAI_CONFIG = "genai_config.json"
+__all__ = ["GENAI_CONFIG", "generate", "ids", "is_genai_folder"]
 
 
-def ids(folder: Path) -> dict:
-    """genai_config.json's end-of-sequence ids and pad id (none where it names none)."""
-    try:
-        config = json.loads((folder / GENAI_CONFIG).read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(f"{folder / GENAI_CONFIG}: not readable JSON ({first_line(exc)})") from None
-    found = token_ids(config.get("model") if isinstance(config, dict) else None)
+def ids(config: dict) -> dict:
+    """A checked genai config's end-of-sequence ids and pad id (none where it names none)."""
+    found = token_ids(config.get("model"))
     return found or {"eos_token_id": [], "pad_token_id": None}
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _check_ids(folder: Path, config: dict, rows: list[list[int]], pad: int, length: int) -> None:
+    """og takes int32 token ids and a max_length within the model's context: a prompt id or length
+    beyond them is a bad argument (ConfigError), a config id beyond int32 bad input (InputError)."""
+    big = max(max(r) for r in rows)
+    if big > INT32_MAX:
+        raise ConfigError(f"--prompt-ids: token id {big} does not fit onnxruntime-genai's int32 token ids "
+                          f"(at most {INT32_MAX})")
+    if pad > INT32_MAX:
+        raise InputError(f"{folder / GENAI_CONFIG}: pad_token_id {pad} does not fit onnxruntime-genai's int32 "
+                         "token ids")
+    context = config["model"].get("context_length")
+    if type(context) is int and context > 0 and length > context:
+        raise ConfigError(f"the prompt ({max(len(r) for r in rows)} tokens) plus --max-new-tokens "
+                          f"({length - max(len(r) for r in rows)}) exceeds the folder's context length of {context}: "
+                          "generate fewer tokens")
 
 
 def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
@@ -47,13 +64,15 @@ def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
     `tokens` is og's layout (each prompt right-padded, then the new tokens); the warm-up is one
     untimed generator of one new token (og.Model's sessions allocate on their first run).
     """
+    config = read_config(folder)  # data only, checked before og.Model sees it (onnx/genai.py)
     try:
         import onnxruntime_genai as og
     except ImportError:
         raise ConfigError(f"{folder} is an onnxruntime-genai folder: pip install onnxruntime-genai to run it") from None
-    found = ids(folder)
+    found = ids(config)
     pad = found["pad_token_id"] if found["pad_token_id"] is not None else (found["eos_token_id"] or [0])[0]
     width = max(len(r) for r in rows)
+    _check_ids(folder, config, rows, pad, width + max_new_tokens)
     prompt = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int32)
     try:
         model = og.Model(str(folder))

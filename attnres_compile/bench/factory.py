@@ -12,10 +12,32 @@ import torch
 
 from ..core.errors import ConfigError
 
+TIMEOUT = 600.0  # seconds a factory may take (--factory-timeout): loading a model from disk takes seconds
 
-def load(spec: str) -> torch.nn.Module:
+
+def load(spec: str, timeout: float | None = None, isolated: bool = True) -> torch.nn.Module:
     """The factory's model in eval mode, checked to be an HF causal LM with the config fields the
-    benchmarks read (ConfigError naming what is missing otherwise)."""
+    benchmarks read (ConfigError naming what is missing otherwise).
+
+    The factory is the user's code: it runs in a forked child with a time limit (`timeout`, default
+    TIMEOUT) and the memory limit of the user's graphs (utils/isolate.py: ATTNRES_COMPILE_MEMORY_LIMIT),
+    and the model comes back pickled, so a factory that never returns or eats the memory is one line
+    (17, 18) instead of a hung command. `isolated=False` in the timing workers, which have their own
+    time limit."""
+    if not isolated:
+        return _load(spec)
+    from ..core.errors import InputError
+    from ..utils import isolate
+
+    seconds = TIMEOUT if timeout is None else timeout
+    try:
+        return isolate.run(_load, spec, what=f"--factory {spec}", action="loading the model", timeout=seconds,
+                           hint="--factory-timeout sets the time limit")
+    except isolate.ChildError as exc:  # not an AttnResError: a model that cannot be pickled back, say
+        raise InputError(str(exc)) from None
+
+
+def _load(spec: str) -> torch.nn.Module:
     from ..utils.factory import load_factory
 
     model, _ = load_factory(spec)

@@ -25,6 +25,14 @@ BENCHMARKS = {
               "onnxruntime and TVM; verdicts on the per-token overhead targets",
 }
 ALL = ("kernel", "model", "block")  # `bench all`; decode has its own matrix flags and runs alone
+# what each benchmark writes into --out (its plots where its data has them), checked before any work
+RESULTS = {
+    "kernel": ("kernel.json", "kernel.txt", "kernel_bandwidth.png", "kernel_speedup.png",
+               "kernel_backward_bandwidth.png", "kernel_backward_speedup.png"),
+    "model": ("model.json", "model.txt", "model_overhead.png", "model_latency.png", "model_vs_onnxruntime.png"),
+    "block": ("block.json", "block.txt", "block_schedules.png", "block_history.png"),
+    "decode": ("decode.json", "decode.txt", "decode_overhead.png", "decode_latency.png"),
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -56,7 +64,8 @@ def add_command(subparsers) -> None:
     parsers["all"] = sub.add_parser("all", help="kernel, model and block, one after the other")
     for name, p in parsers.items():
         p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.txt and the plots "
-                       "(default bench-results)")
+                       "(default bench-results; files there are replaced only with --force)")
+        p.add_argument("--force", action="store_true", help="replace results of an earlier run in --out")
         p.add_argument("--quick", action="store_true", help="a small matrix and few rounds: checks the set-up in a minute")
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
         p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -64,7 +73,7 @@ def add_command(subparsers) -> None:
                             "(CPU time) and at this many (wall time)")
         p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 5, --quick 2)")
         cli_args.add_debug(p)
-        p.set_defaults(run=bench_command, outputs=cli_args.no_outputs)
+        p.set_defaults(run=bench_command, outputs=planned_outputs)
     for name in ("kernel", "all"):
         p = parsers[name]
         p.add_argument("--sources", type=_ints, help="S values (default 2,5,9,17,33)")
@@ -96,6 +105,10 @@ def add_command(subparsers) -> None:
         p.add_argument("--tuning-db", help="folder keeping TVM tuning records across runs (default OUT/tuning-db)")
     parsers["model"].add_argument("--factory", help="module:function returning (model, example_inputs) of an HF causal "
                                   "LM, e.g. samples.smollm2:factory: time that model at its own size instead")
+    for name in ("model", "decode"):
+        parsers[name].add_argument("--factory-timeout", type=cli_args.seconds, metavar="SECONDS",
+                                   help="time limit of --factory, which runs in a child process with the memory "
+                                        "limit of ATTNRES_COMPILE_MEMORY_LIMIT (default 600)")
 
 
 def _decode_flags(p) -> None:
@@ -113,6 +126,42 @@ def _decode_flags(p) -> None:
     p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")
 
 
+def _chosen(args) -> list[str]:
+    return list(ALL) if args.benchmark == "all" else [args.benchmark]
+
+
+def planned_outputs(args) -> tuple[list, list, bool]:
+    """(outputs, inputs, force) for outputs.check: every file the chosen benchmarks may write into --out
+    (RESULTS), before any benchmark starts; --out must be a folder (or not exist yet)."""
+    from ..utils.factory import factory_file
+    from ..utils.outputs import Output
+
+    out = Path(args.out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder: give a folder for the results (created if missing)")
+    planned = [Output(out / name, "--out") for bench in _chosen(args) for name in RESULTS[bench]]
+    factory = getattr(args, "factory", None)
+    inputs = [f for f in [factory_file(factory) if factory else None] if f]
+    return planned, inputs, args.force
+
+
+def _write(out: Path, name: str, module, data: dict, text: str) -> list[Path]:
+    """NAME.json, NAME.txt and the plots, staged together and committed in one step (NAME.json last)."""
+    from ..bench.results import write_json, write_text
+    from ..core.errors import AttnResError
+    from ..utils import outputs
+
+    with outputs.staged(out / f"{name}.json") as stage:
+        write_text(stage.folder / f"{name}.txt", text + "\n")
+        plots = module.plot(data, stage.folder)
+        undeclared = sorted({p.name for p in plots} - set(RESULTS[name]))
+        if undeclared:
+            raise AttnResError(f"internal error: bench {name} wrote {', '.join(undeclared)}, which the command did "
+                               "not check before it started; nothing of it written; please report this")
+        write_json(stage.path, data)
+    return [out / f"{name}.json", out / f"{name}.txt", *(out / p.name for p in plots)]
+
+
 def bench_command(args) -> int:
     """Run the chosen benchmark(s); print each table and the paths written."""
     if args.threads < 1:
@@ -126,11 +175,9 @@ def bench_command(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA GPU here; run on a GPU machine or drop --device cuda")
     args.rounds = args.rounds or (2 if args.quick else 5)
-    from ..bench.results import write_json, write_text
-
     out = Path(args.out)
     progress = sys.__stderr__  # the main CLI hides sys.stderr without --debug; progress stays visible
-    names = list(ALL) if args.benchmark == "all" else [args.benchmark]
+    names = _chosen(args)
     modules = {name: importlib.import_module(f"..bench.{name}", __package__) for name in names}
     for module in modules.values():  # every flag checked before any benchmark starts
         if hasattr(module, "settings"):
@@ -139,8 +186,7 @@ def bench_command(args) -> int:
         print(f"bench {name}: {BENCHMARKS[name]}", file=progress, flush=True)
         data = module.run(args, progress)
         text = module.table(data)
-        written = [write_json(out / f"{name}.json", data), write_text(out / f"{name}.txt", text + "\n"),
-                   *module.plot(data, out)]
+        written = _write(out, name, module, data, text)
         print(text)
         print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -12,6 +12,7 @@ cache take minutes), and the report gives that set-up apart from prefill time an
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -40,15 +41,22 @@ def add_command(subparsers) -> None:
     gen.set_defaults(run=generate_command, outputs=cli_args.no_outputs)
 
 
+MAX_ID = 2**63 - 1  # token ids are int64 on every route (int32 in onnxruntime-genai: backends/genai.py)
+
+
 def prompt_rows(values: list[str]) -> list[list[int]]:
-    """`["1,2,3;4,5", "6"]` -> [[1, 2, 3], [4, 5], [6]]: non-empty rows of ids >= 0."""
+    """`["1,2,3;4,5", "6"]` -> [[1, 2, 3], [4, 5], [6]]: non-empty rows of ids from 0 that fit int64."""
     text = ";".join(values)
     try:
         rows = [[int(t) for t in row.split(",")] for row in text.split(";")]
     except ValueError:
-        raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+        raise ConfigError(f"--prompt-ids {text[:80]!r}: expected comma-separated token ids, e.g. 1,2,3") from None
     if min(min(r) for r in rows) < 0:
-        raise ConfigError(f"--prompt-ids {text!r}: token ids are 0 or more")
+        raise ConfigError(f"--prompt-ids {text[:80]!r}: token ids are 0 or more")
+    big = max(max(r) for r in rows)
+    if big > MAX_ID:
+        raise ConfigError(f"--prompt-ids: token id {big} does not fit int64 (at most {MAX_ID}); "
+                          "give the model's own token ids")
     return rows
 
 
@@ -60,9 +68,12 @@ def generate_command(args) -> int:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be 1 or more")
     if args.ignore_eos and args.eos_id:
         raise ConfigError("--ignore-eos and --eos-id contradict each other: pass one")
+    bad = next((e for e in args.eos_id or [] if not 0 <= e <= MAX_ID), None)
+    if bad is not None:
+        raise ConfigError(f"--eos-id {bad}: token ids are whole numbers from 0 that fit int64 (at most {MAX_ID})")
     from ..backends import genai
 
-    if (Path(args.model) / genai.GENAI_CONFIG).is_file():
+    if genai.is_genai_folder(Path(args.model)):
         if args.eos_id:
             raise ConfigError("--eos-id: og.Generator stops at the eos_token_id of the folder's genai_config.json; "
                               "edit it there, or pass --ignore-eos")
@@ -141,7 +152,7 @@ def open_model(args, batch: int):
     if path.suffix.lower() == ".onnx":
         from ..backends.genai import GENAI_CONFIG
 
-        if (path.parent / GENAI_CONFIG).is_file():  # GroupQueryAttention's inputs are og.Generator's business
+        if os.path.lexists(path.parent / GENAI_CONFIG):  # GroupQueryAttention's inputs are og.Generator's business
             raise InputError(f"{path} is the decoder of an onnxruntime-genai folder: generate with the folder, "
                              f"`attnres-compile generate {path.parent}` (og.Generator runs it)")
         return _onnxruntime(path, batch)

@@ -143,6 +143,14 @@ class UnsafeArchiveError(InputError):
     exit_code = 20
 
 
+class UnsafeConfigError(InputError):
+    """An onnxruntime-genai config names code to load (a custom-op or execution-provider library),
+    a place to write (profiling) or an option not known to be data only; refused before og.Model
+    sees it (the family of UnsafeArchiveError's 20)."""
+
+    exit_code = 21
+
+
 class Interrupted(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so that cleanup (`finally`) runs; exit 143."""
 
@@ -166,6 +174,7 @@ _CLI_WORDS = [
     (r"\binput_shapes\b", "--input-shape"),
     (r"\b(eps|scale|variant) must\b", r"--\1 must"),
     (r"\beps=(\S+) is\b", r"--eps \1 is"),
+    (r"\b(stages|ranks|micro_batches)=(\S+?)(:| is)", lambda m: f"--{m[1].replace('_', '-')} {m[2]}{m[3]}"),
 ]
 
 

@@ -11,14 +11,16 @@ pseudo-queries (`attnres.*`) stay at the root, which passes them to the blocks a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..core.errors import TraceError
+from ..core.errors import ConfigError, TraceError
 from ..ops.depth_attention import is_attnres_op
 from ..utils.pytree_warning import silenced
 
@@ -31,16 +33,28 @@ def called_blocks(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None =
     the example, bitwise) and has `gm`'s parameter and buffer names; it records `gm`'s mode
     (dropout and batch norm as in `gm` when called).
     """
+    if not isinstance(gm, fx.GraphModule):
+        raise ConfigError(f"called_blocks: gm is a {type(gm).__name__}, not a torch.fx.GraphModule: pass the rewritten "
+                          "model (attnres_compile.rewrite(model, inputs).graph_module)")
+    if not any(is_attnres_op(n.target) for n in gm.graph.nodes):
+        raise ConfigError("called_blocks: gm has no depth-attention site: it is not rewritten (pass "
+                          "attnres_compile.rewrite(model, inputs).graph_module)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
-    try:
-        with silenced():
+    try:  # torch prints "Checking mutability ..." lines on some graphs: stdout is the caller's
+        with silenced(), contextlib.redirect_stdout(io.StringIO()):
             ep = torch.export.export(gm, args, kwargs, dynamic_shapes=_dynamic_shapes(gm, args, kwargs), strict=False)
             module = torch.export.unflatten(ep)
     except Exception as exc:  # noqa: BLE001 - the exporter's own reason goes into the one line
         raise TraceError(f"could not outline the rewritten model's blocks: torch.export failed "
                          f"({str(exc).splitlines()[0][:200]}); pass inputs the rewritten model accepts") from exc
-    _check_same(gm, module, args, kwargs)
+    try:
+        _check_same(gm, module, args, kwargs)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a run on the example that fails: the reason in one line
+        raise TraceError(f"could not outline the rewritten model's blocks: running them on the example failed "
+                         f"({str(exc).splitlines()[0][:200]}); pass inputs the rewritten model accepts") from exc
     return module
 
 

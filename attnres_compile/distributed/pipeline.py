@@ -139,8 +139,9 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     carries. Stages on one rank must share the process (one cache per rank value; a deep copy
     of a stage gets its own copy of the cache).
     """
+    _check_split(gm, num_stages, cuts, max_carried)  # before the export, which takes a while
     if stage_ranks is not None and num_stages is not None:
-        check_ranks(stage_ranks, num_stages)  # before the export, which takes a while
+        check_ranks(stage_ranks, num_stages)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     static = _static(gm, args, dict(kwargs or {}))
     graph = static.graph
@@ -220,6 +221,22 @@ def _blocks(nodes: list[fx.Node], marks: set[fx.Node] | None = None) -> tuple[li
     block_names = {s[depth] for s in sites if len(s) > depth}
     block_of = {n: s[depth] for n, s in stacks.items() if len(s) > depth and s[depth] in block_names}
     return list(dict.fromkeys(block_of[n] for n in nodes if n in block_of)), block_of
+
+
+def _check_split(gm, num_stages, cuts, max_carried) -> None:
+    """One ConfigError naming the argument of split_stages that cannot work, whatever the model."""
+    if not isinstance(gm, fx.GraphModule):
+        raise ConfigError(f"split_stages: gm is a {type(gm).__name__}, not a torch.fx.GraphModule: pass the rewritten "
+                          "model (attnres_compile.rewrite(model, inputs).graph_module)")
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)):
+        raise ConfigError(f"split_stages: num_stages={num_stages!r} is not a whole number")
+    if cuts is not None and (isinstance(cuts, str) or not isinstance(cuts, (list, tuple))
+                             or not all(isinstance(c, str) for c in cuts)):
+        raise ConfigError(f"split_stages: cuts={cuts!r} is not a list of block names (e.g. ['blocks.2'])")
+    if isinstance(max_carried, bool) or not isinstance(max_carried, int):
+        raise ConfigError(f"split_stages: max_carried={max_carried!r} is not a whole number")
+    if max_carried < 0:
+        raise ConfigError(f"split_stages: max_carried={max_carried}: at least 0")
 
 
 def _cut_blocks(blocks: list[str], num_stages: int | None, cuts: list[str] | None) -> list[str]:

@@ -27,6 +27,7 @@ the cache. Checkpointing (`SitePolicy`) and `offload` change the activation term
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -41,6 +42,11 @@ from .stage_cache import schedule_stage_ranks, seen_before
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 OPTIMIZERS = {"adam": 2, "sgd": 0, "momentum": 1}  # state tensors per parameter (Adam: exp_avg, exp_avg_sq)
+# Layout bounds, checked before torch builds a schedule's order (whose time grows with the square of
+# the micro-batches per rank: zbv at 16 ranks x 256 micro-batches takes 5 s, at 2 x 2048 40 s).
+MAX_STAGES = 256
+MAX_MICRO_BATCHES = 256
+MAX_ACTIONS = 8192  # stages x micro-batches
 
 
 @dataclass
@@ -137,10 +143,18 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
     that fits when none does. `ranks`: default stages / stages per rank of the schedule (1 for
     gpipe/1f1b, 2 for interleaved/zbv); `micro_batches`: default `stages`; `num_blocks` (or
     `block_size`): plan only this N (or B; the block size must divide the cuts)."""
-    ranks, micro_batches, order = check_layout(stages, schedule, ranks, micro_batches, optimizer)
-    if stages > len(profile.layers):
+    if not isinstance(profile, Profile):
+        raise ConfigError(f"plan_memory: profile is {type(profile).__name__}, not a memory_profile.Profile "
+                          "(profile_model(...), or plan_traced for a traced model)")
+    _whole("budget", budget, 1, None)
+    _whole("stages", stages, 2, MAX_STAGES)
+    if stages > len(profile.layers):  # before any schedule is built
         raise ConfigError(f"{stages} stages, but the model has {len(profile.layers)} layers: use 2 to "
                           f"{len(profile.layers)} stages")
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if value is not None:
+            _whole(name, value, 1, None)
+    ranks, micro_batches, order = check_layout(stages, schedule, ranks, micro_batches, optimizer)
     starts = _cut_blocks(profile.layers, stages, None)
     stage_of_layer = [sum(profile.layers.index(s) <= i for s in starts) for i in range(len(profile.layers))]
     stage_ranks = schedule_stage_ranks(SCHEDULES[schedule], ranks, stages)
@@ -175,12 +189,19 @@ def plan_memory(profile: Profile, budget: int, stages: int, schedule: str = "1f1
 def check_layout(stages: int, schedule: str, ranks: int | None = None, micro_batches: int | None = None,
                  optimizer: str = "adam") -> tuple[int, int, dict[int, list]]:
     """(ranks, micro-batches, torch's pipeline_order per rank) of a layout, or a ConfigError line for
-    a value that cannot work whatever the model (the command line checks it before any work)."""
+    a value that cannot work whatever the model (the command line checks it before any work). Every
+    number is bounded (MAX_STAGES, MAX_MICRO_BATCHES, MAX_ACTIONS; ranks <= stages) before torch's
+    schedule is built."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     per_rank = STAGES_PER_RANK[schedule]
+    _whole("stages", stages, 1, MAX_STAGES)
+    if ranks is not None:
+        _whole("ranks", ranks, 1, MAX_STAGES)
+    if micro_batches is not None:
+        _whole("micro_batches", micro_batches, 1, MAX_MICRO_BATCHES)
     ranks = ranks or max(1, stages // per_rank)
     if stages < 2:
         raise ConfigError(f"{stages} stage: a pipeline needs at least 2 stages")
@@ -189,9 +210,23 @@ def check_layout(stages: int, schedule: str, ranks: int | None = None, micro_bat
         raise ConfigError(f"{schedule} needs stages {need}: {stages} stages on {ranks} rank(s) do not fit; change "
                           f"--stages or --ranks")
     micro_batches = micro_batches or stages
+    if stages * micro_batches > MAX_ACTIONS:
+        raise ConfigError(f"stages x micro-batches = {stages * micro_batches}: at most {MAX_ACTIONS} (torch's schedule "
+                          f"order grows with their product); use fewer --stages or --micro-batches")
     return ranks, micro_batches, _pipeline_order(schedule, ranks, stages, micro_batches)
 
 
+def _whole(name: str, value, low: int, high: int | None) -> None:
+    """ConfigError naming `name` unless `value` is a whole number (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} is not a whole number")
+    if value < low:
+        raise ConfigError(f"{name}={value}: at least {low}")
+    if high is not None and value > high:
+        raise ConfigError(f"{name}={value}: at most {high}")
+
+
+@functools.lru_cache(maxsize=4)  # the command line checks the layout, then plans it
 def _pipeline_order(schedule: str, ranks: int, stages: int, micro_batches: int) -> dict[int, list]:
     """torch's own `pipeline_order` of the schedule: per rank its actions (stage, F/B/I/W, micro-batch).
     The schedule classes read only these attributes of their stages while building it."""
@@ -352,7 +387,14 @@ def _rank_peak(rank: int, stages: list[int], terms: list[_StageTerms], actions: 
 def plan_traced(traced, report, budget: int, stages: int, **options) -> MemoryPlan:
     """`plan_memory` for a traced model (`api.trace`) and its analysis (`api.inspect`'s report): the
     longest chain planned for rewriting (the residual stream) is profiled on the traced example."""
-    chains = [c for c in report["chains"] if c["status"] != "skipped"]
+    if getattr(traced, "graph_module", None) is None:
+        raise ConfigError(f"plan_traced: traced is {type(traced).__name__}, not what attnres_compile.fx.trace.trace "
+                          "returns")
+    try:
+        chains = [c for c in report["chains"] if c["status"] != "skipped"]
+    except (TypeError, KeyError, IndexError):
+        raise ConfigError(f"plan_traced: report is {type(report).__name__}, not the report of "
+                          "attnres_compile.inspect (or fx.pipeline.inspect_traced) for this model") from None
     if not chains:
         raise ConfigError("no residual chain to rewrite, so nothing to plan: see the chains above")
     chain = max(chains, key=lambda c: c["links"])

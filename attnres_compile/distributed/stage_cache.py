@@ -27,6 +27,7 @@ The schedules, sends and backward passes stay torch's; only what a stage returns
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +76,9 @@ def schedule_stage_ranks(schedule: Any, pp_size: int, num_stages: int) -> list[i
 
 def check_ranks(stage_ranks: Sequence[int], count: int) -> list[int]:
     """`stage_ranks` as ints, or one line if it does not give a rank for each of `count` stages."""
+    if isinstance(stage_ranks, (str, bytes)) or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                                                         and r >= 0 for r in stage_ranks):
+        raise ConfigError(f"stage_ranks={list(stage_ranks)!r}: give a whole number (a rank, 0 or more) per stage")
     ranks = [int(r) for r in stage_ranks]
     if len(ranks) != count:
         raise ConfigError(f"stage_ranks has {len(ranks)} entries for {count} stages: give the rank of every stage "

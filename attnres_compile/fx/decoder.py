@@ -179,6 +179,27 @@ class DecoderWithPast(nn.Module):
         return {"logits": out.logits, **present}
 
 
+def relax_mask_length(gm) -> None:
+    """Let the traced decoder take an attention mask of any length from 1, as its other inputs do.
+
+    torch.export treats the dynamic past and sequence lengths as at least 2 while tracing (0/1
+    specialisation) and does not enforce those minimums when called (an empty past, one new
+    token), but the mask's length, their sum, gets a derived minimum of 4 that it does enforce: a
+    prompt of 1 to 3 tokens (an empty past) was refused. The graph computes any length (its ONNX
+    and .pt2 exports run it), so the mask's minimum becomes the others' unenforced 2."""
+    import sympy
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    ranges = getattr(gm, "range_constraints", None)
+    mask = next((n for n in gm.graph.find_nodes(op="placeholder") if n.name == "attention_mask"), None)
+    val = mask.meta.get("val") if mask is not None else None
+    if not ranges or not isinstance(val, torch.Tensor) or val.dim() != 2 or not isinstance(val.shape[1], torch.SymInt):
+        return
+    symbol = val.shape[1].node.expr
+    if isinstance(symbol, sympy.Symbol) and symbol in ranges and ranges[symbol].lower > 2:
+        ranges[symbol] = ValueRanges(2, ranges[symbol].upper)
+
+
 def wrap(model: nn.Module, example_inputs=None, past_length: int = 7, seq_length: int = 5):
     """(DecoderWithPast(model), example args, dynamic_shapes) for tracing `model` with a KV cache.
 

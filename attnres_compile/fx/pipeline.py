@@ -17,6 +17,7 @@ from ..kernels import prebuild
 from ..ops.depth_attention import fused_kernels
 from ..utils import progress
 from .rewrite import RewriteSites
+from .decoder import relax_mask_length
 from .trace import Traced, decoder_with_past, trace
 from .view import view_from_fx
 
@@ -67,6 +68,8 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
     with progress.stage("tracing"):
         traced = trace(model, example_inputs, dynamic_shapes, dynamic)
     gm = traced.graph_module
+    if with_past:
+        relax_mask_length(gm)  # a prompt of 1 to 3 tokens (fx/decoder.py)
     view = view_from_fx(gm)
     plan = analyze(view, config)
     if not has_work(plan, config):

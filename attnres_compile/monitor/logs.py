@@ -10,30 +10,49 @@ steps it finished.
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import torch
+
+from ..utils.file_kind import special
 
 COLUMNS = ("step", "chain", "site", "source", "weight", "weight_max", "entropy", "max_entropy", "rms", "rows")
 
 
 class CsvLog:
-    """Appends the stats of each watched step to `path` (created anew, header first; `append=True`
-    continues an existing log of the same columns, e.g. a resumed run)."""
+    """Appends the stats of each watched step to `path`, a new file (header first). A file already
+    there is never truncated unasked: `append=True` continues a log of the same columns (a resumed
+    run), `overwrite=True` starts it anew; otherwise FileExistsError names it. Something there that is
+    not a regular file (a folder, a FIFO, a device) is refused either way (ValueError)."""
 
-    def __init__(self, path: str | Path, append: bool = False):
+    def __init__(self, path: str | Path, append: bool = False, overwrite: bool = False):
         self.path = Path(path)
-        if append and self.path.is_file():
-            with open(self.path, newline="") as f:
-                header = next(csv.reader(f), None)
-            if header is not None and tuple(header) != COLUMNS:
-                raise ValueError(f"{self.path} is not a depth-weight log (its header is {','.join(header)}): "
-                                 "give another path, or append=False to start it anew")
-            if header is not None:
+        if append and overwrite:
+            raise ValueError("append=True continues the log, overwrite=True starts it anew: pass one")
+        if os.path.lexists(self.path):
+            kind = special(self.path)
+            if kind:
+                raise ValueError(f"{self.path} is {kind}, not a file: give the path of a CSV log")
+            if not self.path.exists():
+                raise FileExistsError(f"{self.path} exists (a dangling symlink): give another path, or "
+                                      "overwrite=True to replace it")
+            header = _header(self.path)
+            ours = header is not None and tuple(header) == COLUMNS
+            if append and (ours or header is None and self.path.stat().st_size == 0):
+                if header is None:
+                    _write_header(self.path)
                 return
+            if append:
+                raise FileExistsError(f"{self.path} is not a depth-weight log (its header is "
+                                      f"{','.join(header or [])[:80]}): give another path, or overwrite=True "
+                                      "to replace it")
+            if not overwrite:
+                what = "a depth-weight log" if ours else "a file that is not a depth-weight log"
+                raise FileExistsError(f"{self.path} exists ({what}): give another path, append=True to continue "
+                                      "a log of this monitor, or overwrite=True to start it anew")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="") as f:
-            csv.writer(f).writerow(COLUMNS)
+        _write_header(self.path)
 
     def write(self, stats: dict) -> None:
         """Append one watched step's rows (sites without weights, an original model's, are skipped)."""
@@ -42,6 +61,19 @@ class CsvLog:
                 for s in stats["sites"] if "weights" in s for j, (w, m) in enumerate(zip(s["weights"], s["weights_max"]))]
         with open(self.path, "a", newline="") as f:
             csv.writer(f).writerows(rows)
+
+
+def _header(path: Path) -> list[str] | None:
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), None)
+    except (UnicodeDecodeError, csv.Error):
+        return ["(not text)"]
+
+
+def _write_header(path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerow(COLUMNS)
 
 
 def read_csv(path: str | Path) -> list[dict]:

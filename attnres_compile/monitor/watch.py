@@ -46,15 +46,17 @@ class DepthMonitor:
 
     After a watched step `stats()` (and `history[-1]`) holds that step's statistics, reduced over
     the data-parallel `group` when torch.distributed is initialised; they are written to `csv` (a
-    CSV path, created anew) and `tensorboard` (a SummaryWriter, `tensorboard_writer`) by the
-    group's rank 0. `watch()` without a step watches whatever runs inside it (an evaluation over
+    CSV path, a new file, or an existing one with `overwrite=True`; or a `CsvLog`, e.g.
+    `CsvLog(path, append=True)` to continue a resumed run's log) and `tensorboard` (a SummaryWriter,
+    `tensorboard_writer`) by the group's rank 0. `watch()` without a step watches whatever runs inside it (an evaluation over
     several batches); `monitor(*args)` runs the module watched, adding to the sums until `reset()`.
     """
 
-    def __init__(self, module: torch.nn.Module, every: int = 1, group: Any = None, csv: str | Path | None = None,
-                 tensorboard: Any = None, prefix: str = "attnres"):
-        if every < 1:
-            raise ValueError(f"every must be a positive number of steps, not {every}")
+    def __init__(self, module: torch.nn.Module, every: int = 1, group: Any = None,
+                 csv: str | Path | CsvLog | None = None, tensorboard: Any = None, prefix: str = "attnres",
+                 overwrite: bool = False):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every={every!r}: give a whole number of steps, 1 or more (watch every step: 1)")
         graphs = [m.graph for m in module.modules() if isinstance(getattr(m, "graph", None), fx.Graph)]
         if any(n.op == "call_function" and n.target is _MERGE for g in graphs for n in g.nodes):
             raise ValueError("the module is in the two-phase form (attnres_compile.two_phase), whose merged sites "
@@ -71,7 +73,7 @@ class DepthMonitor:
         if not self._queries:
             raise ValueError("no site to monitor: the module has no pseudo-query parameter named "
                              "attnres.chain<i>.site<k> (is it rewritten?)")
-        self.csv = CsvLog(csv) if csv is not None else None
+        self.csv = csv if isinstance(csv, CsvLog) or csv is None else CsvLog(csv, overwrite=overwrite)
         self.tensorboard = tensorboard
         self.history: list[dict] = []
         self.reset()

@@ -110,8 +110,9 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     config = as_config(config)
     path, output = Path(path), Path(output)
     model = onnx_io.load(path, with_data=False)
-    carried = onnx_genai.sidecars(path, output)
-    outputs.check([*outputs.onnx_outputs(output), *(outputs.Output(dst, f"output's {dst.name}") for _, dst in carried)],
+    carried = onnx_genai.carried(path, output)  # a genai folder's config is checked now, with the outputs
+    outputs.check([*outputs.onnx_outputs(output), *(outputs.Output(dst, f"output's {dst.name}")
+                                                    for dst in carried.destinations)],
                   onnx_io.input_files(model, path), force)
     with progress.stage(f"analysing {path.name}"):
         analysis = _Analysis(model, path, config, input_shapes)
@@ -128,6 +129,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     with onnx_io.staged(output) as stage:
         onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
         check_written(stage.path)
+        carried.write(stage.folder)  # a genai folder's other files commit with the model, in one step
         if verify_outputs:
             from . import runtime as ort_backend
 
@@ -139,13 +141,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
             notes += run_notes
             extra["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
     written = list(stage.written)
-    for src, dst in carried:
-        with outputs.staged(dst, f"wrote {output}, but not all of its onnxruntime-genai folder") as side:
-            side.path.write_bytes(onnx_genai.content(src, path, output))
-        written += side.written
-    if carried:
-        notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
-                     f"onnxruntime-genai folder (og.Model loads it)")
+    notes += [n for n in [carried.note(output)] if n]
     report = build(plan, view, config, "onnx", sites.sites, verification, notes,
                    passes={**analysis.passes, **done}, extra=extra)
     return ExportResult(report, written)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -21,7 +23,13 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 0.0, query_l
     """Two optimizer parameter groups for `model`: its own weights at `lr` and `weight_decay`, and
     the pseudo-queries at `query_lr` (default `lr * query_lr_scale`; give `SGD_QUERY_LR_SCALE` for
     SGD) without weight decay (decay would pull them back to uniform depth weights for no reason).
-    Each group has a "name"."""
+    Each group has a "name". Rates, decay and scale are finite numbers, 0 or more (ValueError)."""
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("query_lr", query_lr),
+                        ("query_lr_scale", query_lr_scale)):
+        if value is None and name == "query_lr":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: give a finite number, 0 or more")
     weights, queries = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -10,7 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-from ..core.errors import InputError, Interrupted, first_line
+from ..core.errors import InputError, Interrupted, MemoryLimitError, first_line
+from .isolate import MEMORY_ENV, out_of_memory
 
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _ATTR = re.compile(r"^[A-Za-z_]\w*$")
@@ -57,6 +58,9 @@ def load_factory(spec: str):
     except (KeyboardInterrupt, Interrupted):
         raise
     except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, MemoryError) or out_of_memory(f"{type(exc).__name__}: {exc}"):
+            raise MemoryLimitError(f"factory {spec!r} ran out of memory ({_why(exc)}); {MEMORY_ENV} sets the limit "
+                                   "of the child processes that run it") from None
         raise InputError(f"factory {spec!r} raised {_why(exc)}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise InputError(f"factory {spec!r} must return (model, example_inputs), got {type(made).__name__}")

@@ -297,7 +297,7 @@ def run(args, progress: TextIO) -> dict:
         matrix = [(n, w, d) for n in s.models for w in s.widths for d in s.sublayers]
         targets, model = TARGETS, None
         if s.factory:  # one model at its own size, every target there
-            model = factory.load(s.factory)
+            model = factory.load(s.factory, getattr(args, "factory_timeout", None))
             matrix, s.vocab = [factory.geometry(s.factory, model)], factory.vocab(model, VOCAB)
             s.models, s.widths, s.sublayers = [matrix[0][0]], [matrix[0][1]], [matrix[0][2]]
             targets = model_targets.at(TARGETS, matrix[0][1:])

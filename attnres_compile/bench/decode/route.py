@@ -32,7 +32,7 @@ def model_of(job: dict):
     if job.get("factory"):
         from .. import factory
 
-        return factory.load(job["factory"])
+        return factory.load(job["factory"], isolated=False)  # a timing worker: its own time limit
     from ..model.measure import make_model
 
     return make_model(job["model"], job["layers"], job["width"], job["prefill"] + job["steps"]).model

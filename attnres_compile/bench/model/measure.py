@@ -464,7 +464,7 @@ def run(args, progress: TextIO) -> dict:
         workers.start()
         targets, model = model_targets.TARGETS, None
         if s.factory:  # one model at its own size, every target there
-            model = factory.load(s.factory)
+            model = factory.load(s.factory, getattr(args, "factory_timeout", None))
             name, width, sublayers = factory.geometry(s.factory, model)
             s.models, s.matrices, s.vocab = [name], [(width, [sublayers])], factory.vocab(model, VOCAB)
             targets = model_targets.at(targets, (width, sublayers))

@@ -3,16 +3,40 @@
 torch: `inspect`, `rewrite` (fx/pipeline.py), `two_phase`, `fuse_norms` (passes on a rewritten
 GraphModule); `convert` (a Hugging Face causal LM, or any nn.Module, converted as a model of its own
 class: Trainer, PEFT, bf16, save_pretrained; hf/) and `load` (its saved folder, hf/checkpoint.py);
-ONNX files: `inspect_onnx`, `rewrite_onnx`; PyTorch to a deployable file: `export_onnx`
+ONNX files: `inspect_onnx`, `rewrite_onnx` (with `queries=`: a converted model's trained queries in a
+file rewritten from its base model, an onnxruntime-genai folder's); PyTorch to a deployable file: `export_onnx`
 (onnx/pipeline.py), `export_pt2` (pt2/export.py)."""
+
+import os
 
 from .core.report import ExportResult, Report
 from .fx.pipeline import RewriteResult, inspect, inspect_traced, rewrite
 from .fx.site_norm import fuse_norms
 from .fx.two_phase import two_phase
 from .hf import convert, load
-from .onnx.pipeline import export_onnx, inspect_onnx, rewrite_onnx
+from .hf import ship as _ship
+from .onnx import pipeline as _onnx_pipeline
+from .onnx.pipeline import export_onnx, inspect_onnx
 from .pt2.export import export_pt2
 
 __all__ = ["ExportResult", "Report", "RewriteResult", "convert", "export_onnx", "export_pt2", "fuse_norms", "inspect",
            "inspect_onnx", "inspect_traced", "load", "rewrite", "rewrite_onnx", "two_phase"]
+
+
+def rewrite_onnx(path, output, config=None, verify_outputs: bool = True, input_shapes=None, force: bool = False,
+                 verify_timeout: float | None = None, fuse_norms: bool = False, queries=None):
+    """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (onnx/pipeline.py).
+
+    `queries`: an AttnRes checkpoint folder (`save_pretrained` of a converted model) or a converted
+    model: the rewritten file takes its trained pseudo-queries (the sites matched by chain and site
+    index and size, a mismatch refused in one line), and its AttnRes config (`config` left out, or
+    the same). For an onnxruntime-genai folder built from the base model:
+    `rewrite_onnx("base/model.onnx", "out/model.onnx", queries="tuned")` serves the trained model."""
+    found, where = None, "the checkpoint"
+    if queries is not None:
+        where = str(queries) if isinstance(queries, (str, os.PathLike)) else f"the {type(queries).__name__}"
+        saved, found = _ship.queries(queries)
+        config = _ship.config_for(saved, config, where)
+    return _onnx_pipeline.rewrite_onnx(path, output, config, verify_outputs=verify_outputs, input_shapes=input_shapes,
+                                       force=force, verify_timeout=verify_timeout, fuse_norms=fuse_norms,
+                                       queries=found, queries_from=where)

@@ -2,7 +2,8 @@
 
 - A rewritten HF model (ModelOutput outputs, `use_cache=False` input) written by
   `rewrite -o X.pt2` loads in a fresh process with only `import attnres_compile` and plain
-  `torch.export.load`, at another batch and sequence size, and in `inspect --weights`; the file
+  `torch.export.load`, takes the model's own call (`use_cache=False` included) at another batch and
+  sequence size, and in `inspect --weights`; the file
   has a normal file's permissions and no temporary name inside.
 - Crafted archives (tests/pt2_vectors.py), one per way torch.export.load runs code from a file,
   with a marker payload: the vectors are real (plain torch.export.load runs most payloads), and
@@ -34,10 +35,10 @@ FRESH = r"""
 import sys, torch, attnres_compile
 from samples.hf_models import gpt2_factory
 model, inputs = gpt2_factory()
-inputs.pop("use_cache")
+assert inputs["use_cache"] is False
 ep = torch.export.load(sys.argv[1])
-out = ep.module()(**inputs)
-small = ep.module()(**{k: v[:1, :5] for k, v in inputs.items()})
+out = ep.module()(**inputs)  # the model's own call, use_cache=False included
+small = ep.module()(**{k: v[:1, :5] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
 print("OK", type(out).__name__, len(out), tuple(out[0].shape), tuple(small[0].shape))
 """
 

@@ -47,11 +47,32 @@ def count(text: str) -> int:
 
 
 MODEL_HELP = "MODEL.onnx, or package.module:factory (a callable returning (model, example_inputs))"
+REWRITE_MODEL_HELP = ("MODEL.onnx, a saved model folder (an AttnRes checkpoint: exported with its trained queries; or "
+                      "a Hugging Face causal LM: converted), or package.module:factory (a callable returning "
+                      "(model, example_inputs))")
 
 
 def is_onnx_path(model: str) -> bool:
     """ONNX file or factory spec: a .onnx name or an existing path that is not a folder is a file."""
     return model.lower().endswith(".onnx") or (os.path.exists(model) and not os.path.isdir(model))
+
+
+def model_kind(model: str) -> str:
+    """What MODEL names: "onnx" (a file), "attnres" (a saved AttnRes checkpoint folder), "hf" (a saved
+    Hugging Face model folder) or "factory"; a folder that is neither checkpoint is InputError (one
+    line). Reads config.json only: no import of torch, nothing from the folder run."""
+    if os.path.isdir(model):
+        from ..utils.file_kind import folder_kind
+
+        return folder_kind(model)
+    return "onnx" if is_onnx_path(model) else "factory"
+
+
+def options_given(args) -> bool:
+    """Whether any AttnRes option differs from its default (a checkpoint brings its own config)."""
+    from ..core.config import AttnResConfig
+
+    return config(args) != AttnResConfig()
 
 
 def add_config_args(p: argparse.ArgumentParser, input_shape_help: str) -> None:

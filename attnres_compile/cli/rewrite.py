@@ -1,13 +1,18 @@
-"""`attnres-compile rewrite`: a model rewritten to AttnRes, verified, and written as .onnx or .pt2."""
+"""`attnres-compile rewrite`: a model rewritten to AttnRes, verified, and written as .onnx or .pt2.
+
+MODEL: an ONNX file, a factory, or a saved folder (hf/ship.py): an AttnRes checkpoint is exported
+with its trained queries and its own config (no second conversion: its sites are already there);
+a Hugging Face causal LM folder is converted as a factory's model is. `--queries` sets a
+checkpoint's queries into an ONNX file rewritten from its base model (an onnxruntime-genai folder)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.errors import ConfigError, VerificationError, cli_words
-from ..utils import outputs
+from ..core.errors import ConfigError, InputError, VerificationError, cli_words
+from ..utils import outputs, progress
 from ..utils.factory import factory_file, load_factory
-from ..utils.file_kind import check_file
+from ..utils.file_kind import check_file, folder_kind
 from ..utils.outputs import Output
 from . import args as cli_args
 from .args import seconds
@@ -16,9 +21,10 @@ from .args import seconds
 def add_command(subparsers) -> None:
     """Register `rewrite` on the main parser's subparsers."""
     p = subparsers.add_parser("rewrite", help="rewrite a model to AttnRes and verify it")
-    p.add_argument("model", help=cli_args.MODEL_HELP)
+    p.add_argument("model", help=cli_args.REWRITE_MODEL_HELP)
     p.add_argument("-o", "--output", required=True,
-                   help="output file: .onnx (ONNX model; from an ONNX file or a factory) or .pt2 (torch.export program)")
+                   help="output file: .onnx (ONNX model; from any MODEL) or .pt2 (torch.export program; from a factory "
+                        "or a folder)")
     p.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
     p.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                    help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
@@ -26,8 +32,12 @@ def add_command(subparsers) -> None:
     p.add_argument("--force", action="store_true",
                    help="overwrite existing outputs (-o, its .data, --report); lets -o replace the input")
     p.add_argument("--with-past", action="store_true",
-                   help="factory models (HF causal LMs): rewrite the decoder with its KV cache, for generation "
+                   help="factories and folders (HF causal LMs): rewrite the decoder with its KV cache, for generation "
                         "(past_key_values.* in, logits and present.* out, as optimum names them)")
+    p.add_argument("--queries", metavar="CHECKPOINT_DIR",
+                   help="ONNX input: set the rewritten sites' pseudo-queries to those of this AttnRes checkpoint "
+                        "(save_pretrained of a converted model; its AttnRes config is used), matched by chain and site "
+                        "index and size: an onnxruntime-genai folder of the base model then serves the trained one")
     cli_args.add_config_args(p, "ONNX input shape for the analysis and verification (repeatable); other symbolic dims "
                                 "are 2 (leading) and 16, then all 1 (a second check); dims that are sums of others are "
                                 "computed")
@@ -38,35 +48,45 @@ def add_command(subparsers) -> None:
 def planned_outputs(args) -> tuple[list[Output], list[Path], bool]:
     """(outputs, inputs, force) for outputs.check: -o (with its .data), --report; the model file's checks
     and the options first, before the command imports onnx and torch."""
-    onnx_input = cli_args.is_onnx_path(args.model)
-    if onnx_input:
+    kind = cli_args.model_kind(args.model)
+    if kind == "onnx":
         check_file(Path(args.model), "an ONNX model")
     cli_args.config(args)
-    out = _output(args)
-    if onnx_input:
+    out = _output(args, kind)
+    if kind == "onnx":
         from ..onnx import io as onnx_io
 
         inputs = onnx_io.files_of(Path(args.model))
-    else:
+    elif kind == "factory":
         inputs = [f for f in [factory_file(args.model)] if f]
+    else:  # a folder: -o must not replace any file in it
+        inputs = sorted(p for p in Path(args.model).iterdir() if p.is_file())
     planned = outputs.onnx_outputs(out, "-o") if out.suffix.lower() == ".onnx" else [Output(out, "-o", primary=True)]
     if args.report:
         planned.append(Output(Path(args.report), "--report"))
     return planned, inputs, args.force
 
 
-def _output(args) -> Path:
-    """-o, checked against the model kind (and --input-shape, --dynamic, --with-past against it)."""
-    onnx_input = cli_args.is_onnx_path(args.model)
+def _output(args, kind: str) -> Path:
+    """-o, checked against the model kind (and --input-shape, --dynamic, --with-past, --queries against it)."""
+    onnx_input = kind == "onnx"
     out = Path(args.output)
     suffixes = (".onnx",) if onnx_input else (".onnx", ".pt2")
     if out.suffix.lower() not in suffixes:
         raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
+    if args.queries is not None:
+        if not onnx_input:
+            raise ConfigError("--queries applies to ONNX input files (an onnxruntime-genai folder's model.onnx); a "
+                              "saved AttnRes checkpoint folder as MODEL is exported with its own queries")
+        if not Path(args.queries).is_dir() or folder_kind(args.queries) != "attnres":
+            raise InputError(f"--queries {args.queries}: not an AttnRes checkpoint folder (save_pretrained of a "
+                             "model converted by attnres_compile.convert; its config.json has an 'attnres' section)")
     if not onnx_input:
         cli_args.no_input_shape_for_factory(args)
     if args.with_past and (onnx_input or args.dynamic is not None):
-        raise ConfigError("--with-past applies to package.module:factory models (HF causal LMs) and sets the dynamic "
-                          "dims itself; an ONNX decoder-with-past file is rewritten as it is, without the flag"
+        raise ConfigError("--with-past applies to package.module:factory models and saved folders (HF causal LMs) "
+                          "and sets the dynamic dims itself; an ONNX decoder-with-past file is rewritten as it is, "
+                          "without the flag"
                           if onnx_input else "--with-past sets the dynamic dims itself (batch, sequence, past length): "
                           "drop --dynamic")
     if onnx_input:
@@ -81,16 +101,21 @@ def _output(args) -> Path:
 def run(args) -> int:
     from .. import api
 
-    out = _output(args)
+    kind = cli_args.model_kind(args.model)
+    out = _output(args, kind)
     config = cli_args.config(args)
-    if cli_args.is_onnx_path(args.model):
+    if kind == "onnx":
         from ..onnx.runtime import parse_input_shapes
 
-        result = api.rewrite_onnx(args.model, out, config, verify_outputs=not args.no_verify,
+        result = api.rewrite_onnx(args.model, out, config if args.queries is None or cli_args.options_given(args)
+                                  else None, verify_outputs=not args.no_verify,
                                   input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                                  verify_timeout=args.verify_timeout)
+                                  verify_timeout=args.verify_timeout, queries=args.queries)
     else:
-        model, example = load_factory(args.model)
+        if kind == "factory":
+            model, example = load_factory(args.model)
+        else:
+            model, example, config = _folder(args, config)
         if out.suffix.lower() == ".onnx":
             result = api.export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
                                      verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past)
@@ -107,6 +132,21 @@ def run(args) -> int:
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
     _judge(report, args.scale)
     return 0
+
+
+def _folder(args, config):
+    """(model, example inputs, config) of a saved folder: an AttnRes checkpoint with its trained queries
+    and its own config (other AttnRes options refused), or a Hugging Face causal LM, converted with
+    `config` as a factory's model is."""
+    from ..hf import ship
+
+    with progress.stage(f"loading {Path(args.model).name}"):
+        model, converted = ship.load_folder(args.model)
+    example = None if args.with_past else ship.example_inputs(model)
+    if converted:
+        saved, _ = ship.queries(model)
+        config = ship.config_for(saved, config if cli_args.options_given(args) else None, args.model)
+    return model, example, config
 
 
 def _judge(report, scale: str) -> None:

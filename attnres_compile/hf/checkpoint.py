@@ -26,13 +26,14 @@ import torch
 from torch import nn
 
 from ..core.errors import InputError
+from ..utils.file_kind import ATTNRES_SECTION
 from . import classes
 from . import program as prog
 from .runtime import Backbone
 from .state import Geometry, Program, State
 
 FORMAT = 1
-SECTION = "attnres"
+SECTION = ATTNRES_SECTION
 MODELING = "modeling_attnres.py"
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM"}
 INSTALL = "pip install attnres-compile"

@@ -27,6 +27,7 @@ from . import contrib_ops as onnx_contrib_ops
 from . import genai as onnx_genai
 from . import io as onnx_io
 from . import passes
+from . import queries as onnx_queries
 from .function import default_opset
 from .passes import FINALIZE, FuseNorms, RewriteSites, UnfuseSkipNorms
 from .view import view_from_onnx
@@ -95,7 +96,8 @@ def _analysis_notes(plan, view, input_shapes) -> list[str]:
 
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
                  verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False) -> ExportResult:
+                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False,
+                 queries: dict | None = None, queries_from: str = "the checkpoint") -> ExportResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
     Weights stay external (`<output>.data`) when the input kept them external, or when large.
@@ -105,7 +107,10 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     place, at the default and the all-1 shape sets (onnx/dims.py; `input_shapes` fixes
     an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`. `fuse_norms`: each site that a norm reads is written
-    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py).
+    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py). `queries`:
+    {"chain<i>.site<k>": array} of a converted model (`queries_from` names it in errors), set into
+    the sites' initializers after the verification (which checks the rewrite itself, exact at zero
+    queries); the sites must be the same, with the same sizes (onnx/queries.py).
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
@@ -118,6 +123,8 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
         analysis = _Analysis(model, path, config, input_shapes)
     plan, view, notes = analysis.plan, analysis.view, analysis.notes
     if not has_work(plan, config):
+        if queries is not None:
+            onnx_queries.check(model, queries, queries_from)  # no sites here: refused in one line
         return ExportResult(build(plan, view, config, "onnx", notes=notes + ["no file written"], extra=analysis.fused_ops))
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
@@ -125,8 +132,12 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     onnx_io.load_data(model, path)
     sites = RewriteSites(plan, config, view)
     done = passes.run(model, [sites, *([FuseNorms(view)] if fuse_norms else []), *(p() for p in FINALIZE)])
+    if queries is not None:
+        onnx_queries.check(model, queries, queries_from)  # before any run: a mismatch costs nothing
     verification, extra = None, dict(analysis.fused_ops)
     with onnx_io.staged(output) as stage:
+        if queries is not None and not verify_outputs:
+            onnx_queries.set_queries(model, queries, queries_from)
         onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
         check_written(stage.path)
         carried.write(stage.folder)  # a genai folder's other files commit with the model, in one step
@@ -140,6 +151,15 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                     consequence="the rewritten model was not written")
             notes += run_notes
             extra["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
+            if queries is not None:  # verified at zero queries (exact: the rewrite itself), then the trained ones
+                with progress.stage(f"setting {len(queries)} trained queries"):
+                    onnx_queries.set_queries(model, queries, queries_from)
+                    onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
+                    check_written(stage.path)
+    if queries is not None:
+        notes.append(f"{len(queries)} pseudo-queries set from {queries_from}"
+                     + (" after the verification, which ran with zero queries (where the rewrite computes the "
+                        "original)" if verify_outputs else ""))
     written = list(stage.written)
     notes += [n for n in [carried.note(output)] if n]
     report = build(plan, view, config, "onnx", sites.sites, verification, notes,

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..core.checks import as_config, split_inputs
 from ..core.config import AttnResConfig
 from ..core.report import ExportResult
@@ -13,15 +15,17 @@ from ..fx import decoder, dynamic_dims
 from ..fx.pipeline import rewrite
 from ..fx.trace import decoder_with_past
 from ..utils import outputs, progress
-from .write import WithConstants, bind_constants, drop_guards, save
+from .write import drop_guards, save
 
 
 def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
                verify_outputs: bool = True, dynamic: str | None = None, with_past: bool = False) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
 
-    The archive takes the model's tensor inputs, its non-tensor keyword inputs bound at their
-    traced values (`use_cache=False`), and returns a flat tuple of named outputs. `dynamic`: the
+    The archive takes the model's own call: its tensor inputs and its non-tensor keyword inputs at
+    their traced values (`use_cache=False`, constant inputs of the program: plain
+    `torch.export.load(p).module()(..., use_cache=False)` runs it), and returns a flat tuple of
+    named outputs. `dynamic`: the
     input dims that stay symbolic (fx/dynamic_dims.py). `with_past`: the decoder of an HF causal LM
     with its KV cache (fx/decoder.py), the past as separate tensor inputs, for `generate`.
     """
@@ -40,12 +44,14 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
     args, kwargs = split_inputs(example_inputs)
     dims = dynamic_dims.parse(dynamic)
     spec = dynamic_dims.export_spec(dims, model, args, kwargs) if result.report["dynamic_dims"] else None
-    module, tensor_kwargs = bind_constants(result.graph_module, args, kwargs, like=model)
-    if isinstance(spec, dict):  # use_cache=False and other constants are bound, not inputs
-        spec = {k: v for k, v in spec.items() if k not in kwargs or k in tensor_kwargs}
+    # non-tensor keyword inputs (use_cache=False) stay inputs, constants at their traced values: plain
+    # `torch.export.load(p).module()` then takes the model's own call (torch checks the value; our reader
+    # also lets them be left out); TVM's importer drops them (backends/tvm/program_prepare.py)
+    if isinstance(spec, dict):
+        spec = {k: (None if k in kwargs and not isinstance(kwargs[k], torch.Tensor) else v) for k, v in spec.items()}
     with progress.stage(f"exporting {Path(output).name}"):
-        program = dynamic_dims.export_program(module, args, tensor_kwargs, spec, f"dynamic {dims.text}",
+        program = dynamic_dims.export_program(result.graph_module, args, kwargs, spec, f"dynamic {dims.text}",
                                               result.report.data["notes"])
         with outputs.staged(output) as stage:
-            save(program, stage.path, module.constants if isinstance(module, WithConstants) else None)
+            save(program, stage.path)
     return ExportResult(result.report, stage.written)

@@ -1,6 +1,8 @@
 """.pt2 archives written so that they load in a fresh process: the program's outputs flattened to a
-tuple of tensors (their names kept in the archive's `extra/attnres.json`), non-tensor keyword inputs
-bound and recorded, the archive built in memory, read back, then written through a staging folder."""
+tuple of tensors (their names kept in the archive's `extra/attnres.json`), the archive built in
+memory, read back, then written through a staging folder. Non-tensor keyword inputs (`use_cache=False`)
+stay constant inputs of the program (export.py), so plain torch takes the model's own call;
+`bind_constants` (binding them away) is left for callers that want a tensors-only signature."""
 
 from __future__ import annotations
 

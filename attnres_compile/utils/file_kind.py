@@ -102,3 +102,27 @@ def _zip_kind(source) -> str:
     if any(n.endswith("data.pkl") for n in names):
         return "a torch.save checkpoint"
     return "a zip archive"
+
+
+ATTNRES_SECTION = "attnres"  # config.json's section of a saved AttnRes checkpoint (hf/checkpoint.py writes it)
+
+
+def folder_kind(path: str | os.PathLike) -> str:
+    """What a saved model folder is, from its config.json alone (nothing imported, nothing run):
+    "attnres" (an AttnRes checkpoint: the `attnres` section) or "hf" (a Hugging Face model);
+    InputError in one line for a folder that is neither."""
+    import json
+
+    where = Path(path)
+    config = where / "config.json"
+    if not config.is_file():
+        raise InputError(f"{where} is neither a Hugging Face checkpoint nor an AttnRes one (no config.json)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InputError(f"{where} is neither a Hugging Face checkpoint nor an AttnRes one (config.json: "
+                         f"{type(exc).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise InputError(f"{where} is neither a Hugging Face checkpoint nor an AttnRes one (config.json names no "
+                         "model_type)")
+    return "attnres" if ATTNRES_SECTION in data else "hf"

@@ -20,6 +20,9 @@ def add_command(subparsers) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="output file: .onnx (ONNX model; from an ONNX file or a factory) or .pt2 (torch.export program)")
     p.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
+    p.add_argument("--no-rewrite", action="store_true",
+                   help="write the model as it is, traced, exported and verified by the same machinery (no site): "
+                        "the original to compare a rewrite with (compile builds it too)")
     p.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                    help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
     p.add_argument("--report", help="also write the report as JSON to this file")
@@ -89,15 +92,16 @@ def run(args) -> int:
 
         result = api.rewrite_onnx(args.model, out, config, verify_outputs=not args.no_verify,
                                   input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                                  verify_timeout=args.verify_timeout)
+                                  verify_timeout=args.verify_timeout, rewrite_chains=not args.no_rewrite)
     else:
         model, example = load_factory(args.model)
         if out.suffix.lower() == ".onnx":
             result = api.export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
-                                     verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past)
+                                     verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past,
+                                     rewrite_chains=not args.no_rewrite)
         else:
             result = api.export_pt2(model, example, out, config, verify_outputs=not args.no_verify,
-                                    dynamic=args.dynamic, with_past=args.with_past)
+                                    dynamic=args.dynamic, with_past=args.with_past, rewrite_chains=not args.no_rewrite)
     report, written = result.report, result.written
     if args.report:
         done = " and ".join(str(p) for p in written)
@@ -106,7 +110,7 @@ def run(args) -> int:
             stage.path.write_text(report.to_json())
     print(cli_words(str(report)))
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
-    _judge(report, args.scale)
+    _judge(report, "preserve" if args.no_rewrite else args.scale)
     return 0
 
 

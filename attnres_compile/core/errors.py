@@ -155,6 +155,7 @@ _CLI_WORDS = [
     (r"\bverify_outputs=False\b", "--no-verify"),
     (r"\ballow_nonlinear=True\b", "--allow-nonlinear"),
     (r"\bwith_past=True\b", "--with-past"),
+    (r"\brewrite_chains=False\b", "--no-rewrite"),
     (r"\bset variant='block'", "pass --variant block"),
     (r"\bvariant 'block'", "--variant block"),
     (r"\bmin_chain=(\d+)", r"--min-chain \1"),

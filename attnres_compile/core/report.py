@@ -115,12 +115,12 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
     return Report(data)
 
 
-def verification_lines(rows: list[dict]) -> list[str]:
+def verification_lines(rows: list[dict], against: str = "rewritten") -> list[str]:
     """The verification's header (naming the inputs also tried with zero rows) and one line per
     row; a run that compared no value says so instead of showing nothing."""
     zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
     also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
-    lines = [f"verification (original vs rewritten, same inputs{also}):"]
+    lines = [f"verification (original vs {against}, same inputs{also}):"]
     lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in rows]
     empty = nothing_compared(rows)
     return lines + ([f"  {empty}"] if empty else [])
@@ -130,6 +130,8 @@ def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
     variant = cfg["variant"] + (f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else "")
+    if data.get("rewritten") is False:
+        variant, cfg = "none (the original model, not rewritten)", {**cfg, "scale": "-"}
     lines = [
         f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  scale={cfg['scale']}",
         f"{s['nodes']} nodes, {s['adds']} adds: {s['adds_in_links']} in {s['links']} residual links, {s['adds_skipped']} not residual; "
@@ -155,7 +157,8 @@ def format_table(data: dict) -> str:
             shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
     if data["verification"] is not None:
-        lines += ["", *verification_lines(data["verification"])]
+        against = "written" if data.get("rewritten") is False else "rewritten"
+        lines += ["", *verification_lines(data["verification"], against)]
     if data.get("verified_shapes"):
         lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
                                                            for name, dims in shapes.items())

@@ -21,7 +21,7 @@ from ..core.checks import as_config, has_work, plan_notes, split_inputs
 from ..core.config import AttnResConfig
 from ..core.errors import AttnResError, ModelRunError
 from ..core.report import ExportResult, Report, build
-from ..fx.pipeline import rewrite
+from ..fx.pipeline import NOT_REWRITTEN, rewrite
 from ..utils import outputs, progress, pytree_warning
 from . import contrib_ops as onnx_contrib_ops
 from . import genai as onnx_genai
@@ -95,7 +95,8 @@ def _analysis_notes(plan, view, input_shapes) -> list[str]:
 
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
                  verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False) -> ExportResult:
+                 force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False,
+                 rewrite_chains: bool = True) -> ExportResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
     Weights stay external (`<output>.data`) when the input kept them external, or when large.
@@ -105,7 +106,9 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     place, at the default and the all-1 shape sets (onnx/dims.py; `input_shapes` fixes
     an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
     file of the input, is refused unless `force`. `fuse_norms`: each site that a norm reads is written
-    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py).
+    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py). `rewrite_chains=False`: no
+    site; the file goes through every other pass and check (onnxruntime's fused residual norms unfused, written,
+    verified against the input), the original as a rewrite would be written, to compare like with like.
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
@@ -116,22 +119,26 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     with progress.stage(f"analysing {path.name}"):
         analysis = _Analysis(model, path, config, input_shapes)
     plan, view, notes = analysis.plan, analysis.view, analysis.notes
-    if not has_work(plan, config):
+    if not rewrite_chains:
+        notes.append(NOT_REWRITTEN)
+    elif not has_work(plan, config):
         return ExportResult(build(plan, view, config, "onnx", notes=notes + ["no file written"], extra=analysis.fused_ops))
     if verify_outputs:
         _check_test_inputs(model, input_shapes or {})
     external = bool(onnx_io.external_tensors(model))
     onnx_io.load_data(model, path)
     sites = RewriteSites(plan, config, view)
-    done = passes.run(model, [sites, *([FuseNorms(view)] if fuse_norms else []), *(p() for p in FINALIZE)])
-    verification, extra = None, dict(analysis.fused_ops)
+    rewriting = [sites, *([FuseNorms(view)] if fuse_norms else [])] if rewrite_chains else []
+    done = passes.run(model, [*rewriting, *(p() for p in FINALIZE)])
+    verification, extra = None, {**analysis.fused_ops, **({} if rewrite_chains else {"rewritten": False})}
     with onnx_io.staged(output) as stage:
         onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
         check_written(stage.path)
         if verify_outputs:
             from . import runtime as ort_backend
 
-            tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+            tolerance = (verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+                         if rewrite_chains else verify.tolerance("preserve", False))
             with progress.stage("verifying in onnxruntime"):
                 verification, verified, run_notes = ort_backend.compare_files(
                     path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
@@ -146,7 +153,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     if carried:
         notes.append(f"copied {', '.join(dst.name for _, dst in carried)} beside it: {output.parent} is an "
                      f"onnxruntime-genai folder (og.Model loads it)")
-    report = build(plan, view, config, "onnx", sites.sites, verification, notes,
+    report = build(plan, view, config, "onnx", sites.sites if rewrite_chains else [], verification, notes,
                    passes={**analysis.passes, **done}, extra=extra)
     return ExportResult(report, written)
 
@@ -181,7 +188,7 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
 
 def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
                 verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None,
-                with_past: bool = False, fuse_norms: bool = False) -> ExportResult:
+                with_past: bool = False, fuse_norms: bool = False, rewrite_chains: bool = True) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
     `dynamic` picks the input dims that stay symbolic (fx/dynamic_dims.py; default batch
@@ -194,6 +201,7 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
     names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
     out; batch, sequence and past length dynamic). `fuse_norms`: the module exported is the rewritten
     one after `fuse_norms` (fx/site_norm.py): each pair one `attnres.DepthAttentionNorm` node.
+    `rewrite_chains=False`: the model as it is, traced, exported and verified the same way (fx.pipeline.rewrite).
     """
     from ..fx import dynamic_dims
     from . import dims as onnx_dims
@@ -205,12 +213,14 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
 
         model, example_inputs, spec = decoder_with_past(model, example_inputs, None, dynamic)
         args, kwargs = example_inputs, {}
-        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec,
+                         rewrite_chains=rewrite_chains)
         spec = (*spec[:3], *spec[3])  # the rewritten module takes the past as separate arguments
         what = "dynamic batch, sequence and past length"
     else:
         args, kwargs = split_inputs(example_inputs)
-        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic,
+                         rewrite_chains=rewrite_chains)
         dims = dynamic_dims.parse(dynamic)
         spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
         what = f"dynamic {dims.text}"
@@ -234,7 +244,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
         onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
         check_written(stage.path)
         if verify_outputs and args is not None:
-            tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
+            tolerance = verify.tolerance(config.scale if rewrite_chains else "preserve",
+                                         result.report["summary"]["changes_function"])
             with progress.stage("verifying in onnxruntime"):
                 rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
             result.report.data["verification"] = (result.report.data["verification"] or []) + rows

@@ -23,6 +23,13 @@ def add_command(subparsers) -> None:
     p.add_argument("--no-rewrite", action="store_true",
                    help="write the model as it is, traced, exported and verified by the same machinery (no site): "
                         "the original to compare a rewrite with (compile builds it too)")
+    p.add_argument("--weights", choices=["int8", "int4"],
+                   help=".onnx output: MatMul weights quantized (onnxruntime MatMulNBits, blocks of 32, symmetric; sites, "
+                        "norms and embeddings float32), verified against the float32 model within stated bounds "
+                        "(perplexity, next-token agreement; docs/quantize.md)")
+    p.add_argument("--eval-ids", metavar="FILE.npy",
+                   help="token ids [rows, tokens] of real text to verify --weights on (default: a factory's example "
+                        "input_ids; needed for an ONNX input)")
     p.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                    help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
     p.add_argument("--report", help="also write the report as JSON to this file")
@@ -73,6 +80,12 @@ def _output(args) -> Path:
                           "dims itself; an ONNX decoder-with-past file is rewritten as it is, without the flag"
                           if onnx_input else "--with-past sets the dynamic dims itself (batch, sequence, past length): "
                           "drop --dynamic")
+    if (args.weights or args.eval_ids) and out.suffix.lower() != ".onnx":
+        raise ConfigError("--weights writes an .onnx file (onnxruntime's MatMulNBits); -o must end in .onnx")
+    if args.eval_ids and not args.weights:
+        raise ConfigError("--eval-ids verifies --weights: give --weights int8 or int4")
+    if args.eval_ids:
+        check_file(Path(args.eval_ids), "a .npy array of token ids")
     if onnx_input:
         cli_args.no_dynamic_for_onnx(args)
     else:
@@ -87,18 +100,23 @@ def run(args) -> int:
 
     out = _output(args)
     config = cli_args.config(args)
+    quantize = {}
+    if args.weights:
+        from ..onnx.weights import read_eval_ids
+
+        quantize = {"weights": args.weights, "eval_ids": read_eval_ids(args.eval_ids) if args.eval_ids else None}
     if cli_args.is_onnx_path(args.model):
         from ..onnx.runtime import parse_input_shapes
 
         result = api.rewrite_onnx(args.model, out, config, verify_outputs=not args.no_verify,
                                   input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                                  verify_timeout=args.verify_timeout, rewrite_chains=not args.no_rewrite)
+                                  verify_timeout=args.verify_timeout, rewrite_chains=not args.no_rewrite, **quantize)
     else:
         model, example = load_factory(args.model)
         if out.suffix.lower() == ".onnx":
             result = api.export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
                                      verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past,
-                                     rewrite_chains=not args.no_rewrite)
+                                     rewrite_chains=not args.no_rewrite, **quantize)
         else:
             result = api.export_pt2(model, example, out, config, verify_outputs=not args.no_verify,
                                     dynamic=args.dynamic, with_past=args.with_past, rewrite_chains=not args.no_rewrite)

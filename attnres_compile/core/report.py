@@ -126,6 +126,40 @@ def verification_lines(rows: list[dict], against: str = "rewritten") -> list[str
     return lines + ([f"  {empty}"] if empty else [])
 
 
+def describe_check(check: dict) -> str:
+    """One line of a weight-quantized model's verification (onnx/weights.py)."""
+    mark = {True: "✓", False: "✗", None: "·"}[check["ok"]]
+    if check["check"] == "perplexity":
+        return (f"{mark} perplexity {check['quantized']:.3f} against {check['fp32']:.3f} in float32 "
+                f"({check['change']:+.2%}, bound {check['bound']})")
+    if check["check"] == "next-token agreement":
+        return f"{mark} next-token agreement with float32 {check['value']:.1%} (bound {check['bound']})"
+    rows = ", ".join(f"{r['equal']}/{check['tokens']}" + ("" if r["first_difference"] is None else
+                                                          f" (first difference at {r['first_difference']})")
+                     for r in check["rows"])
+    return f"{mark} {check['check']}: {rows} equal (no verdict: a near-tie flips the rest of a sequence)"
+
+
+def weights_lines(info: dict) -> list[str]:
+    """The report's lines for a weight-quantized output (onnx/weights.py)."""
+    scheme = "with a float minimum (as llama.cpp's Q4_1)" if info.get("minimum") else "symmetric"
+    head = (f"weights: {info['weights']} ({info['method']}: {info['bits']} bits in blocks of {info['block_size']}, "
+            f"{scheme}"
+            + (f", the LM head at {info['head_bits']} bits" if info.get("head_bits") else "")
+            + (f", computing in int8 (accuracy_level {info['accuracy_level']})" if info.get("accuracy_level") == 4 else "")
+            + f"; {info['quantized']} MatMuls quantized"
+            + (f" ({info['transposed']} through a transposed copy of a tied weight)" if info.get("transposed") else "")
+            + f", {info['kept']} with activations on both sides kept; sites, norms and embeddings float32): "
+            f"{info['bytes_before'] / 1e6:.1f} -> {info['bytes_after'] / 1e6:.1f} MB of weights")
+    check = info.get("verification")
+    if not check:
+        return [head, "  not verified (verify_outputs=False)"]
+    rows = check["rows_evaluated"]
+    out = [head, f"  verified against the float32 model on {rows[0]} row(s) x {rows[1]} tokens"
+                 + (f" ({check['source']})" if check["source"] else "") + f", {check['positions']} predictions:"]
+    return out + [f"    {describe_check(c)}" for c in check["checks"]]
+
+
 def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
@@ -163,6 +197,8 @@ def format_table(data: dict) -> str:
         lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
                                                            for name, dims in shapes.items())
                                                  for shapes in data["verified_shapes"]))
+    if data.get("weights"):
+        lines += ["", *weights_lines(data["weights"])]
     if data.get("dynamic_dims"):
         dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
         lines.append(f"dynamic input dims: {dims}")

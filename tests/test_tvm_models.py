@@ -574,8 +574,6 @@ def test_bad_inputs_are_classified(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
     onnx.save(helper.make_model(plain, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "plain.onnx"))
-    with pytest.raises(InputError, match="no depth-attention sites"):
-        compile_model(tmp_path / "plain.onnx", tmp_path / "out")
     with pytest.raises(ConfigError, match="--target"):
         compile_model(tmp_path / "plain.onnx", tmp_path / "out", target="rocm")
     assert not (tmp_path / "out").exists()

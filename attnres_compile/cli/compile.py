@@ -16,7 +16,8 @@ from .args import seconds
 def add_command(subparsers) -> None:
     """Register `compile` on the main parser's subparsers."""
     comp = subparsers.add_parser("compile", help="compile an AttnRes model (.onnx or .pt2) into a TVM artifact folder")
-    comp.add_argument("model", help="rewritten model: MODEL.onnx (attnres-compile rewrite) or MODEL.pt2 (torch.export)")
+    comp.add_argument("model", help="rewritten model: MODEL.onnx (attnres-compile rewrite) or MODEL.pt2 (torch.export); "
+                                    "a model without sites is built as it is (the original, to compare with)")
     comp.add_argument("-o", "--output", required=True, help="artifact folder to write (model.so, manifest.json)")
     comp.add_argument("--target", choices=["llvm", "cuda"], default="llvm",
                       help="llvm: this machine's CPU; cuda: NVIDIA GPUs (builds without one)")
@@ -74,8 +75,12 @@ def compile_command(args) -> int:
     finally:
         outputs.clean_stale(Path(args.output))  # the staging folder of a child that crashed
     kernels = len(manifest["kernels"])
-    print(f"compiled {len(manifest['sites'])} depth-attention sites ({kernels} fused kernels) for "
-          f"{manifest['target']['kind']} into {args.output}")
+    if manifest.get("rewritten") is False:
+        print(f"compiled the original model (no depth-attention sites, not rewritten) for {manifest['target']['kind']} "
+              f"into {args.output}, by the same pipeline as a rewritten one")
+    else:
+        print(f"compiled {len(manifest['sites'])} depth-attention sites ({kernels} fused kernels) for "
+              f"{manifest['target']['kind']} into {args.output}")
     for io in ("inputs", "outputs"):
         print(f"  {io}: " + ", ".join(f"{x['name']} {x['dtype']}[{dims(x['shape'])}]" for x in manifest[io]))
     check = manifest.get("verification")

@@ -26,6 +26,16 @@ def add_command(subparsers) -> None:
                    help="output file: .onnx (ONNX model; from any MODEL) or .pt2 (torch.export program; from a factory "
                         "or a folder)")
     p.add_argument("--no-verify", action="store_true", help="skip the original-vs-rewritten comparison")
+    p.add_argument("--no-rewrite", action="store_true",
+                   help="write the model as it is, traced, exported and verified by the same machinery (no site): "
+                        "the original to compare a rewrite with (compile builds it too)")
+    p.add_argument("--weights", choices=["int8", "int4"],
+                   help=".onnx output: MatMul weights quantized (onnxruntime MatMulNBits, blocks of 32, symmetric; sites, "
+                        "norms and embeddings float32), verified against the float32 model within stated bounds "
+                        "(perplexity, next-token agreement; docs/quantize.md)")
+    p.add_argument("--eval-ids", metavar="FILE.npy",
+                   help="token ids [rows, tokens] of real text to verify --weights on (default: a factory's example "
+                        "input_ids; needed for an ONNX input)")
     p.add_argument("--verify-timeout", type=seconds, metavar="SECONDS",
                    help="time limit of the onnxruntime verification run (default: 120 s plus 120 s per GiB of model)")
     p.add_argument("--report", help="also write the report as JSON to this file")
@@ -75,6 +85,9 @@ def _output(args, kind: str) -> Path:
     if out.suffix.lower() not in suffixes:
         raise ConfigError(f"output {out} must end in {' or '.join(suffixes)}")
     if args.queries is not None:
+        if args.no_rewrite:
+            raise ConfigError("--queries sets the pseudo-queries of rewritten sites and --no-rewrite writes none: "
+                              "drop one of them")
         if not onnx_input:
             raise ConfigError("--queries applies to ONNX input files (an onnxruntime-genai folder's model.onnx); a "
                               "saved AttnRes checkpoint folder as MODEL is exported with its own queries")
@@ -89,6 +102,12 @@ def _output(args, kind: str) -> Path:
                           "without the flag"
                           if onnx_input else "--with-past sets the dynamic dims itself (batch, sequence, past length): "
                           "drop --dynamic")
+    if (args.weights or args.eval_ids) and out.suffix.lower() != ".onnx":
+        raise ConfigError("--weights writes an .onnx file (onnxruntime's MatMulNBits); -o must end in .onnx")
+    if args.eval_ids and not args.weights:
+        raise ConfigError("--eval-ids verifies --weights: give --weights int8 or int4")
+    if args.eval_ids:
+        check_file(Path(args.eval_ids), "a .npy array of token ids")
     if onnx_input:
         cli_args.no_dynamic_for_onnx(args)
     else:
@@ -104,13 +123,19 @@ def run(args) -> int:
     kind = cli_args.model_kind(args.model)
     out = _output(args, kind)
     config = cli_args.config(args)
+    quantize = {}
+    if args.weights:
+        from ..onnx.weights import read_eval_ids
+
+        quantize = {"weights": args.weights, "eval_ids": read_eval_ids(args.eval_ids) if args.eval_ids else None}
     if kind == "onnx":
         from ..onnx.runtime import parse_input_shapes
 
         result = api.rewrite_onnx(args.model, out, config if args.queries is None or cli_args.options_given(args)
                                   else None, verify_outputs=not args.no_verify,
                                   input_shapes=parse_input_shapes(args.input_shape), force=args.force,
-                                  verify_timeout=args.verify_timeout, queries=args.queries)
+                                  verify_timeout=args.verify_timeout, queries=args.queries,
+                                  rewrite_chains=not args.no_rewrite, **quantize)
     else:
         if kind == "factory":
             model, example = load_factory(args.model)
@@ -118,10 +143,11 @@ def run(args) -> int:
             model, example, config = _folder(args, config)
         if out.suffix.lower() == ".onnx":
             result = api.export_onnx(model, example, out, config, verify_outputs=not args.no_verify,
-                                     verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past)
+                                     verify_timeout=args.verify_timeout, dynamic=args.dynamic, with_past=args.with_past,
+                                     rewrite_chains=not args.no_rewrite, **quantize)
         else:
             result = api.export_pt2(model, example, out, config, verify_outputs=not args.no_verify,
-                                    dynamic=args.dynamic, with_past=args.with_past)
+                                    dynamic=args.dynamic, with_past=args.with_past, rewrite_chains=not args.no_rewrite)
     report, written = result.report, result.written
     if args.report:
         done = " and ".join(str(p) for p in written)
@@ -130,7 +156,7 @@ def run(args) -> int:
             stage.path.write_text(report.to_json())
     print(cli_words(str(report)))
     print("wrote " + " and ".join(str(p) for p in written) if written else "nothing written")
-    _judge(report, args.scale)
+    _judge(report, "preserve" if args.no_rewrite else args.scale)
     return 0
 
 

@@ -54,7 +54,8 @@ def has_work(plan: Plan, config: AttnResConfig) -> bool:
     why = f"; chains skipped: {reasons[0]}" if reasons else ""
     raise NoResidualChainError(
         f"no residual chain to rewrite: {plan.adds_total} adds, {links} residual links, "
-        f"{len(plan.chains)} chains (min_chain={config.min_chain}){why}; run inspect for the full report"
+        f"{len(plan.chains)} chains (min_chain={config.min_chain}){why}; run inspect for the full report "
+        "(rewrite_chains=False writes the model as it is, to compare with)"
     )
 
 

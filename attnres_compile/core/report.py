@@ -115,21 +115,57 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
     return Report(data)
 
 
-def verification_lines(rows: list[dict]) -> list[str]:
+def verification_lines(rows: list[dict], against: str = "rewritten") -> list[str]:
     """The verification's header (naming the inputs also tried with zero rows) and one line per
     row; a run that compared no value says so instead of showing nothing."""
     zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
     also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
-    lines = [f"verification (original vs rewritten, same inputs{also}):"]
+    lines = [f"verification (original vs {against}, same inputs{also}):"]
     lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in rows]
     empty = nothing_compared(rows)
     return lines + ([f"  {empty}"] if empty else [])
+
+
+def describe_check(check: dict) -> str:
+    """One line of a weight-quantized model's verification (onnx/weights.py)."""
+    mark = {True: "✓", False: "✗", None: "·"}[check["ok"]]
+    if check["check"] == "perplexity":
+        return (f"{mark} perplexity {check['quantized']:.3f} against {check['fp32']:.3f} in float32 "
+                f"({check['change']:+.2%}, bound {check['bound']})")
+    if check["check"] == "next-token agreement":
+        return f"{mark} next-token agreement with float32 {check['value']:.1%} (bound {check['bound']})"
+    rows = ", ".join(f"{r['equal']}/{check['tokens']}" + ("" if r["first_difference"] is None else
+                                                          f" (first difference at {r['first_difference']})")
+                     for r in check["rows"])
+    return f"{mark} {check['check']}: {rows} equal (no verdict: a near-tie flips the rest of a sequence)"
+
+
+def weights_lines(info: dict) -> list[str]:
+    """The report's lines for a weight-quantized output (onnx/weights.py)."""
+    scheme = "with a float minimum (as llama.cpp's Q4_1)" if info.get("minimum") else "symmetric"
+    head = (f"weights: {info['weights']} ({info['method']}: {info['bits']} bits in blocks of {info['block_size']}, "
+            f"{scheme}"
+            + (f", the LM head at {info['head_bits']} bits" if info.get("head_bits") else "")
+            + (f", computing in int8 (accuracy_level {info['accuracy_level']})" if info.get("accuracy_level") == 4 else "")
+            + f"; {info['quantized']} MatMuls quantized"
+            + (f" ({info['transposed']} through a transposed copy of a tied weight)" if info.get("transposed") else "")
+            + f", {info['kept']} with activations on both sides kept; sites, norms and embeddings float32): "
+            f"{info['bytes_before'] / 1e6:.1f} -> {info['bytes_after'] / 1e6:.1f} MB of weights")
+    check = info.get("verification")
+    if not check:
+        return [head, "  not verified (verify_outputs=False)"]
+    rows = check["rows_evaluated"]
+    out = [head, f"  verified against the float32 model on {rows[0]} row(s) x {rows[1]} tokens"
+                 + (f" ({check['source']})" if check["source"] else "") + f", {check['positions']} predictions:"]
+    return out + [f"    {describe_check(c)}" for c in check["checks"]]
 
 
 def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
     variant = cfg["variant"] + (f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else "")
+    if data.get("rewritten") is False:
+        variant, cfg = "none (the original model, not rewritten)", {**cfg, "scale": "-"}
     lines = [
         f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  scale={cfg['scale']}",
         f"{s['nodes']} nodes, {s['adds']} adds: {s['adds_in_links']} in {s['links']} residual links, {s['adds_skipped']} not residual; "
@@ -155,11 +191,14 @@ def format_table(data: dict) -> str:
             shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
     if data["verification"] is not None:
-        lines += ["", *verification_lines(data["verification"])]
+        against = "written" if data.get("rewritten") is False else "rewritten"
+        lines += ["", *verification_lines(data["verification"], against)]
     if data.get("verified_shapes"):
         lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
                                                            for name, dims in shapes.items())
                                                  for shapes in data["verified_shapes"]))
+    if data.get("weights"):
+        lines += ["", *weights_lines(data["weights"])]
     if data.get("dynamic_dims"):
         dims = ", ".join(f"{name}[{','.join(map(str, axes))}]" for name, axes in data["dynamic_dims"].items())
         lines.append(f"dynamic input dims: {dims}")

@@ -52,7 +52,8 @@ def inspect_traced(traced: Traced, config: AttnResConfig | None = None) -> Repor
 
 
 def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None = None, verify_outputs: bool = True,
-            dynamic_shapes: Any = None, dynamic: str | None = None, with_past: bool = False) -> RewriteResult:
+            dynamic_shapes: Any = None, dynamic: str | None = None, with_past: bool = False,
+            rewrite_chains: bool = True) -> RewriteResult:
     """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
 
     With example inputs and `verify_outputs`, the original and rewritten models run on fresh copies
@@ -61,6 +62,10 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
 
     `with_past`: `model` is an HF causal LM; what is traced and rewritten is its decoder with a KV
     cache (fx/decoder.py), which `generation.causal_lm` serves to HF `generate()`.
+
+    `rewrite_chains=False`: the model as it is, through the same trace and verification (the traced
+    module against the model) and the same report, with no site: the original, built by the same
+    machinery as a rewrite, to compare with it (a model without residual chains is fine then).
     """
     config = as_config(config)
     if with_past:
@@ -72,6 +77,11 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
         relax_mask_length(gm)  # a prompt of 1 to 3 tokens (fx/decoder.py)
     view = view_from_fx(gm)
     plan = analyze(view, config)
+    if not rewrite_chains:
+        verification = _verify(model, traced, config, plan, check=False) if verify_outputs and traced.args is not None else None
+        report = build(plan, view, config, traced.source, [], verification, traced.notes + [NOT_REWRITTEN],
+                       traced.dynamic, extra={"rewritten": False})
+        return RewriteResult(gm, report, modified=False)
     if not has_work(plan, config):
         report = build(plan, view, config, traced.source, notes=traced.notes + plan_notes(plan), dynamic_dims=traced.dynamic)
         return RewriteResult(gm, report, modified=False)
@@ -84,21 +94,27 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
 
 
 
-def _verify(model: Any, traced: Traced, config: AttnResConfig, plan) -> list[dict] | None:
-    """The original against the rewritten module on the example inputs; notes join `traced.notes`."""
+NOT_REWRITTEN = ("not rewritten (rewrite_chains=False): the original model, traced, written and verified by the "
+                 "same machinery as a rewrite, to compare like with like")
+
+
+def _verify(model: Any, traced: Traced, config: AttnResConfig, plan, check: bool = True) -> list[dict] | None:
+    """The original against the rewritten module (`check=False`: the traced one) on the example inputs;
+    notes join `traced.notes`."""
     gm = traced.graph_module
     original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
-    changes = any(c.changes_function for c in plan.to_rewrite)
+    changes = check and any(c.changes_function for c in plan.to_rewrite)
+    scale = config.scale if check else "preserve"  # nothing rewritten: the trace must be exact
     # the rewritten run's kernels build in the background meanwhile (kernels/prebuild.py)
     workers = prebuild.start(prebuild.forward_specs(gm)) if fused_kernels() else []
     try:
         with progress.stage("verifying in torch"):
             verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,
-                                                       verify.tolerance(config.scale, changes))
+                                                       verify.tolerance(scale, changes))
     finally:
         prebuild.stop(workers)
     traced.notes += notes
     failed = [r for r in verification or [] if r.get("ok") is False]
-    if failed and config.scale == "paper":
+    if failed and scale == "paper":
         traced.notes.append(verify.paper_scale_note(len(failed)))
     return verification

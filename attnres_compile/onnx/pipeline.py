@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,9 @@ from ..core import verify
 from ..core.chain_analysis import analyze
 from ..core.checks import as_config, has_work, plan_notes, split_inputs
 from ..core.config import AttnResConfig
-from ..core.errors import AttnResError, ModelRunError
+from ..core.errors import AttnResError, ConfigError, ModelRunError
 from ..core.report import ExportResult, Report, build
-from ..fx.pipeline import rewrite
+from ..fx.pipeline import NOT_REWRITTEN, rewrite
 from ..utils import outputs, progress, pytree_warning
 from . import contrib_ops as onnx_contrib_ops
 from . import genai as onnx_genai
@@ -97,7 +98,8 @@ def _analysis_notes(plan, view, input_shapes) -> list[str]:
 def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: AttnResConfig | None = None,
                  verify_outputs: bool = True, input_shapes: dict[str, tuple[int, ...]] | None = None,
                  force: bool = False, verify_timeout: float | None = None, fuse_norms: bool = False,
-                 queries: dict | None = None, queries_from: str = "the checkpoint") -> ExportResult:
+                 queries: dict | None = None, queries_from: str = "the checkpoint", rewrite_chains: bool = True,
+                 weights: str | None = None, eval_ids=None) -> ExportResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
     Weights stay external (`<output>.data`) when the input kept them external, or when large.
@@ -110,10 +112,15 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py). `queries`:
     {"chain<i>.site<k>": array} of a converted model (`queries_from` names it in errors), set into
     the sites' initializers after the verification (which checks the rewrite itself, exact at zero
-    queries); the sites must be the same, with the same sizes (onnx/queries.py).
+    queries); the sites must be the same, with the same sizes (onnx/queries.py). `rewrite_chains=False`: no
+    site; the file goes through every other pass and check (onnxruntime's fused residual norms unfused, written,
+    verified against the input), the original as a rewrite would be written, to compare like with like.
+    `weights` ("int8", "int4"): the file written has its MatMul weights quantized (onnx/weights.py), verified
+    against the float32 rewrite on `eval_ids` (token ids [rows, tokens] of real text; needed to verify).
     """
     config = as_config(config)
     path, output = Path(path), Path(output)
+    _check_weights(weights, eval_ids, verify_outputs, "an ONNX file")
     model = onnx_io.load(path, with_data=False)
     carried = onnx_genai.carried(path, output)  # a genai folder's config is checked now, with the outputs
     outputs.check([*outputs.onnx_outputs(output), *(outputs.Output(dst, f"output's {dst.name}")
@@ -122,7 +129,14 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     with progress.stage(f"analysing {path.name}"):
         analysis = _Analysis(model, path, config, input_shapes)
     plan, view, notes = analysis.plan, analysis.view, analysis.notes
-    if not has_work(plan, config):
+    new_sites = rewrite_chains and has_work(plan, config)
+    if not rewrite_chains:
+        notes.append(NOT_REWRITTEN)
+    elif not new_sites and weights and queries is None:  # already rewritten: its sites kept, its weights quantized
+        notes[:] = [n for n in notes if not n.startswith("already rewritten")]
+        notes.append(f"already rewritten: {len(plan.existing_sites)} depth_attention sites kept as they are; only "
+                     "the weights are quantized")
+    elif not new_sites:
         if queries is not None:
             onnx_queries.check(model, queries, queries_from)  # no sites here: refused in one line
         return ExportResult(build(plan, view, config, "onnx", notes=notes + ["no file written"], extra=analysis.fused_ops))
@@ -131,38 +145,45 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     external = bool(onnx_io.external_tensors(model))
     onnx_io.load_data(model, path)
     sites = RewriteSites(plan, config, view)
-    done = passes.run(model, [sites, *([FuseNorms(view)] if fuse_norms else []), *(p() for p in FINALIZE)])
+    rewriting = [sites, *([FuseNorms(view)] if fuse_norms else [])] if new_sites else []
+    done = passes.run(model, [*rewriting, *(p() for p in FINALIZE)])
     if queries is not None:
         onnx_queries.check(model, queries, queries_from)  # before any run: a mismatch costs nothing
-    verification, extra = None, dict(analysis.fused_ops)
-    with onnx_io.staged(output) as stage:
+    verification, extra = None, {**analysis.fused_ops, **({} if rewrite_chains else {"rewritten": False})}
+    with onnx_io.staged(output) as stage, _float32_scratch(weights) as scratch:
+        fp32 = scratch / output.name if scratch else stage.path
         if queries is not None and not verify_outputs:
             onnx_queries.set_queries(model, queries, queries_from)
-        onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
-        check_written(stage.path)
+        onnx_io.write(model, fp32, external, onnx_io.data_name(stage) if not scratch else None)
+        check_written(fp32)
         carried.write(stage.folder)  # a genai folder's other files commit with the model, in one step
         if verify_outputs:
             from . import runtime as ort_backend
 
-            tolerance = verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+            tolerance = (verify.tolerance(config.scale, any(c.changes_function for c in plan.to_rewrite))
+                         if new_sites else verify.tolerance("preserve", False))
             with progress.stage("verifying in onnxruntime"):
                 verification, verified, run_notes = ort_backend.compare_files(
-                    path, stage.path, tolerance, input_shapes, timeout=verify_timeout,
+                    path, fp32, tolerance, input_shapes, timeout=verify_timeout,
                     consequence="the rewritten model was not written")
             notes += run_notes
             extra["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
             if queries is not None:  # verified at zero queries (exact: the rewrite itself), then the trained ones
                 with progress.stage(f"setting {len(queries)} trained queries"):
                     onnx_queries.set_queries(model, queries, queries_from)
-                    onnx_io.write(model, stage.path, external, onnx_io.data_name(stage))
-                    check_written(stage.path)
+                    onnx_io.write(model, fp32, external, onnx_io.data_name(stage) if not scratch else None)
+                    check_written(fp32)
+        if weights:
+            del model
+            extra["weights"] = _quantized(fp32, stage, weights, eval_ids, "--eval-ids", verify_outputs, verify_timeout,
+                                          external)
     if queries is not None:
         notes.append(f"{len(queries)} pseudo-queries set from {queries_from}"
                      + (" after the verification, which ran with zero queries (where the rewrite computes the "
                         "original)" if verify_outputs else ""))
     written = list(stage.written)
     notes += [n for n in [carried.note(output)] if n]
-    report = build(plan, view, config, "onnx", sites.sites, verification, notes,
+    report = build(plan, view, config, "onnx", sites.sites if new_sites else [], verification, notes,
                    passes={**analysis.passes, **done}, extra=extra)
     return ExportResult(report, written)
 
@@ -197,7 +218,8 @@ def _check_test_inputs(model, overrides: dict[str, tuple[int, ...]]) -> None:
 
 def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
                 verify_outputs: bool = True, verify_timeout: float | None = None, dynamic: str | None = None,
-                with_past: bool = False, fuse_norms: bool = False) -> ExportResult:
+                with_past: bool = False, fuse_norms: bool = False, rewrite_chains: bool = True,
+                weights: str | None = None, eval_ids=None) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
     `dynamic` picks the input dims that stay symbolic (fx/dynamic_dims.py; default batch
@@ -210,28 +232,39 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
     names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
     out; batch, sequence and past length dynamic). `fuse_norms`: the module exported is the rewritten
     one after `fuse_norms` (fx/site_norm.py): each pair one `attnres.DepthAttentionNorm` node.
+    `rewrite_chains=False`: the model as it is, traced, exported and verified the same way (fx.pipeline.rewrite).
+    `weights` ("int8", "int4"): the file written has its MatMul weights quantized (onnx/weights.py), verified
+    against the float32 export on `eval_ids` (token ids [rows, tokens]; default: the example inputs' input_ids).
     """
     from ..fx import dynamic_dims
     from . import dims as onnx_dims
     from .export import export_or_static
 
     config = as_config(config)
+    if weights and eval_ids is None:
+        eval_ids, source = _example_ids(example_inputs), "the example inputs' input_ids"
+    else:
+        source = "eval_ids"
+    _check_weights(weights, eval_ids, verify_outputs, "this model's example inputs")
     if with_past:
         from ..fx.trace import decoder_with_past
 
         model, example_inputs, spec = decoder_with_past(model, example_inputs, None, dynamic)
         args, kwargs = example_inputs, {}
-        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic_shapes=spec,
+                         rewrite_chains=rewrite_chains)
         spec = (*spec[:3], *spec[3])  # the rewritten module takes the past as separate arguments
         what = "dynamic batch, sequence and past length"
     else:
         args, kwargs = split_inputs(example_inputs)
-        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+        result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic,
+                         rewrite_chains=rewrite_chains)
         dims = dynamic_dims.parse(dynamic)
         spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
         what = f"dynamic {dims.text}"
     notes = result.report.data["notes"]
-    with onnx_io.staged(output) as stage:
+    with onnx_io.staged(output) as stage, _float32_scratch(weights) as scratch:
+        fp32 = scratch / Path(output).name if scratch else stage.path
         with progress.stage("exporting to ONNX"):
             module = result.graph_module
             if fuse_norms:
@@ -247,14 +280,79 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
             entry = proto.metadata_props.add()  # what `generate` stops a row at
             entry.key, entry.value = decoder.GENERATION, json.dumps(decoder.generation_ids(model.wraps))
         onnx_dims.record_examples(proto, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
-        onnx_io.write(proto, stage.path, data=onnx_io.data_name(stage))
-        check_written(stage.path)
+        onnx_io.write(proto, fp32, data=onnx_io.data_name(stage) if not scratch else None)
+        check_written(fp32)
         if verify_outputs and args is not None:
-            tolerance = verify.tolerance(config.scale, result.report["summary"]["changes_function"])
+            tolerance = verify.tolerance(config.scale if rewrite_chains else "preserve",
+                                         result.report["summary"]["changes_function"])
             with progress.stage("verifying in onnxruntime"):
-                rows = _verify_export(model, args, kwargs, stage.path, tolerance, verify_timeout)
+                rows = _verify_export(model, args, kwargs, fp32, tolerance, verify_timeout)
             result.report.data["verification"] = (result.report.data["verification"] or []) + rows
+        if weights:
+            del proto
+            result.report.data["weights"] = _quantized(fp32, stage, weights, eval_ids, source, verify_outputs,
+                                                       verify_timeout, False)
     return ExportResult(result.report, stage.written)
+
+
+def _check_weights(weights: str | None, eval_ids, verify_outputs: bool, where: str) -> None:
+    """`weights` is int8 or int4; verifying it needs token ids (ConfigError before any work)."""
+    from . import weights as onnx_weights
+
+    onnx_weights.check_weights(weights)
+    if weights and verify_outputs and eval_ids is None:
+        raise ConfigError(f"weights={weights!r} is verified on token ids of real text, and {where} gives none: pass "
+                          "eval_ids (--eval-ids FILE.npy), or verify_outputs=False")
+
+
+def _example_ids(example_inputs: Any):
+    """The example inputs' token ids (an `input_ids` keyword, or the first integer tensor), as numpy, or None."""
+    args, kwargs = split_inputs(example_inputs)
+    found = kwargs.get("input_ids")
+    if found is None:
+        found = next((t for t in pytree.tree_leaves((args or (), kwargs)) if isinstance(t, torch.Tensor)
+                      and not t.is_floating_point() and t.dtype != torch.bool), None)
+    return None if found is None else found.detach().cpu().numpy().reshape(-1, found.shape[-1])
+
+
+@contextmanager
+def _float32_scratch(weights: str | None):
+    """A temporary folder for the float32 file a quantized one is made from and checked against (None
+    when the output is the float32 file itself)."""
+    if not weights:
+        yield None
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="attnres-float32-") as folder:
+        yield Path(folder)
+
+
+def _quantized(fp32: Path, stage, weights: str, eval_ids, source: str, verify_outputs: bool,
+               timeout: float | None, external: bool) -> dict:
+    """The float32 file at `fp32` quantized into `stage` (onnx/weights.py) and, with `verify_outputs`, verified
+    against it on `eval_ids` within the stated bounds (VerificationError, nothing written, when out of them)."""
+    from . import weights as onnx_weights
+
+    model = onnx_io.load(fp32, with_data=False)
+    onnx_io.load_data(model, fp32)
+    with progress.stage(f"quantizing the weights to {weights}"):
+        quantized, info = onnx_weights.quantize(model, weights)
+    del model
+    info["weights"] = weights
+    onnx_io.write(quantized, stage.path, external, onnx_io.data_name(stage))
+    del quantized
+    check_written(stage.path)
+    if verify_outputs:
+        names = onnx_weights.token_names(onnx_io.load(stage.path, with_data=False))
+        if isinstance(names, str):
+            raise ConfigError(f"weights={weights!r} is verified as a language model's next tokens and {names}; "
+                              "nothing written; verify_outputs=False writes it unverified")
+        with progress.stage(f"verifying the {weights} weights in onnxruntime"):
+            info["verification"] = onnx_weights.evaluate(fp32, stage.path, eval_ids, weights, names, timeout,
+                                                         source=source)
+        onnx_weights.judge(info)
+    return info
 
 
 def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,

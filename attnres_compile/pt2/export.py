@@ -19,7 +19,8 @@ from .write import drop_guards, save
 
 
 def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, config: AttnResConfig | None = None,
-               verify_outputs: bool = True, dynamic: str | None = None, with_past: bool = False) -> ExportResult:
+               verify_outputs: bool = True, dynamic: str | None = None, with_past: bool = False,
+               rewrite_chains: bool = True) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
 
     The archive takes the model's own call: its tensor inputs and its non-tensor keyword inputs at
@@ -28,11 +29,13 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
     named outputs. `dynamic`: the
     input dims that stay symbolic (fx/dynamic_dims.py). `with_past`: the decoder of an HF causal LM
     with its KV cache (fx/decoder.py), the past as separate tensor inputs, for `generate`.
+    `rewrite_chains=False`: the model as it is, traced, exported and verified the same way (fx.pipeline.rewrite).
     """
     config = as_config(config)
     if with_past:
         wrapper, args, spec = decoder_with_past(model, example_inputs, None, dynamic)
-        result = rewrite(wrapper, args, config, verify_outputs=verify_outputs, dynamic_shapes=spec)
+        result = rewrite(wrapper, args, config, verify_outputs=verify_outputs, dynamic_shapes=spec,
+                         rewrite_chains=rewrite_chains)
         with progress.stage(f"exporting {Path(output).name}"):
             program = dynamic_dims.export_program(result.graph_module, args, {}, (*spec[:3], *spec[3]),
                                                   "dynamic batch, sequence and past length", result.report.data["notes"])
@@ -40,7 +43,8 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
             with outputs.staged(output) as stage:
                 save(program, stage.path, extra={decoder.GENERATION: decoder.generation_ids(model)})
         return ExportResult(result.report, stage.written)
-    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic)
+    result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic,
+                     rewrite_chains=rewrite_chains)
     args, kwargs = split_inputs(example_inputs)
     dims = dynamic_dims.parse(dynamic)
     spec = dynamic_dims.export_spec(dims, model, args, kwargs) if result.report["dynamic_dims"] else None

@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 
 from ...core import __version__
-from ...core.errors import CompileError, ConfigError, InputError, OutputWriteError, VerificationError, first_line
+from ...core.errors import CompileError, ConfigError, OutputWriteError, VerificationError, first_line
 from ...fx.decoder import GENERATION
 from ...onnx import io as onnx_io
 from ...utils import outputs
@@ -38,6 +38,8 @@ from .pipeline import Built, build, make_target
 from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 
 LIBRARY = "model.so"
+ORIGINAL_NOTE = ("the original model: no depth-attention sites, built by the same pipeline as a rewritten one "
+                 "(to compare like with like)")
 _DISK_ERRORS = [os.strerror(e) for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)]
 
 
@@ -50,7 +52,9 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
 
     Every operator gets a default schedule (no tuning). `static_shapes` ({input: dims}) fixes
-    symbolic dims in the artifact (needed to tune); the others stay symbolic. `input_shapes`
+    symbolic dims in the artifact (needed to tune); the others stay symbolic. A model without sites (the
+    original, e.g. `rewrite --no-rewrite`) is built by the same pipeline; its manifest says so
+    (`rewritten`: false, `note`). `input_shapes`
     ({input: dims}) only sizes the verification inputs. `tune` runs meta_schedule from the default schedules for
     `trials` trials per task (default 8) and/or `tune_minutes` minutes in all, keeping records
     in `tuning_db` and reusing them on the next compile. With `verify_outputs` the built model
@@ -63,14 +67,15 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     tvm_target = make_target(target, arch)
     verify_shapes = _verification_shapes(static_shapes, input_shapes)
     imported = import_model(model, static_shapes)
-    if not imported.sites:
-        raise InputError("the model has no depth-attention sites: rewrite it first (attnres-compile rewrite)")
     if input_shapes and imported.kind != "onnx":
         raise ConfigError("--input-shape sizes the onnxruntime verification of an ONNX source; a .pt2 is verified on "
                           "its stored example inputs (--static-shape fixes its dims in the artifact)")
     built = build(imported, tvm_target, input_shapes=static_shapes, tune=tune, trials=trials,
                   tune_minutes=tune_minutes, tuning_db=tuning_db, progress=progress)
     manifest = _manifest(imported, built, model, static_shapes)
+    manifest["rewritten"] = bool(imported.sites)
+    if not imported.sites:  # the original (rewrite --no-rewrite, or any model): same pipeline, said so
+        manifest["note"] = ORIGINAL_NOTE
     if verify_outputs:
         manifest["verification"] = _verify(model, imported, built, tvm_target, verify_shapes, verify_timeout)
     with outputs.staged_folder(out) as stage:

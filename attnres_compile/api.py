@@ -24,14 +24,17 @@ __all__ = ["ExportResult", "Report", "RewriteResult", "convert", "export_onnx", 
 
 
 def rewrite_onnx(path, output, config=None, verify_outputs: bool = True, input_shapes=None, force: bool = False,
-                 verify_timeout: float | None = None, fuse_norms: bool = False, queries=None):
+                 verify_timeout: float | None = None, fuse_norms: bool = False, queries=None,
+                 rewrite_chains: bool = True, weights: str | None = None, eval_ids=None):
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (onnx/pipeline.py).
 
     `queries`: an AttnRes checkpoint folder (`save_pretrained` of a converted model) or a converted
     model: the rewritten file takes its trained pseudo-queries (the sites matched by chain and site
     index and size, a mismatch refused in one line), and its AttnRes config (`config` left out, or
     the same). For an onnxruntime-genai folder built from the base model:
-    `rewrite_onnx("base/model.onnx", "out/model.onnx", queries="tuned")` serves the trained model."""
+    `rewrite_onnx("base/model.onnx", "out/model.onnx", queries="tuned")` serves the trained model.
+    `rewrite_chains=False` writes the original by the same passes; `weights` ("int8", "int4") quantizes
+    the MatMul weights, verified on `eval_ids` (onnx/pipeline.py)."""
     found, where = None, "the checkpoint"
     if queries is not None:
         where = str(queries) if isinstance(queries, (str, os.PathLike)) else f"the {type(queries).__name__}"
@@ -39,4 +42,5 @@ def rewrite_onnx(path, output, config=None, verify_outputs: bool = True, input_s
         config = _ship.config_for(saved, config, where)
     return _onnx_pipeline.rewrite_onnx(path, output, config, verify_outputs=verify_outputs, input_shapes=input_shapes,
                                        force=force, verify_timeout=verify_timeout, fuse_norms=fuse_norms,
-                                       queries=found, queries_from=where)
+                                       queries=found, queries_from=where, rewrite_chains=rewrite_chains,
+                                       weights=weights, eval_ids=eval_ids)

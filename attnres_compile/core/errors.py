@@ -164,7 +164,9 @@ _CLI_WORDS = [
     (r"\bfeature_axis\b", "--feature-axis"),
     (r"\ballow_nonlinear\b", "--allow-nonlinear"),
     (r"\binput_shapes\b", "--input-shape"),
-    (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+    (r"\b(eps|scale|variant|init) must\b", r"--\1 must"),
+    (r"\binit='paper'", "--init paper"),
+    (r"\bscale='paper'", "--scale paper"),
     (r"\beps=(\S+) is\b", r"--eps \1 is"),
 ]
 

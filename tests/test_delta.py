@@ -263,3 +263,87 @@ def test_export_onnx_and_tvm_carry_trained_gates(tmp_path):
     assert manifest["verification"]["reference"] != "onnxruntime"
     assert all(r["ok"] for r in manifest["verification"]["rows"])
     assert [s["kernel"].endswith("_delta_ln") for s in manifest["sites"]] == [True] * 4
+
+
+# ---- generation, monitor, distributed
+
+def test_generation_with_a_kv_cache_gives_the_original_tokens():
+    from attnres_compile.generation import causal_lm
+    from samples.hf_decoders import DECODERS
+
+    model, example = DECODERS["llama"]()
+    result = ac.rewrite(model, example, AttnResConfig(variant="delta", num_blocks=2), with_past=True)
+    assert all(r["verdict"] == "pass" for r in result.report["verification"])
+    prompt = example["input_ids"][:, :6]
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
+    got = causal_lm(model, result.graph_module).generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                                    max_new_tokens=16, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_monitor_reports_weights_and_gate_per_site():
+    from attnres_compile.monitor import DepthMonitor
+
+    model, inputs = FACTORIES["gpt2"]()
+    gm = ac.rewrite(model, inputs, AttnResConfig(variant="delta", num_blocks=2)).graph_module
+    with torch.no_grad():
+        gm.get_parameter("attnres.chain0.gate2").fill_(0.25)
+    monitor = DepthMonitor(gm)
+    with monitor.watch():
+        gm(**inputs)
+    sites = monitor.stats()["sites"]
+    assert len(sites) == 4 and [s["gate"] for s in sites] == [0.0, 0.25, 0.0, 0.0]
+    assert all(abs(sum(s["weights"]) - 1) < 1e-5 for s in sites)
+
+
+def test_pipeline_stages_relay_the_plain_stream_too():
+    """split_stages of a Delta-Block GPT: the stages chained are the model (trained gates and queries);
+    each hop carries Block's history and streams plus the plain sum, a second "stream" value."""
+    from attnres_compile.distributed import split_stages
+    from samples.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=32, layers=4, heads=2, max_len=16).eval()
+    x = torch.randint(0, 64, (2, 16))
+    gms = {name: ac.rewrite(model, (x,), config).graph_module for name, config in
+           [("block", AttnResConfig(variant="block", num_blocks=2)), ("delta", AttnResConfig(variant="delta", num_blocks=2))]}
+    with torch.no_grad():
+        for n, p in gms["delta"].named_parameters():
+            if n.startswith("attnres."):
+                p.normal_(0, 0.5)
+    plans = {}
+    for name, gm in gms.items():
+        stages, plans[name] = split_stages(gm, (x,), num_stages=4)
+        out = (x,)
+        for stage in stages:
+            out = stage(*out)
+            out = out if isinstance(out, tuple) else (out,)
+        assert torch.equal(out[0], gm(x)), name
+    for block, delta in zip(plans["block"].hops, plans["delta"].hops):
+        kinds = lambda hop, k: sum(v.kind == k for v in hop.values)  # noqa: E731
+        assert kinds(delta, "history") == kinds(block, "history") and kinds(delta, "stream") == 2
+        assert delta.bytes == block.bytes + 2 * 16 * 32 * 4  # one more [2, 16, 32] float32 tensor
+
+
+def test_pipeline_stages_on_two_gloo_ranks_train_as_one_process():
+    """Delta-Block (N=2) GPT in 1F1B on 2 gloo ranks: the per-micro-batch losses and the gates' and
+    queries' gradients of one process (samples/train_pipeline.py). The sample's gates get gradients of
+    ~1e-7 (sums over rows that mostly cancel, ~3% apart in float32 between the two orders of
+    accumulation) and, the gates barely moved, the queries ~1e-13 on step 2: each is compared to 1e-4 of
+    itself, or 1e-8 (gates) or 1e-6 of the largest (queries)."""
+    import torch.distributed as dist
+
+    from samples import train_pipeline
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    ref = train_pipeline.reference("delta-block", steps=2)
+    got = train_pipeline.run(("1f1b",), world=2, variant="delta-block", steps=2)["1f1b"]
+    for g, w in zip(got["losses"], ref["losses"]):
+        assert g == pytest.approx(w, abs=1e-6)
+    for g, w in zip(got["grads"], ref["grads"]):
+        assert g.keys() == w.keys() and any(".gate" in k for k in w)
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-8 if ".gate" in k else 1e-6 * max(map(abs, w[k]))), k
+    assert all(w[0] != 0 for k, w in ref["grads"][0].items() if ".gate" in k)  # step 0: the gates learn,
+    assert all(v == 0 for k, w in ref["grads"][0].items() if ".site" in k for v in w)  # the queries not yet

@@ -12,6 +12,10 @@ first 96 the final losses). Arms, every one from the same pretrained weights on 
   full           rewritten to Full AttnRes, the same
   block8-recipe  Block N = 8 with the recommended recipe's query rate (0.01 x the model's: stable, and the
                  depth weights barely move in a short fine-tune; docs/finetune.md)
+  delta8         rewritten to Delta-Block AttnRes (N = 8, gates at 0: exact at the start; issue 64), the gates
+                 and queries in their own group at 100 x the model's rate (the published fine-tuning's
+                 --lr_attnres / --lr), ramped from 0 over 20 steps
+  delta          rewritten to Delta AttnRes (every sublayer output a source), the same
 
 AdamW at a constant learning rate (no schedule besides the queries' warm-up), so `continue` run longer
 is the same run with more steps: it runs until the largest equal-compute point (its steps times the
@@ -47,6 +51,8 @@ ARMS = {  # name -> (variant, query_lr_scale); None: the original model / the re
     "block8": ("block", 1.0),
     "full": ("full", 1.0),
     "block8-recipe": ("block", None),
+    "delta8": ("delta-block", 100.0),
+    "delta": ("delta", 100.0),
 }
 HELD_OUT_EVERY = 10  # every 10th topic (sorted by name) is held out
 EXTRA = 1.15  # `continue` runs this many times the steps, for equal-compute points
@@ -134,17 +140,21 @@ def evaluate(model, rows, batch: int) -> float:
 # ---------------------------------------------------------------- one arm (in a worker)
 
 def depth_summary(monitor, rows) -> dict:
-    """Per site: normalised entropy, weight x |S| on v0 (the embeddings) and on the newest source; and the weights."""
+    """Per site: normalised entropy, weight x |S| on v0 (the embeddings) and on the newest source; the weights;
+    and (Delta) the gates."""
     import torch
 
     monitor.reset()
     with torch.no_grad():
         monitor(input_ids=rows[:, :-1], attention_mask=torch.ones_like(rows[:, :-1]), use_cache=False)
     sites = monitor.stats()["sites"]
-    return {"entropy": [round(s["entropy"] / s["max_entropy"], 5) for s in sites],
-            "v0": [round(s["weights"][0] * len(s["weights"]), 4) for s in sites],
-            "newest": [round(s["weights"][-1] * len(s["weights"]), 4) for s in sites],
-            "weights": [[round(w, 5) for w in s["weights"]] for s in sites]}
+    out = {"entropy": [round(s["entropy"] / s["max_entropy"], 5) for s in sites],
+           "v0": [round(s["weights"][0] * len(s["weights"]), 4) for s in sites],
+           "newest": [round(s["weights"][-1] * len(s["weights"]), 4) for s in sites],
+           "weights": [[round(w, 5) for w in s["weights"]] for s in sites]}
+    if any("gate" in s for s in sites):  # Delta AttnRes: each site's gate
+        out["gate"] = [round(s["gate"], 6) for s in sites]
+    return out
 
 
 def run_arm(spec: dict) -> dict:
@@ -173,7 +183,8 @@ def run_arm(spec: dict) -> dict:
         sched = None
     else:
         t0 = time.perf_counter()
-        config = AttnResConfig(variant=variant, num_blocks=a["blocks"] if variant == "block" else None)
+        name, blocked = variant.removesuffix("-block"), variant.endswith("block")
+        config = AttnResConfig(variant=name, num_blocks=a["blocks"] if blocked else None)
         model = rewrite(model, {"input_ids": x0, "attention_mask": torch.ones_like(x0), "use_cache": False},
                         config).graph_module
         rec["rewrite_s"] = time.perf_counter() - t0

@@ -13,7 +13,8 @@ import numpy as np
 from samples.study_report import _atomic, compact_json, paired
 
 LABEL = {"continue": "original, fine-tuned", "block8": "-> Block N=8", "full": "-> Full",
-         "block8-recipe": "-> Block N=8, recipe's query LR"}
+         "block8-recipe": "-> Block N=8, recipe's query LR", "delta8": "-> Delta-Block N=8",
+         "delta": "-> Delta"}
 
 
 def _seeds(runs: dict) -> list[str]:

@@ -44,8 +44,13 @@ def setup(variant: str, steps: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, SIZE["vocab"], (steps, SIZE["batch"], SIZE["seq"] + 1), generator=gen)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    config = AttnResConfig(variant=variant, num_blocks=2 if variant == "block" else None)
-    return rewrite(model, (batches[0][0],), config).graph_module, batches
+    return rewrite(model, (batches[0][0],), config_of(variant)).graph_module, batches
+
+
+def config_of(variant: str) -> AttnResConfig:
+    """The rewrite of a variant name: "full", "block" (N=2), "delta" or "delta-block" (Delta AttnRes, N=2)."""
+    name, blocks = variant.removesuffix("-block"), 2 if variant.endswith("block") else None
+    return AttnResConfig(variant=name, num_blocks=blocks)
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--variant", choices=["full", "block"], default="block")
+    p.add_argument("--variant", choices=["full", "block", "delta", "delta-block"], default="block")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dp", type=int, default=1, help="FSDP2 data-parallel ranks per stage (world = stages x dp)")
     p.add_argument("--cache", action="store_true",

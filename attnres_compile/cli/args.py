@@ -77,11 +77,15 @@ def options_given(args) -> bool:
 
 def add_config_args(p: argparse.ArgumentParser, input_shape_help: str) -> None:
     """The rewrite's options (AttnResConfig's fields), --dynamic (factories) and --input-shape (ONNX files), on `p`."""
-    p.add_argument("--variant", choices=["full", "block"], default="full",
-                   help="full: every site attends over all earlier sources (default); block: over block sums")
+    p.add_argument("--variant", choices=["full", "block", "delta"], default="full",
+                   help="full: every site attends over all earlier sources (default); block: over block sums; delta: "
+                        "Delta AttnRes, the plain stream kept and a gated mix added to what reads it")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--blocks", type=int, help="number of blocks N (implies --variant block)")
-    g.add_argument("--block-size", type=int, help="sources per block B (implies --variant block)")
+    g.add_argument("--blocks", type=int, help="number of blocks N (implies --variant block unless --variant delta: "
+                   "Delta-Block)")
+    g.add_argument("--block-size", type=int, help="sources per block B (as --blocks)")
+    p.add_argument("--init", choices=["exact", "paper"], default="exact",
+                   help="--variant delta: gates start at 0, exact (default), or at 1, the published form")
     p.add_argument("--scale", choices=["preserve", "paper"], default="preserve",
                    help="preserve: output scaled by |S_k|, exact at init (default); paper: unscaled, as published")
     p.add_argument("--eps", type=float, default=1e-6, help="epsilon of the keys' RMSNorm (default 1e-6)")
@@ -100,10 +104,10 @@ def config(args):
     """The AttnResConfig the options of `args` describe (its errors before any heavy import)."""
     from ..core.config import AttnResConfig
 
-    variant = "block" if (args.blocks or args.block_size) else args.variant
+    variant = "block" if (args.blocks or args.block_size) and args.variant != "delta" else args.variant
     return AttnResConfig(variant=variant, num_blocks=args.blocks, block_size=args.block_size, scale=args.scale,
                          eps=args.eps, min_chain=args.min_chain, feature_axis=args.feature_axis,
-                         allow_nonlinear=args.allow_nonlinear)
+                         allow_nonlinear=args.allow_nonlinear, init=getattr(args, "init", "exact"))
 
 
 def add_debug(p: argparse.ArgumentParser) -> None:

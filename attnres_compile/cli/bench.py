@@ -96,6 +96,9 @@ def add_command(subparsers) -> None:
         p.add_argument("--seq", type=int, help="tokens per sequence (default 128)")
         p.add_argument("--batch", type=int, help="sequences per forward (default 1)")
         p.add_argument("--blocks", type=int, default=8, help="N of the Block rewrite (default 8)")
+        p.add_argument("--variants", type=_names(("full", "block", "delta", "delta-block")),
+                       help="the rewrites timed beside the original and its identical copy (default full,block; "
+                            "delta, delta-block: Delta AttnRes, the Block form with --blocks)")
         p.add_argument("--tune-minutes", type=float, help="also time a TVM build tuned with meta_schedule for this "
                        "many minutes (runtime tvm-tuned)")
         p.add_argument("--trials", type=int, help="also time a TVM build tuned with this many meta_schedule trials per "

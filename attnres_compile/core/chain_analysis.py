@@ -19,6 +19,7 @@ MAX_HOPS = 16           # ops walked back from a skip to the previous link's res
 MAX_NONLINEAR_HOPS = 4  # of which non-linear (post-norm LayerNorm, ReLU, ...)
 
 NOT_A_SKIP = "no operand that every other operand depends on (e.g. tok + pos, a mask, a projection shortcut)"
+ALREADY_DELTA = "the plain sum of a Delta AttnRes site (already rewritten)"
 NOT_LEARNED = "no learned op on the branch (an activation's own sum, e.g. GELU-tanh's x + 0.044715*x**3)"
 
 
@@ -29,12 +30,23 @@ def analyze(g: nx.DiGraph, config: AttnResConfig) -> Plan:
     inner = {n for n in adds if _is_inner(g, n)}
     skipped: list[SkippedAdd] = []
     links: dict[str, Link] = {}
+    bases = _delta_bases(g)
     for root in adds:
-        if root not in inner:
+        if root in bases:
+            skipped.append(SkippedAdd(root, nodes[root]["target"], ALREADY_DELTA))
+        elif root not in inner:
             _match_sum(g, root, inner, links, skipped)
     chains = _chains(g, links, config)
     existing = [n for n in g if nodes[n]["kind"] == Kind.DEPTH_ATTENTION]
     return Plan(chains, skipped, existing, len(adds))
+
+
+def _delta_bases(g: nx.DiGraph) -> set[str]:
+    """The plain sums that Delta AttnRes sites already in the graph read (their `base`, the input
+    before the gate): a rewritten Delta model keeps its residual adds, which are no links again."""
+    nodes = g.nodes
+    return {nodes[n]["inputs"][-2] for n in g if nodes[n]["kind"] == Kind.DEPTH_ATTENTION
+            and "delta" in str(nodes[n]["target"]).lower() and len(nodes[n]["inputs"]) >= 4}
 
 
 def _is_plain_tensor_add(g: nx.DiGraph, n: str) -> bool:
@@ -267,12 +279,13 @@ def _chains(g: nx.DiGraph, links: dict[str, Link], config: AttnResConfig) -> lis
         found = preds.get(link.result)
         if found is not None and found[0] not in forks:
             continue  # not the start of a stream
-        stream, joins = [link], []
+        stream, joins, paths = [link], [], [[]]
         while stream[-1].result in successors and stream[-1].result not in forks:
             nxt = links[successors[stream[-1].result][0]]
             joins.append([nodes[n]["target"] for n in preds[nxt.result][2]])
+            paths.append(list(reversed(preds[nxt.result][1])))
             stream.append(nxt)
-        chains += _segments(g, stream, joins, config, len(chains))
+        chains += _segments(g, stream, joins, config, len(chains), paths)
     return chains
 
 
@@ -292,23 +305,25 @@ def _successors(preds: dict[str, tuple[str, list[str], list[str]]]) -> dict[str,
     return by_prev
 
 
-def _segments(g: nx.DiGraph, stream: list[Link], joins: list[list[str]], config: AttnResConfig, start: int) -> list[Chain]:
-    """Cut a stream into chains: at non-linear joins unless `config.allow_nonlinear`."""
+def _segments(g: nx.DiGraph, stream: list[Link], joins: list[list[str]], config: AttnResConfig, start: int,
+              paths: list[list[str]]) -> list[Chain]:
+    """Cut a stream into chains: at non-linear joins unless `config.allow_nonlinear`. `paths`: per
+    link, the ops from the previous link's result to its skip (Chain.skip_paths)."""
     through = sorted({t for j in joins for t in j})
     if config.allow_nonlinear or not through:
-        parts = [stream]
+        parts = [list(zip(stream, paths))]
     else:
-        parts, cur = [], [stream[0]]
-        for link, join in zip(stream[1:], joins):
+        parts, cur = [], [(stream[0], [])]
+        for link, join, path in zip(stream[1:], joins, paths[1:]):
             if join:
                 parts.append(cur)
                 cur = []
-            cur.append(link)
+            cur.append((link, path if cur else []))
         parts.append(cur)
     chains = []
-    for links in parts:
-        chain = _decide(g, Chain(start + len(chains), links, -1, None), config, through)
-        chains.append(chain)
+    for part in parts:
+        chain = Chain(start + len(chains), [link for link, _ in part], -1, None, skip_paths=[p for _, p in part])
+        chains.append(_decide(g, chain, config, through))
     return chains
 
 
@@ -334,8 +349,12 @@ def _decide(g: nx.DiGraph, chain: Chain, config: AttnResConfig, through: list[st
         chain.reason = f"feature axis {axis} differs between links ({format_shape(tuple(sorted(map(str, sizes))))})"
     elif not isinstance(chain.feature_size, int):
         chain.reason = f"feature axis {axis} is dynamic ({format_shape((chain.feature_size,))}); export with a static feature size"
+    elif config.delta and nonlinear:
+        chain.reason = (f"variant 'delta' keeps the plain sum and adds to what reads it, but this stream passes "
+                        f"through non-linear {', '.join(through)} between links, so no link reads a plain sum "
+                        "(a gate on a chain that is not a pure sum): use variant full or block with allow_nonlinear")
     else:
         chain.rewrite = True
-        chain.changes_function = nonlinear
+        chain.changes_function = nonlinear or (config.delta and config.gate_init != 0.0)
         chain.through = through if nonlinear else []
     return chain

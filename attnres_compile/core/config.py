@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-VARIANTS = ("full", "block")
+VARIANTS = ("full", "block", "delta")
+INITS = ("exact", "paper")
 EPS_MIN = 2.0 ** -126  # float32's smallest normal: keys normalise in float32 (but for float64), ONNX's eps is float32
 EPS_MAX = 1.0          # RMSNorm eps is 1e-12..1e-5 in practice; above 1 it outweighs a unit-scale row's mean square
 SCALES = ("preserve", "paper")
@@ -18,9 +19,14 @@ SCALES = ("preserve", "paper")
 class AttnResConfig:
     """How residual chains are rewritten (DESIGN.md §2).
 
-    variant: "full" (every site attends over all earlier sources) or "block".
-    num_blocks / block_size: for "block", give exactly one; B = ceil(m / N) per chain.
-    scale: "preserve" (c_k = |S_k|, the rewrite is exact at init) or "paper" (c_k = 1).
+    variant: "full" (every site attends over all earlier sources), "block", or "delta" (Delta AttnRes:
+        the stream stays the plain sum and what reads a site reads h_k + g_k * the site's mix).
+    num_blocks / block_size: for "block", give exactly one; B = ceil(m / N) per chain. For "delta",
+        optional: Delta-Block (the mix over the root and block sums), else every source.
+    scale: "preserve" (c_k = |S_k|, the rewrite is exact at init) or "paper" (c_k = 1). Full and
+        Block only: Delta's mix is the published convex one (c_k = 1), its gate the scale.
+    init: for "delta", where the gates start: "exact" (g_k = 0, the rewrite computes the original
+        bitwise) or "paper" (g_k = 1, the published form, for training from scratch).
     eps: RMSNorm epsilon of the keys, in [EPS_MIN, EPS_MAX]: a smaller one is 0 (or subnormal)
         in float32, and a zero row of a source then gives NaN where the original gives zeros.
     min_chain: chains with fewer links are reported and left alone.
@@ -37,6 +43,7 @@ class AttnResConfig:
     min_chain: int = 2
     feature_axis: int | None = None
     allow_nonlinear: bool = False
+    init: str = "exact"
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -47,11 +54,22 @@ class AttnResConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.init not in INITS:
+            raise ConfigError(f"init must be one of {INITS}, got {self.init!r}")
+        if self.init != "exact" and self.variant != "delta":
+            raise ConfigError(f"init={self.init!r} applies to variant 'delta' (where its gates start); full and block "
+                              "start at zero queries: use scale='paper' for their published form")
+        if self.variant == "delta" and self.scale != "preserve":
+            raise ConfigError("scale applies to variants full and block: Delta's mix is the published convex one "
+                              "(c_k = 1) and its gate sets its size (init 'exact' starts it at 0, 'paper' at 1)")
         if self.variant == "block":
             if (self.num_blocks is None) == (self.block_size is None):
                 raise ConfigError("variant 'block' needs exactly one of num_blocks or block_size")
+        elif self.variant == "delta":
+            if self.num_blocks is not None and self.block_size is not None:
+                raise ConfigError("variant 'delta' takes at most one of num_blocks or block_size (Delta-Block)")
         elif self.num_blocks is not None or self.block_size is not None:
-            raise ConfigError("num_blocks / block_size apply only to variant 'block'; set variant='block'")
+            raise ConfigError("num_blocks / block_size apply only to variant 'block' or 'delta'; set variant='block'")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not EPS_MIN <= self.eps <= EPS_MAX:
             raise ConfigError(f"eps={self.eps!r} is out of range: give a number from {EPS_MIN:.3g} (float32's "
                               "smallest normal; the keys' RMSNorm computes in float32, where a smaller eps turns an "
@@ -65,11 +83,21 @@ class AttnResConfig:
 
     def block_size_for(self, num_sources: int) -> int:
         """Sources per block for a chain of `num_sources` branch outputs (1 means Full)."""
-        if self.variant == "full":
+        if self.variant == "full" or (self.block_size is None and self.num_blocks is None):
             return 1
         if self.block_size is not None:
             return self.block_size
         return max(1, math.ceil(num_sources / self.num_blocks))
+
+    @property
+    def delta(self) -> bool:
+        """Delta AttnRes: the stream is kept and the readers of a site read h_k + g_k * its mix."""
+        return self.variant == "delta"
+
+    @property
+    def gate_init(self) -> float:
+        """Where Delta's gates start: 0 (exact) or 1 (the published form)."""
+        return 1.0 if self.init == "paper" else 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -176,7 +176,9 @@ _CLI_WORDS = [
     (r"\bfeature_axis\b", "--feature-axis"),
     (r"\ballow_nonlinear\b", "--allow-nonlinear"),
     (r"\binput_shapes\b", "--input-shape"),
-    (r"\b(eps|scale|variant) must\b", r"--\1 must"),
+    (r"\b(eps|scale|variant|init) must\b", r"--\1 must"),
+    (r"\binit='paper'", "--init paper"),
+    (r"\bscale='paper'", "--scale paper"),
     (r"\beps=(\S+) is\b", r"--eps \1 is"),
     (r"\b(stages|ranks|micro_batches)=(\S+?)(:| is)", lambda m: f"--{m[1].replace('_', '-')} {m[2]}{m[3]}"),
 ]

@@ -34,6 +34,10 @@ class Chain:
     reason: str | None = None
     changes_function: bool = False
     through: list[str] = field(default_factory=list)  # non-linear ops between links (opt-in only)
+    # per link, the ops between the previous link's result and this link's skip, from the result's side
+    # (casts, views: [] for the first link and where the skip is the result itself); Delta keeps them on
+    # the plain sum and gives their other readers the same ops over the site's Delta output
+    skip_paths: list[list[str]] = field(default_factory=list)
 
     @property
     def root(self) -> str:
@@ -75,6 +79,7 @@ class RewrittenSite:
     param: str
     num_terms: int
     scale: float
+    gate: str | None = None  # Delta AttnRes: the site's gate parameter
 
 
 @dataclass

@@ -83,8 +83,8 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
             "block_size": block,
             "detail": [{"site": k, "result": link.result, "skip": link.skip, "branches": link.branches, "adds": link.adds}
                        for k, link in enumerate(c.links, start=1)],
-            "sites": [{"site": s.site, "node": s.node, "param": s.param, "terms": s.num_terms, "scale": s.scale}
-                      for s in by_chain.get(c.index, [])],
+            "sites": [{"site": s.site, "node": s.node, "param": s.param, "terms": s.num_terms, "scale": s.scale,
+                       **({"gate": s.gate} if s.gate else {})} for s in by_chain.get(c.index, [])],
         })
     in_links = sum(len(link.adds) for c in plan.chains for link in c.links)
     data = {
@@ -160,14 +160,22 @@ def weights_lines(info: dict) -> list[str]:
     return out + [f"    {describe_check(c)}" for c in check["checks"]]
 
 
+def variant_name(cfg: dict) -> str:
+    """"full", "block (N=8)", "delta", "delta-block (B=2)", ... of a report's config."""
+    block = f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else ""
+    name = "delta-block" if cfg["variant"] == "delta" and block else cfg["variant"]
+    return name + block
+
+
 def format_table(data: dict) -> str:
     s = data["summary"]
     cfg = data["config"]
-    variant = cfg["variant"] + (f" (N={cfg['num_blocks']})" if cfg.get("num_blocks") else f" (B={cfg['block_size']})" if cfg.get("block_size") else "")
+    variant = variant_name(cfg)
+    scale = f"init={cfg.get('init', 'exact')}" if cfg["variant"] == "delta" else f"scale={cfg['scale']}"
     if data.get("rewritten") is False:
-        variant, cfg = "none (the original model, not rewritten)", {**cfg, "scale": "-"}
+        variant, scale = "none (the original model, not rewritten)", "scale=-"
     lines = [
-        f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  scale={cfg['scale']}",
+        f"attnres-compile {data['version']}  source={data['source']}  variant={variant}  {scale}",
         f"{s['nodes']} nodes, {s['adds']} adds: {s['adds_in_links']} in {s['links']} residual links, {s['adds_skipped']} not residual; "
         f"{s['chains']} chains, {s['chains_rewritten']} rewritten, {s['sites_rewritten']} sites",
         "",
@@ -177,7 +185,8 @@ def format_table(data: dict) -> str:
         block = "" if c["block_size"] is None else str(c["block_size"])
         tail = f"{c['root']} -> {c['detail'][-1]['result']}"
         if c["changes_function"]:
-            tail += f"  [CHANGES FUNCTION: through {', '.join(c['through'])}]"
+            why = f"through {', '.join(c['through'])}" if c["through"] else "Delta gates start at 1 (init='paper')"
+            tail += f"  [CHANGES FUNCTION: {why}]"
         if c["reason"]:
             tail += f"  ({c['reason']})"
         lines.append(f"{c['index']:>5}  {c['status']:<9} {c['links']:>5} {c['sources']:>4} {c['feature_axis']:>4} "

@@ -27,6 +27,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..core.errors import ConfigError, TraceError
+from ..ops.delta import depth_attention_delta as _DELTA
 from ..ops.depth_attention import is_attnres_op
 from ..utils.pytree_warning import silenced
 from .stage_cache import StageCache, cache_layout, check_ranks, seen_before
@@ -154,11 +155,12 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
     _refuse_shared_parameters(static, stage_of)
     carried = _carried(graph, stage_of, count)
     history = {s for n in nodes if is_attnres_op(n.target) for s in n.args[0]}
+    plain = {n.args[2] for n in nodes if n.target is _DELTA}  # Delta AttnRes: the plain sums, the stream proper
     _refuse_long_history(carried, history, max_carried)
     placeholders = _tensor_inputs(graph)
     plan = StagePlan(
         stages=[[b for b in blocks if stage_of[nodes[first[b]]] == s] for s in range(count)],
-        hops=[Hop(h, [_describe(v, history, stage_of, h) for v in carried[h]]) for h in range(count - 1)],
+        hops=[Hop(h, [_describe(v, history, stage_of, h, plain) for v in carried[h]]) for h in range(count - 1)],
         inputs=[n.name for n in placeholders],
         tokens=next((v.numel() for v in (p.meta.get("val") for p in placeholders)
                      if isinstance(v, torch.Tensor) and not v.dtype.is_floating_point), None),
@@ -373,7 +375,8 @@ def fresh_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t._is_view() else t
 
 
-def _describe(node: fx.Node, history: set[fx.Node], stage_of: dict[fx.Node, int], hop: int) -> Carried:
+def _describe(node: fx.Node, history: set[fx.Node], stage_of: dict[fx.Node, int], hop: int,
+              plain: set[fx.Node] = frozenset()) -> Carried:
     val = node.meta.get("val")
     shape = tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
     size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
@@ -381,7 +384,7 @@ def _describe(node: fx.Node, history: set[fx.Node], stage_of: dict[fx.Node, int]
         kind = "input"
     elif node in history:
         kind = "history"
-    elif is_attnres_op(node.target):
+    elif is_attnres_op(node.target) or node in plain:  # a site's output; a Delta site's plain sum too
         kind = "stream"
     else:
         kind = "other"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..ops import delta
 from ..ops import depth_attention as op
 from . import input_guards
 
@@ -144,13 +145,15 @@ def _module(graph_module: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
 
 def _inference(graph_module: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule | None:
     """The lean `graph` of `graph_module` (a copy, edited here) with its depth-attention sites
-    calling `op.direct_forward` (Lean.pick's form for plain inference); None where it has no site,
-    or where a site's sources were not traced on the CPU or a CUDA device (the kernel's devices)."""
-    sites = graph.find_nodes(op="call_function", target=op.depth_attention)
+    calling `op.direct_forward` (Delta's: `delta.direct_forward`; Lean.pick's form for plain
+    inference); None where it has no site, or where a site's sources were not traced on the CPU or a
+    CUDA device (the kernel's devices)."""
+    direct = {op.depth_attention: op.direct_forward, delta.depth_attention_delta: delta.direct_forward}
+    sites = [n for target in direct for n in graph.find_nodes(op="call_function", target=target)]
     if not sites or not all(_kernel_device(node) for node in sites):
         return None
     for node in sites:
-        node.target = op.direct_forward
+        node.target = direct[node.target]
     module = _module(graph_module, graph)
     return module if _flatten_attrs(module, graph_module) is not None else None
 

@@ -4,6 +4,12 @@ For each rewritten chain, every site k gets `depth_attention(S_k, w_k, eps, c_k,
 inserted right after the site's original sum; all uses of the sum read it instead, and the
 residual adds (now unused) are erased. Block sums are plain adds shared between sites.
 Pseudo-queries are zero-initialised parameters at `attnres.chain<i>.site<k>` (k from 1).
+
+Delta AttnRes (config.delta) keeps the residual adds: site k's node is
+`depth_attention_delta(S_k, w_k, h_k, g_k, eps, 1, axis)` with the gate `attnres.chain<i>.gate<k>`
+(float32 [1]); the next link's skip keeps reading h_k (through the ops of its skip path,
+Chain.skip_paths), every other reader reads the Delta output, through copies of those path ops
+where it read one of them.
 """
 
 from __future__ import annotations
@@ -14,15 +20,16 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..core.config import AttnResConfig
 from ..core.plan import Chain, Plan, RewrittenSite
-from ..ops import depth_attention
+from ..ops import delta, depth_attention
 from .view import InputDims, tensor_meta
 
 HOLDER = "attnres"
 
 
 class RewriteSites(PassBase):
-    """The pass that applies `plan` to a GraphModule, in place: one depth_attention node per site of
-    every chain marked for rewriting. `sites` holds what it rewrote, for the report."""
+    """The pass that applies `plan` to a GraphModule, in place: one depth_attention node (Delta:
+    depth_attention_delta) per site of every chain marked for rewriting. `sites` holds what it
+    rewrote, for the report."""
 
     name = "rewrite_sites"
 
@@ -45,8 +52,9 @@ class RewriteSites(PassBase):
             self.sites += _rewrite_chain(gm, chain, name, params, by_name, replaced, self.config, dims)
         for old, new in replaced.items():
             old.replace_all_uses_with(new)
-        links = [link for c in self.plan.to_rewrite for link in c.links]
-        _erase_dead(gm.graph, [by_name[a] for link in links for a in link.adds + link.inner])
+        if not self.config.delta:  # Delta keeps the stream's sums
+            links = [link for c in self.plan.to_rewrite for link in c.links]
+            _erase_dead(gm.graph, [by_name[a] for link in links for a in link.adds + link.inner])
         gm.graph.lint()
         gm.recompile()
         return PassResult(gm, bool(self.sites))
@@ -74,18 +82,58 @@ def _rewrite_chain(gm, chain: Chain, name, params, by_name, replaced, config, di
         layout = (site, ref, tensor_meta(site, dims)[0], dims)
         with graph.inserting_before(site.next):
             inputs = [_term(graph, group, sources, layout, cache) for group in groups]
-            scale = float(len(inputs)) if config.scale == "preserve" else 1.0
+            scale = 1.0 if config.delta else float(len(inputs)) if config.scale == "preserve" else 1.0
             query = graph.get_attr(f"{HOLDER}.{name}.site{k}")
             _copy_scope(site, query)
-            node = graph.call_function(
-                depth_attention.depth_attention,
-                (inputs, query, float(config.eps), scale, chain.feature_axis),
-            )
+            if config.delta:
+                params[f"gate{k}"] = nn.Parameter(torch.full((1,), config.gate_init, dtype=torch.float32, device=device))
+                gate = graph.get_attr(f"{HOLDER}.{name}.gate{k}")
+                _copy_scope(site, gate)
+                node = graph.call_function(delta.depth_attention_delta,
+                                           (inputs, query, site, gate, float(config.eps), scale, chain.feature_axis))
+            else:
+                node = graph.call_function(
+                    depth_attention.depth_attention,
+                    (inputs, query, float(config.eps), scale, chain.feature_axis),
+                )
         _copy_meta(site, node)
         node.meta["attnres"] = {"chain": name, "site": k}
-        replaced[site] = node
-        out.append(RewrittenSite(chain.index, k, node.name, f"{HOLDER}.{name}.site{k}", len(inputs), scale))
+        if config.delta:
+            nxt = chain.links[k] if k < len(chain.links) else None
+            _read_delta(graph, site, node, [by_name[p] for p in chain.skip_paths[k]] if nxt else [],
+                        {by_name[a] for a in nxt.adds} if nxt else set())
+        else:
+            replaced[site] = node
+        out.append(RewrittenSite(chain.index, k, node.name, f"{HOLDER}.{name}.site{k}", len(inputs), scale,
+                                 f"{HOLDER}.{name}.gate{k}" if config.delta else None))
     return out
+
+
+def _read_delta(graph: fx.Graph, site: fx.Node, delta: fx.Node, path: list[fx.Node], skip_readers: set[fx.Node]) -> None:
+    """Point the readers of `site` (h_k) at its Delta output `delta`, except the next link's skip:
+    along `path` (h_k's ops up to that skip, read by the next link's adds `skip_readers`) each op
+    keeps reading the plain value, and its other readers read a copy of the op over the Delta side's
+    value (made only as far along the path as some op has such readers)."""
+    hops = [*path, None]  # None: the end of the path, read by the next link's adds
+    plain, mixed = site, delta
+    for i, hop in enumerate(hops):
+        keep = skip_readers if hop is None else {hop}
+        for user in [u for u in plain.users if u not in keep and u is not delta]:
+            user.replace_input_with(plain, mixed)
+        if hop is None or not _read_off_path(hops, i, skip_readers):
+            return
+        with graph.inserting_after(hop):
+            copy = graph.node_copy(hop, lambda n: mixed if n is plain else n)
+        plain, mixed = hop, copy
+
+
+def _read_off_path(hops: list, i: int, skip_readers: set[fx.Node]) -> bool:
+    """Whether op `hops[i]` or a later one of the skip path has a reader off the path."""
+    for j in range(i, len(hops) - 1):
+        keep = skip_readers if hops[j + 1] is None else {hops[j + 1]}
+        if any(u not in keep for u in hops[j].users):
+            return True
+    return False
 
 
 def _term(graph: fx.Graph, group: tuple[int, ...], sources, layout, cache) -> fx.Node:

@@ -7,6 +7,9 @@ ONNX and TVM forms use: Block's sites per block, Full's ~sqrt(L) consecutive sit
 first site, and a `depth_attention_merge` per site over its own newest sources. Only groups
 where that moves fewer bytes and the history is long enough (MIN_HISTORY) change.
 
+Delta AttnRes' sites (`depth_attention_delta`) group the same way; their merges are
+`depth_attention_merge_delta`, which adds the site's plain sum and gate.
+
 The canonical form, one `depth_attention` per site, is what `rewrite` returns and what the
 monitor reads; this pass is applied after it, to a module that is run (`two_phase(gm)`), e.g.
 one loaded from a .pt2 artifact. Gradients stay exact, through the ops' differentiable
@@ -24,9 +27,23 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.two_phase import site_groups, two_phase_wins
+from ..ops.delta import depth_attention_delta as DELTA
+from ..ops.delta import depth_attention_merge_delta as MERGE_DELTA
 from ..ops.depth_attention import depth_attention as SITE
 from ..ops.two_phase import depth_attention_merge as MERGE
 from ..ops.two_phase import depth_attention_partial as PARTIAL
+
+
+def _site_args(node: fx.Node):
+    """(sources, query, eps, scale, dim, (base, gate) or ()) of a one-pass site node (Delta's too), else None."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is SITE and len(node.args) == 5:
+        return (*node.args, ())
+    if node.target is DELTA and len(node.args) == 7:
+        sources, query, base, gate, eps, scale, dim = node.args
+        return sources, query, eps, scale, dim, (base, gate)
+    return None
 
 
 def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
@@ -34,9 +51,10 @@ def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
     graph = gm.graph
     chains: dict[tuple, list[fx.Node]] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is SITE and not node.kwargs and len(node.args) == 5:
-            sources, _, eps, _, dim = node.args
-            chains.setdefault((sources[0], eps, dim), []).append(node)
+        site = _site_args(node)
+        if site is not None:
+            sources, _, eps, _, dim, delta = site
+            chains.setdefault((sources[0], eps, dim, bool(delta)), []).append(node)
     position = {node: i for i, node in enumerate(graph.nodes)}
     merges = 0
     for members in chains.values():
@@ -46,7 +64,7 @@ def two_phase(gm: fx.GraphModule, min_history: int | None = None) -> PassResult:
             extras = [len(t) - length for t in terms[start:end]]
             if end - start < 2 or not two_phase_wins(length, extras, _itemsize(group[0]), min_history):
                 continue
-            queries = [node.args[1] for node in group]
+            queries = [node.args[1] for node in group]  # the query is the second argument of both site ops
             if any(q.op not in ("get_attr", "placeholder") and position[q] > position[group[0]] for q in queries):
                 continue  # a query computed after the group's first site: no partial can read it there
             merges += _rewrite_group(graph, group, terms[start][:length])
@@ -63,17 +81,17 @@ def _itemsize(site: fx.Node) -> int:
 
 def _rewrite_group(graph: fx.Graph, group: list[fx.Node], history: list[fx.Node]) -> int:
     first = group[0]
-    _, _, eps, _, dim = first.args
+    _, _, eps, _, dim, _ = _site_args(first)
     with graph.inserting_before(first):
         queries = [graph.get_attr(q.target) if q.op == "get_attr" else q for q in (node.args[1] for node in group)]
         stacked = graph.call_function(torch.stack, (queries,))
         partial = graph.call_function(PARTIAL, (history, stacked, eps, dim))
         state = [graph.call_function(operator.getitem, (partial, i)) for i in range(3)]
     for index, node in enumerate(group):
-        sources, query, eps, scale, dim = node.args
+        sources, query, eps, scale, dim, delta = _site_args(node)
         with graph.inserting_before(node):
-            merge = graph.call_function(MERGE,
-                                        (*state, index, sources[len(history):], query, eps, scale, dim))
+            merge = graph.call_function(MERGE_DELTA if delta else MERGE,
+                                        (*state, index, sources[len(history):], query, *delta, eps, scale, dim))
         merge.meta.update(node.meta)
         node.replace_all_uses_with(merge)
         graph.erase_node(node)
@@ -87,12 +105,20 @@ def one_pass(gm: fx.GraphModule) -> PassResult:
     graph = gm.graph
     partials = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not MERGE:
+        if node.op != "call_function" or node.target not in (MERGE, MERGE_DELTA):
             continue
-        state, *_, extra, query, eps, scale, dim = node.args
+        if node.target is MERGE:
+            state, *_, extra, query, eps, scale, dim = node.args
+            delta = ()
+        else:
+            state, *_, extra, query, base, gate, eps, scale, dim = node.args
+            delta = (base, gate)
         partial = state.args[0]
         with graph.inserting_before(node):
-            site = graph.call_function(SITE, ([*partial.args[0], *extra], query, eps, scale, dim))
+            if delta:
+                site = graph.call_function(DELTA, ([*partial.args[0], *extra], query, *delta, eps, scale, dim))
+            else:
+                site = graph.call_function(SITE, ([*partial.args[0], *extra], query, eps, scale, dim))
         site.meta.update(node.meta)
         node.replace_all_uses_with(site)
         graph.erase_node(node)

@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.graph_view import Kind, ViewNode, build_view
+from ..ops.delta import depth_attention_delta
 from ..ops.depth_attention import depth_attention
 
 aten = torch.ops.aten
@@ -204,7 +205,8 @@ def _add_blocker(node: fx.Node, pos: dict[fx.Node, int]) -> str | None:
 
 
 def _is_depth_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is depth_attention
+    """A site: depth_attention, or Delta AttnRes' depth_attention_delta."""
+    return node.op == "call_function" and (node.target is depth_attention or node.target is depth_attention_delta)
 
 
 def _is_size(node: fx.Node) -> bool:

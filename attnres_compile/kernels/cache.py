@@ -46,6 +46,8 @@ class Spec(NamedTuple):
     device: str  # "cpu" | "cuda"
     threads: int  # the backward's (and backward_chunk's) row chunks on the CPU (partial query gradients); else 1
     norm: str = ""  # forward_norm, backward_norm (the fused site + norm pair): "<kind>_<eps>_<w><b><g>" (norm_spec)
+    # A kind ending in "_delta" (forward, backward, backward_chunk, merge_indexed) is Delta AttnRes' form of it:
+    # the plain sum and the gate as arguments (tensorir.py, delta=True).
 
 
 FUNCTION = {"forward": "depth_attention", "backward": "depth_attention_backward",
@@ -53,6 +55,8 @@ FUNCTION = {"forward": "depth_attention", "backward": "depth_attention_backward"
             "partial": "depth_attention_partial", "partial_link": "depth_attention_partial",
             "merge": "depth_attention_merge", "merge_indexed": "depth_attention_merge",
             "forward_norm": "depth_attention_norm", "backward_norm": "depth_attention_norm_backward"}
+FUNCTION.update({f"{kind}_delta": FUNCTION[kind] for kind in ("forward", "backward", "backward_chunk", "merge_indexed")})
+DELTA = "_delta"
 PARTIAL_CHUNK = 8  # history sources per compiled partial kernel: a longer history is a chain (partial_links)
 
 
@@ -158,11 +162,14 @@ def path(spec: Spec) -> Path:
 def _func(spec: Spec):
     from . import tensorir
 
-    if spec.kind == "forward":
-        return tensorir.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
-    if spec.kind in ("backward", "backward_chunk"):
+    delta = spec.kind.endswith(DELTA)
+    kind = spec.kind.removesuffix(DELTA)
+    if kind == "forward":
+        return tensorir.depth_attention_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank,
+                                             delta=delta)
+    if kind in ("backward", "backward_chunk"):
         return tensorir.depth_attention_backward_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank,
-                                                      spec.kind == "backward_chunk")
+                                                      kind == "backward_chunk", delta)
     if spec.kind in ("partial", "partial_link"):
         return tensorir.depth_attention_partial_func(spec.count, int(spec.scale), spec.size, spec.dtype, spec.eps,
                                                    spec.rank, spec.kind == "partial_link")
@@ -172,9 +179,9 @@ def _func(spec: Spec):
         if spec.kind == "forward_norm":
             return tensorir.depth_attention_norm_func(*args)
         return tensorir.depth_attention_norm_backward_func(*args, "g" in flags)
-    if spec.kind == "merge_indexed":
+    if kind == "merge_indexed":
         return tensorir.depth_attention_merge_indexed_func(int(spec.scale), spec.count, spec.size, spec.dtype, spec.eps,
-                                                           spec.rank)
+                                                           spec.rank, delta=delta)
     return tensorir.depth_attention_merge_func(spec.count, spec.size, spec.dtype, spec.eps, spec.scale, spec.rank)
 
 

@@ -163,33 +163,107 @@ def backward(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tenso
     return grads, grad_query.to(query.dtype)
 
 
-def _forward_chain(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int):
+def _forward_chain(sources: list[torch.Tensor], query: torch.Tensor, eps: float, scale: float, dim: int,
+                   delta: tuple = ()):
     """`forward` over a long source list: the partial chain over the sources before the last link
-    (kernel_cache.partial_links), then the indexed merge of the rest into that state, out = scale * acc / l."""
+    (kernel_cache.partial_links), then the indexed merge of the rest into that state, out = scale * acc / l
+    (`delta` (base, gate): Delta AttnRes' merge, out = base + gate * that)."""
     s0, split = sources[0], kernel_cache.partial_links([0], len(sources))[-2]
-    threads = _threads(len(sources) - split + 2, s0)
-    fn = _lookup(("merge_indexed", len(sources) - split, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0,
-                  threads))
+    threads = _threads(len(sources) - split + 2 + bool(delta), s0)
+    kind = "merge_indexed_delta" if delta else "merge_indexed"
+    fn = _lookup((kind, len(sources) - split, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0, threads))
     state = None if fn is False else partial(sources[:split], query[None], eps, dim)
     if state is None:
         return None
     out = torch.empty_like(s0, memory_format=torch.contiguous_format)
-    _run(fn, s0, [*state, *sources[split:], query, 0, float(scale), out], threads)
+    _run(fn, s0, [*state, *sources[split:], query, *delta, 0, float(scale), out], threads)
     return out
 
 
+# ---- Delta AttnRes (ops/delta.py): out = base + gate * site ----------------------------------------
+
+def _gate(gate: torch.Tensor) -> torch.Tensor:
+    """The gate as the kernels take it: float32 [1] (itself where it is one already: the rewrite's)."""
+    if gate.dtype == torch.float32 and gate.shape == (1,):
+        return gate
+    return gate.reshape(1) if gate.dtype == torch.float32 else gate.float().reshape(1)
+
+
+def forward_delta(sources: list[torch.Tensor], query: torch.Tensor, base: torch.Tensor, gate: torch.Tensor,
+                  eps: float, scale: float, dim: int):
+    """Delta AttnRes' fused forward, base + gate * (the site's output), or None if it does not apply
+    (also for a base of another dtype or layout than the sources')."""
+    s0 = sources[0]
+    if base.dtype != s0.dtype or base.shape != s0.shape:
+        return None
+    if len(sources) > CHAIN_ABOVE:
+        return _forward_chain(sources, query, eps, scale, dim, (base, _gate(gate)))
+    threads = _threads(len(sources) + 2, s0)
+    fn = _lookup(("forward_delta", len(sources), s0.dtype, s0.device, s0.dim(), s0.size(-1), dim, eps, scale, threads))
+    if fn is False:
+        return None
+    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0, [*sources, query, base, _gate(gate), out], threads)
+    return out
+
+
+def merge_delta(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, index: int, extra: list[torch.Tensor],
+                query: torch.Tensor, base: torch.Tensor, gate: torch.Tensor, eps: float, scale: float, dim: int):
+    """Delta AttnRes' phase 2: base + gate * (query `index`'s phase-1 state merged with `extra`), by the
+    indexed merge kernel (index and scale its arguments), or None if it does not apply."""
+    s0 = extra[0]
+    if acc.dtype != torch.float32 or acc.shape[1:] != s0.shape or base.dtype != s0.dtype or base.shape != s0.shape:
+        return None
+    threads = _threads(len(extra) + 3, s0)
+    fn = _lookup(("merge_indexed_delta", len(extra), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps,
+                  float(m.shape[0]), threads))
+    if fn is False:
+        return None
+    out = torch.empty_like(s0, memory_format=torch.contiguous_format)
+    _run(fn, s0, [m, l, acc, *extra, query, base, _gate(gate), int(index), float(scale), out], threads)
+    return out
+
+
+def backward_delta(sources: list[torch.Tensor], query: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor,
+                   eps: float, scale: float, dim: int):
+    """(source gradients, query gradient, gate gradient) of Delta AttnRes from the fused kernels, or
+    None if they do not apply. The base's gradient is `grad` itself. The gate's is scale times the
+    sum over rows of ubar = sum_k p_k (grad . s_k), which the kernel stores per row."""
+    s0 = sources[0]
+    if len(sources) > CHAIN_ABOVE:
+        result = _backward_chunks(sources, query, grad, eps, scale, dim, _gate(gate))
+        return None if result is None else (*result[:2], result[2].to(gate.dtype).reshape(gate.shape))
+    threads = _threads(2 * len(sources) + 1, s0)
+    fn = _lookup(("backward_delta", len(sources), s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, scale, threads))
+    if fn is False:
+        return None
+    grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
+    grad_query = query.new_empty(query.shape, dtype=torch.float32)
+    ubar = s0.new_empty((1, *s0.shape[:-1]), dtype=torch.float32)  # a leading 1: its sum over rows is [1]
+    _run(fn, s0, [*sources, query, _gate(gate), grad.to(s0.dtype).contiguous(), *grads, grad_query, ubar], threads)
+    grad_gate = ubar.sum(tuple(range(1, ubar.dim())))  # float32 pairwise sums
+    if scale != 1.0:
+        grad_gate.mul_(scale)
+    if grad_gate.shape != gate.shape or grad_gate.dtype != gate.dtype:
+        grad_gate = grad_gate.to(gate.dtype).reshape(gate.shape)
+    return grads, grad_query.to(query.dtype), grad_gate
+
+
 def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float,
-                     scale: float, dim: int):
+                     scale: float, dim: int, gate: torch.Tensor | None = None):
     """`backward` over a long source list: the softmax state (m, l, acc) from the partial chain,
     ubar = g.acc / l per row (the p-weighted mean of u_k = g.s_k), then a backward_chunk kernel
     per PARTIAL_CHUNK sources (and one for the rest), whose query gradient shares are summed.
     The kernels are built for scale 1 and given l / scale: their p_k = exp(z_k - m) / l is then
-    scale * p_k, which is all the scale enters, so one kernel serves every scale."""
+    scale * p_k, which is all the scale enters, so one kernel serves every scale. With `gate`
+    (Delta AttnRes, float32 [1]) the delta chunks multiply their coefficients by it, and the gate's
+    gradient scale * sum(ubar) is returned third."""
     s0, count = sources[0], len(sources)
     bounds = [*range(0, count, kernel_cache.PARTIAL_CHUNK), count]
     chunks = list(zip(bounds, bounds[1:]))
     threads = _threads(2 * kernel_cache.PARTIAL_CHUNK + 1, s0)
-    fns = [_lookup(("backward_chunk", end - start, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0,
+    kind = "backward_chunk" if gate is None else "backward_chunk_delta"
+    fns = [_lookup((kind, end - start, s0.dtype, s0.device, s0.dim(), s0.shape[-1], dim, eps, 1.0,
                     threads)) for start, end in chunks]
     state = None if any(fn is False for fn in fns) else partial(sources, query[None], eps, dim)
     if state is None:
@@ -200,9 +274,12 @@ def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: tor
     l = l.div(scale)
     grads = [torch.empty_like(s0, memory_format=torch.contiguous_format) for _ in sources]
     shares = query.new_empty((len(chunks), query.shape[0]), dtype=torch.float32)
+    gated = [] if gate is None else [gate]
     for fn, (start, end), dw in zip(fns, chunks, shares):
-        _run(fn, s0, [*sources[start:end], query, g, m, l, ubar, *grads[start:end], dw], threads)
-    return grads, shares.sum(0).to(query.dtype)
+        _run(fn, s0, [*sources[start:end], query, *gated, g, m, l, ubar, *grads[start:end], dw], threads)
+    if gate is None:
+        return grads, shares.sum(0).to(query.dtype)
+    return grads, shares.sum(0).to(query.dtype), ubar.sum(dtype=torch.float64).mul_(scale).float().reshape(())
 
 
 def partial(history: list[torch.Tensor], queries: torch.Tensor, eps: float, dim: int):

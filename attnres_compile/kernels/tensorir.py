@@ -134,9 +134,12 @@ def _check(count: int, what: str, size: int, dtype: str):
         raise ValueError(f"unsupported storage dtype {dtype!r}; expected one of {DTYPES}")
 
 
-def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None, mixed=None):
+def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None, mixed=None,
+          delta=None):
     """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l
-    (`scale` a number, or a float32 argument of the function).
+    (`scale` a number, or a float32 argument of the function); with `delta` (base, gate), Delta
+    AttnRes: out = base + gate * that, the gate folded into the row's coefficient (gate 0: out is
+    base + 0, bitwise base).
     `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
     (kind, gamma, beta, eps) a LayerNorm ("layer") or RMSNorm ("rms", beta None) over the
     features applied to that sum before it is stored; `mixed` a buffer that also keeps the sum
@@ -149,7 +152,8 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=N
         _, e, total, a0 = _softmax(z, None if start is None else (start[0](vr), start[1](vr)))
         for k, x in enumerate(e + ([a0] if a0 is not None else [])):
             T.buffer_store(e_buf, x, [*vr, k])
-        T.buffer_store(coef, (T.float32(scale) if isinstance(scale, (int, float)) else scale) / total, list(vr))
+        c = T.float32(scale) if isinstance(scale, (int, float)) else scale
+        T.buffer_store(coef, (c if delta is None else c * delta[1][0]) / total, list(vr))
 
     h = out if norm is None else mixed if mixed is not None else _alloc("h", *rows, size)
 
@@ -157,7 +161,8 @@ def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=N
         terms = [(e_buf[(*vr, k)], _f32(s, *vr, vd)) for k, s in enumerate(srcs)]
         if start is not None:
             terms.append((e_buf[(*vr, K)], start[2](vr, vd)))
-        return h, [*vr, vd], _weighted(terms) * coef[vr]
+        value = _weighted(terms) * coef[vr]
+        return h, [*vr, vd], value if delta is None else _f32(delta[0], *vr, vd) + value
 
     _elementwise(rows, size, "out", body)
     if norm is not None:
@@ -200,6 +205,12 @@ def _rms_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
 NORMS = ("layer", "rms")
 
 
+def _delta_params(rows: tuple, size: int, dtype: str) -> tuple:
+    """Delta AttnRes' (base, gate) parameters, after `w`: the plain sum [rows.., D] in the sources'
+    dtype and the site's gate, float32 [1]."""
+    return _param("base", (*rows, size), dtype), _param("gate", (1,), F32)
+
+
 def _norm_params(size: int, norm_eps: float | None, norm: str):
     """The fused norm's (kind, gamma, beta, eps), its parameters after `w` (gamma and, for a
     LayerNorm, beta), or None without one."""
@@ -220,9 +231,11 @@ def depth_attention_func(
     rank: int = 2,
     norm_eps: float | None = None,
     norm: str = "layer",
+    delta: bool = False,
 ) -> tirx.PrimFunc:
     """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources
-    of rank `rank` (symbolic row dims).
+    of rank `rank` (symbolic row dims). With `delta`, Delta AttnRes `depth_attention(s0, ..., w,
+    base, gate, out)`: out = base + gate[0] * (the site's output), base [rows.., D], gate float32 [1].
 
     Softmax over the sources with float32 accumulation. `scale` None means `num_sources`
     (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum.
@@ -237,10 +250,11 @@ def depth_attention_func(
             T.func_name("depth_attention")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
+            extra = _delta_params(rows, D, dtype) if delta else None
             fused = _norm_params(D, norm_eps, norm)
             out = _param("out", (*rows, D), dtype)
             with T.sblock("root"):
-                _site(rows, D, srcs, w, out, eps, scale, norm=fused)
+                _site(rows, D, srcs, w, out, eps, scale, norm=fused, delta=extra)
     return ib.get()
 
 
@@ -355,6 +369,7 @@ def depth_attention_merge_indexed_func(
     rank: int = 2,
     norm_eps: float | None = None,
     norm: str = "layer",
+    delta: bool = False,
 ) -> tirx.PrimFunc:
     """`depth_attention_merge_func` reading one query of a whole partial state, `merge(m[B, rows..],
     l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, index, scale, out)`: `index` (int64) picks
@@ -362,11 +377,12 @@ def depth_attention_merge_indexed_func(
     with B queries and E extra sources (GPT-2 Full at 48 sublayers: 13 merge kernels, 34 when both
     were constants), and the lowering passes the partial's outputs as they are, with no slice (a
     copy) per site. `norm_eps`, `norm`: as in depth_attention_func (`gamma`[, `beta`] after `w`)."""
-    return _merge((num_queries,), True, num_extra, feature_size, dtype, eps, None, rank, norm_eps, norm)
+    return _merge((num_queries,), True, num_extra, feature_size, dtype, eps, None, rank, norm_eps, norm, delta)
 
 
 def _merge(lead: tuple, indexed: bool, num_extra: int, feature_size: int, dtype: str, eps: float,
-           scale: float | None, rank: int, norm_eps: float | None = None, norm: str = "layer") -> tirx.PrimFunc:
+           scale: float | None, rank: int, norm_eps: float | None = None, norm: str = "layer",
+           delta: bool = False) -> tirx.PrimFunc:
     """The merge over a phase-1 state whose arrays have the leading dims `lead` before the rows: a
     single query's state (`lead` empty, `scale` a constant) or, `indexed`, all of them, read at an
     `index` argument, with a `scale` argument (both before `out`: call_tir's scalar arguments
@@ -380,6 +396,7 @@ def _merge(lead: tuple, indexed: bool, num_extra: int, feature_size: int, dtype:
             acc_in = _param("acc", (*lead, *rows, D), F32)
             extra = [_param(f"e{i}", (*rows, D), dtype) for i in range(E)]
             w = _param("w", (D,), F32)
+            plus = _delta_params(rows, D, dtype) if delta else None
             fused = _norm_params(D, norm_eps, norm)
             if indexed:
                 at = (T.arg("index", tirx.Var("index", "int64")),)
@@ -390,7 +407,7 @@ def _merge(lead: tuple, indexed: bool, num_extra: int, feature_size: int, dtype:
             with T.sblock("root"):
                 start = (lambda vr: m_in[(*at, *vr)], lambda vr: l_in[(*at, *vr)],
                          lambda vr, vd: acc_in[(*at, *vr, vd)])
-                _site(rows, D, extra, w, out, eps, scale, start, fused)
+                _site(rows, D, extra, w, out, eps, scale, start, fused, delta=plus)
     return ib.get()
 
 
@@ -402,6 +419,7 @@ def depth_attention_backward_func(
     scale: float | None = None,
     rank: int = 2,
     chunk: bool = False,
+    delta: bool = False,
 ) -> tirx.PrimFunc:
     """Fused backward `depth_attention_backward(s0, ..., s{S-1}, w, g, ds0, ..., ds{S-1}, dw)`.
 
@@ -418,24 +436,33 @@ def depth_attention_backward_func(
     m its max logit, l = sum_j exp(z_j - m) and ubar = sum_j p_j u_j over all the sources, so
     p_k = exp(z_k - m) / l, and dw is this chunk's share. A few such kernels (chunks of at most
     PARTIAL_CHUNK sources) serve every source count, where the whole form is one per count; and
-    every scale, at scale 1 given l / c (c enters only as c p_k: fused.py's _backward_chunks)."""
+    every scale, at scale 1 given l / c (c enters only as c p_k: fused.py's _backward_chunks).
+
+    With `delta` (Delta AttnRes, out = base + gate * c * sum_k p_k s_k): `gate` (float32 [1]) follows
+    `w`, c becomes c * gate[0] (the gradients of the sources and of w are the plain site's with g
+    times the gate), and the whole form also stores `ubar` (float32 [1, rows..], after dw): sum_k p_k u_k
+    per row, of which the gate's gradient is c times the sum over rows (the caller's sum; base's
+    gradient is g itself)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
-    c = float(S) if scale is None else float(scale)
+    c0 = float(S) if scale is None else float(scale)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("depth_attention_backward_chunk" if chunk else "depth_attention_backward")
             srcs = [_param(f"s{i}", (*rows, D), dtype) for i in range(S)]
             w = _param("w", (D,), F32)
+            gate = _param("gate", (1,), F32) if delta else None
             g = _param("g", (*rows, D), dtype)
             given = [_param(name, rows, F32) for name in ("m", "l", "ubar")] if chunk else None
             grads = [_param(f"ds{i}", (*rows, D), dtype) for i in range(S)]
             dw = _param("dw", (D,), F32)
+            ubar_out = _param("ubar_out", (1, *rows), F32) if delta and not chunk else None
             with T.sblock("root"):
                 stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd], lambda vr, vd: _f32(g, *vr, vd)])
                          for k, s in enumerate(srcs)]
                 cg, ca, cb = (_alloc(name, *rows, S) for name in ("cg", "ca", "cb"))
                 with _row_block(rows, "softmax_bwd") as vr:
+                    c = T.float32(c0) if gate is None else T.Bind(T.float32(c0) * gate[0])
                     zr = [_logit(ss, dot, vr, D, eps) for ss, dot, _ in stats]
                     if chunk:
                         m, inv = given[0][vr], T.Bind(T.float32(1) / given[1][vr])
@@ -446,9 +473,11 @@ def depth_attention_backward_func(
                         inv = T.Bind(T.float32(1) / total)
                         p = [T.Bind(x * inv) for x in e]
                         ubar = T.Bind(_weighted([(pk, u[vr]) for pk, (_, _, u) in zip(p, stats)]))
+                        if ubar_out is not None:
+                            T.buffer_store(ubar_out, ubar, [0, *vr])
                     for k, ((z, rinv), pk, (_, _, u)) in enumerate(zip(zr, p, stats)):
-                        dz = T.Bind(T.float32(c) * pk * (u[vr] - ubar))
-                        T.buffer_store(cg, T.float32(c) * pk, [*vr, k])
+                        dz = T.Bind(c * pk * (u[vr] - ubar))
+                        T.buffer_store(cg, c * pk, [*vr, k])
                         T.buffer_store(ca, dz * rinv, [*vr, k])
                         T.buffer_store(cb, dz * z * rinv * rinv * T.float32(1.0 / D), [*vr, k])
                 for k, (s, ds) in enumerate(zip(srcs, grads)):

@@ -13,12 +13,19 @@ import re
 import torch
 
 _QUERY_NAME = re.compile(r"(chain\d+)\.site(\d+)$")
+_GATE_NAME = re.compile(r"(chain\d+)\.gate(\d+)$")
 
 
 def site_of(name: str) -> tuple[str, int] | None:
     """(chain, k) of a pseudo-query parameter named `...chain<i>.site<k>` (the rewrite's
     `attnres.chain<i>.site<k>`, under any prefix: DDP's `module.`), else None."""
     match = _QUERY_NAME.search(name)
+    return None if match is None else (match.group(1), int(match.group(2)))
+
+
+def gate_of(name: str) -> tuple[str, int] | None:
+    """(chain, k) of a Delta AttnRes gate parameter named `...chain<i>.gate<k>`, else None."""
+    match = _GATE_NAME.search(name)
     return None if match is None else (match.group(1), int(match.group(2)))
 
 

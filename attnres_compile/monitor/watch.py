@@ -4,7 +4,8 @@ On a watched step the monitor adds an observer to the depth-attention op (`op.ob
 forward call of the op (fused TVM kernel or eager reference, plain or under autograd) then hands
 it the call's sources, query and output, from which it computes the softmax weights under
 no_grad (a norm and a dot per source and token: the op's own logits) and adds, per site, the
-weights' sum and maximum per source, their entropy, and the output's sum of squares. On other
+weights' sum and maximum per source, their entropy, and the output's sum of squares (a Delta
+AttnRes site's stats also hold its gate's value, read from `attnres.chain<i>.gate<k>`). On other
 steps nothing is added: the op tests an empty list. A site is named (chain, k) from its query
 parameter's name (`attnres.chain<i>.site<k>`), so the flat GraphModule, `called_blocks`' module,
 DDP and FSDP2 wrappers and DTensor-distributed modules are watched alike. Calls recomputed during
@@ -26,11 +27,14 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..ops.delta import depth_attention_merge_delta
 from ..ops.depth_attention import depth_weights, observe
 from ..ops.site_norm import depth_attention_norm as _PAIR
-from ..ops.two_phase import depth_attention_merge as _MERGE
+from ..ops.two_phase import depth_attention_merge
 from .logs import CsvLog, log_stats
-from .sums import SiteSums, site_of, stats_of
+from .sums import SiteSums, gate_of, site_of, stats_of
+
+_MERGES = (depth_attention_merge, depth_attention_merge_delta)
 
 _in_backward = torch._C._current_autograd_node  # the autograd node running now, None outside a backward
 
@@ -58,7 +62,7 @@ class DepthMonitor:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r}: give a whole number of steps, 1 or more (watch every step: 1)")
         graphs = [m.graph for m in module.modules() if isinstance(getattr(m, "graph", None), fx.Graph)]
-        if any(n.op == "call_function" and n.target is _MERGE for g in graphs for n in g.nodes):
+        if any(n.op == "call_function" and n.target in _MERGES for g in graphs for n in g.nodes):
             raise ValueError("the module is in the two-phase form (attnres_compile.two_phase), whose merged sites "
                              "are not watched: monitor the one-pass module, or undo the pass with "
                              "attnres_compile.fx.two_phase.one_pass(gm)")
@@ -68,6 +72,7 @@ class DepthMonitor:
                              "attnres_compile.fx.site_norm.unfuse_norms(gm)")
         self.module, self.every, self.group, self.prefix = module, every, group, prefix
         self._queries: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}
+        self._gates = {gate_of(n): p for n, p in module.named_parameters() if gate_of(n) is not None}
         self._storages: dict[int, tuple[tuple[str, int], str, torch.Tensor]] = {}
         self._scan()
         if not self._queries:
@@ -153,8 +158,15 @@ class DepthMonitor:
 
     def stats(self) -> dict:
         """{"step", "sites": [{"chain", "site", "name", "rows", "rms", "sources", "weights",
-        "weights_max", "entropy", "max_entropy"}]}: what the sums hold now (SiteSums.summary)."""
-        return stats_of(self._sums, step=self._step)
+        "weights_max", "entropy", "max_entropy"[, "gate"]}]}: what the sums hold now (SiteSums.summary),
+        and a Delta site's gate now."""
+        stats = stats_of(self._sums, step=self._step)
+        for site in stats["sites"]:
+            gate = self._gates.get((site["chain"], site["site"]))
+            if gate is not None:
+                local = gate.to_local() if hasattr(gate, "to_local") else gate
+                site["gate"] = float(local.detach().float().sum()) if local.numel() else None
+        return stats
 
 
 def _distributed(group: Any) -> bool:

@@ -24,11 +24,12 @@ from onnxscript import ir
 from ..core.errors import TraceError, first_line
 from ..fx import dynamic_dims, hf_experts
 from ..fx.two_phase import one_pass
+from ..ops.delta import depth_attention_delta
 from ..ops.depth_attention import depth_attention
 from ..ops.site_norm import depth_attention_norm
 from ..pt2.write import drop_guards, output_names
 from . import passes
-from .function import DOMAIN, DOMAIN_VERSION, OP_TYPE, PAIR, negative_axis
+from .function import DELTA, DOMAIN, DOMAIN_VERSION, OP_TYPE, PAIR, negative_axis
 from .optimize import exact_no_ops
 from .rewrite import PREFIX
 
@@ -56,6 +57,13 @@ _PAIR_SCHEMA = OpSchema(  # the site + norm pair: sources, query, then the norm'
 _DEPTH_ATTENTION_NORM = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), PAIR, _PAIR_SCHEMA)
 
 
+_DELTA_SCHEMA = OpSchema(DELTA, DOMAIN, DOMAIN_VERSION, inputs=list(_SCHEMA.inputs), outputs=list(_SCHEMA.outputs),
+                         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)",
+                                                  "tensor(double)"], "")],
+                         attributes=list(_SCHEMA.attributes.values()))
+_DEPTH_ATTENTION_DELTA = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), DELTA, _DELTA_SCHEMA)
+
+
 def _translate(sources, query, eps: float, scale: float, dim: int):
     """depth_attention(sources, query, eps, scale, dim) -> attnres.DepthAttention(*sources, query)."""
     axis = negative_axis(dim, len(sources[0].shape)) if dim >= 0 else dim
@@ -69,7 +77,14 @@ def _translate_pair(sources, query, eps: float, scale: float, dim: int, weight, 
                                  affine=len(params))
 
 
-TRANSLATION_TABLE = {depth_attention: _translate, depth_attention_norm: _translate_pair}
+def _translate_delta(sources, query, base, gate, eps: float, scale: float, dim: int):
+    """depth_attention_delta(...) -> attnres.DepthAttentionDelta(*sources, query, base, gate)."""
+    axis = negative_axis(dim, len(sources[0].shape)) if dim >= 0 else dim
+    return _DEPTH_ATTENTION_DELTA(*sources, query, base, gate, eps=eps, scale=scale, axis=axis)
+
+
+TRANSLATION_TABLE = {depth_attention: _translate, depth_attention_norm: _translate_pair,
+                     depth_attention_delta: _translate_delta}
 _LOGGERS = ("torch.onnx", "onnx_ir", "onnxscript", "torch.export", "torch._dynamo",
             *dynamic_dims.EXPORT_LOGGERS)  # the exporter's per-step and per-initializer lines, torch.export's notices
 

@@ -1,11 +1,12 @@
 """The ONNX form of depth-attention sites, shared by the ONNX rewrite and the PyTorch export.
 
-Four node types of the `attnres` domain, each defined by a model-local function whose body is
+Five node types of the `attnres` domain, each defined by a model-local function whose body is
 standard ops only, in float32: DepthAttention (one site), DepthAttentionPartial and
-DepthAttentionMerge (a group of sites over a shared history: core/two_phase.py), and
-DepthAttentionNorm (a site and the norm that reads it: ops/site_norm.py). docs/onnx-format.md is
-the specification: their inputs, outputs and attributes, and why the bodies are written as they
-are (what onnxruntime fuses, what tvm.relax.frontend.onnx imports, why overloads).
+DepthAttentionMerge (a group of sites over a shared history: core/two_phase.py),
+DepthAttentionNorm (a site and the norm that reads it: ops/site_norm.py) and DepthAttentionDelta
+(a Delta AttnRes site: the plain sum plus the gated mix). docs/onnx-format.md is the
+specification: their inputs, outputs and attributes, and why the bodies are written as they are
+(what onnxruntime fuses, what tvm.relax.frontend.onnx imports, why overloads).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ IR_VERSION = 10
 PARTIAL = "DepthAttentionPartial"
 MERGE = "DepthAttentionMerge"
 PAIR = "DepthAttentionNorm"
+DELTA = "DepthAttentionDelta"
+SITES = (OP_TYPE, MERGE, PAIR, DELTA)  # one node per site
 NORMS = ("layer", "rms")
 
 
@@ -40,10 +43,19 @@ def negative_axis(axis: int, rank: int) -> int:
     return axis - rank if axis >= 0 else axis
 
 
+def delta_node(inputs: list[str], query: str, base: str, gate: str, output: str, *, eps: float, scale: float,
+               axis: int, rank: int, name: str = "") -> onnx.NodeProto:
+    """One Delta AttnRes site: `base` + `gate` * the site over `inputs`, written to `output`."""
+    return helper.make_node(DELTA, [*inputs, query, base, gate], [output], name=name, domain=DOMAIN,
+                            eps=float(eps), scale=float(scale), axis=negative_axis(axis, rank))
+
+
 def signature(node: onnx.NodeProto) -> tuple[int, int, float, float]:
-    """(arity, axis, scale, eps) of a site node: what its function body is specialised on."""
+    """(arity, axis, scale, eps) of a site node (DepthAttention or DepthAttentionDelta): what its
+    function body is specialised on."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return len(node.input) - 1, int(attrs["axis"]), float(attrs["scale"]), float(attrs["eps"])
+    extra = 3 if node.op_type == DELTA else 1  # query[, base, gate]
+    return len(node.input) - extra, int(attrs["axis"]), float(attrs["scale"]), float(attrs["eps"])
 
 
 def overload(sig: tuple[int, int, float, float]) -> str:
@@ -80,17 +92,33 @@ def function_proto(sig: tuple[int, int, float, float], opset: int) -> onnx.Funct
     return fn
 
 
-def _site_body(b: Body, sig: tuple[int, int, float, float], opset: int) -> str:
-    """A site's float32 output in `b`, from inputs s0..s{n-1} and query."""
+def delta_function(sig: tuple[int, int, float, float], opset: int) -> onnx.FunctionProto:
+    """The model-local function for Delta sites with signature `sig`, for default-domain `opset`."""
+    n, *_ = sig
+    b = Body()
+    b.op("CastLike", [_site_body(b, sig, opset, delta=True), "base"], "output")
+    return _function(DELTA, overload(sig), [f"s{i}" for i in range(n)] + ["query", "base", "gate"], ["output"], b,
+                     opset, ["eps", "scale", "axis"], f"Delta AttnRes over {n} sources")
+
+
+def _site_body(b: Body, sig: tuple[int, int, float, float], opset: int, delta: bool = False) -> str:
+    """A site's float32 output in `b`, from inputs s0..s{n-1} and query (`delta`: base + gate * it,
+    from inputs base and gate too, the gate folded into the scale)."""
     n, axis, scale, eps = sig
     axes = b.const("axes", TensorProto.INT64, [axis])
     eps_c = b.const("eps", TensorProto.FLOAT, [eps], [])
     scale_c = b.const("scale", TensorProto.FLOAT, [scale], [])
+    plus = None
+    if delta:
+        gate = b.op("Reshape", [b.op("Cast", ["gate"], "gatef", to=TensorProto.FLOAT),
+                                b.const("scalar", TensorProto.INT64, [], [0])], "gate0")
+        scale_c = b.op("Mul", [scale_c, gate], "gated_scale")
+        plus = b.op("Cast", ["base"], "basef", to=TensorProto.FLOAT)
     qshape = b.const("qshape", TensorProto.INT64, [-1] + [1] * (-axis - 1))  # [D, 1, .., 1]: broadcast on the axis
     query = b.op("Reshape", [b.op("Cast", ["query"], "qf", to=TensorProto.FLOAT), qshape], "qb")
     xs = [b.op("Cast", [f"s{i}"], f"x{i}", to=TensorProto.FLOAT) for i in range(n)]
     columns = (b.op("Unsqueeze", [query, b.const("col", TensorProto.INT64, [1])], "qcol"), None) if axis == -1 else None
-    return _attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns)
+    return _attend(b, xs, query, eps_c, scale_c, axes, axis, opset, columns=columns, plus=plus)
 
 
 # ---- the fused site + norm pair -------------------------------------------------------------------
@@ -144,7 +172,8 @@ def pair_function(sig: tuple, opset: int) -> onnx.FunctionProto:
 
 
 def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str, axis: int, opset: int,
-            state: tuple[str, str] | None = None, columns: tuple[str, str | None] | None = None) -> str:
+            state: tuple[str, str] | None = None, columns: tuple[str, str | None] | None = None,
+            plus: str | None = None) -> str:
     """scale * sum_i softmax_i(z_i) x_i over float32 terms `xs`, z_i = query . RMSNorm(x_i) along `axis`;
     `state` (lse, acc) is one more term, a history already reduced to its logsumexp and weighted mean.
 
@@ -153,7 +182,8 @@ def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str,
     that do not depend on the site once for all the sites a source is a term of. Without, the
     RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which onnxruntime fuses
     into one SimplifiedLayerNormalization, then ReduceSum. The scale goes on the (small) weights,
-    and the sum of the weighted terms is the last op: a Sum, never an Add."""
+    and the sum of the weighted terms is the last op: a Sum, never an Add (`plus`: a float32 term added
+    to it unweighted, Delta's plain sum, in the same Sum)."""
     zs = [state[0]] if state else []
     if columns:
         matrix, pick = columns
@@ -178,6 +208,7 @@ def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str,
         ps = b.op("Split", [p, b.const("splits", TensorProto.INT64, [1] * len(terms))],
                   [f"p{i}" for i in range(len(terms))], axis=axis)
     weighted = [b.op("Mul", [pi, x], f"px{i}") for i, (pi, x) in enumerate(zip(ps, terms))]
+    weighted = ([plus] if plus else []) + weighted
     return weighted[0] if len(weighted) == 1 else b.op("Sum", weighted, "total")
 
 
@@ -191,6 +222,9 @@ def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.Function
     if node.op_type == OP_TYPE:
         sig = signature(node)
         return overload(sig), lambda opset: function_proto(sig, opset)
+    if node.op_type == DELTA:
+        sig = signature(node)
+        return overload(sig), lambda opset: delta_function(sig, opset)
     if node.op_type == PARTIAL:
         structure = partial_structure(node)
         return partial_overload(*structure), lambda opset: partial_function(*structure, opset)
@@ -223,7 +257,7 @@ def attach_functions(model: onnx.ModelProto) -> int:
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     if ours:
         model.ir_version = max(model.ir_version, IR_VERSION)
-    return sum(n.op_type in (OP_TYPE, MERGE, PAIR) for n in ours)
+    return sum(n.op_type in SITES for n in ours)
 
 
 # ---- the two-phase pair ---------------------------------------------------------------------------

@@ -7,6 +7,13 @@ a source of another layout ([B*T, D] vs [B, T, D]) is brought to the site's with
 Reshape(source, Shape(first branch of the site)). The residual Adds, and skip-path ops they
 leave without readers, are removed. Pseudo-queries are zero float32 initializers named
 `attnres.chain<i>.site<k>` (k from 1), the names of the fx rewrite's state_dict entries.
+
+Delta AttnRes (config.delta) keeps the residual Adds: the root Add of link k writes a fresh name
+(`attnres/chain<i>/plain<k>`), the `attnres.DepthAttentionDelta` node placed after it takes over the
+site's value name (readers and graph outputs read it), and the next link's skip is pointed back at
+the plain name. An op on the skip path (a Cast, a Reshape) whose other readers must read the Delta
+side is treated alike: it writes a fresh name that the path goes on with, and a copy of it over the
+Delta side takes over its value name. Gates are float32 [1] initializers `attnres.chain<i>.gate<k>`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from ..core.config import AttnResConfig
 from ..core.plan import Chain, Plan, RewrittenSite
-from .function import site_node
+from .function import delta_node, site_node
 from .two_phase import FreshNames
 from .view import STANDARD_DOMAINS, subgraph_reads
 
@@ -42,6 +49,7 @@ def rewrite_sites(model: onnx.ModelProto, plan: Plan, config: AttnResConfig, vie
             nodes += rewriter.inserts.get(out, [])
         else:
             nodes.append(node)
+            nodes += rewriter.after.get(out, [])
     dead_from = {i for node in graph.node if node.output and node.output[0] in rewriter.removed for i in node.input}
     nodes = _without_dead(nodes, dead_from, {o.name for o in graph.output})
     graph.ClearField("node")
@@ -59,6 +67,8 @@ class _Rewriter:
         self.fresh = self.names.fresh
         self.removed: set[str] = set()               # output names of the residual Adds
         self.inserts: dict[str, list[onnx.NodeProto]] = {}  # site value -> nodes replacing its Add
+        self.after: dict[str, list[onnx.NodeProto]] = {}  # Delta: value -> nodes placed after its producer
+        self.producer = {o: n for n in graph.node for o in n.output}
         self.next_chain = 0
 
     def chain(self, chain: Chain) -> list[RewrittenSite]:
@@ -69,19 +79,68 @@ class _Rewriter:
         terms = chain.site_terms(self.config.block_size_for(len(chain.sources) - 1))
         cache: dict[tuple, str] = {}
         out = []
+        delta = self.config.delta
         for k, (link, groups) in enumerate(zip(chain.links, terms), start=1):
-            nodes = self.inserts.setdefault(link.result, [])
+            plain = self.fresh(f"{PREFIX}/{tag}/plain{k}") if delta else None
+            nodes = self.after.setdefault(plain, []) if delta else self.inserts.setdefault(link.result, [])
             site = _Site(self, chain, tag, link.result, link.branches[0], nodes, cache)
             inputs = [site.term(group) for group in groups]
-            scale = float(len(inputs)) if self.config.scale == "preserve" else 1.0
+            scale = 1.0 if delta else float(len(inputs)) if self.config.scale == "preserve" else 1.0
             query = self.fresh(f"{PREFIX}.{tag}.site{k}")
             self.graph.initializer.append(numpy_helper.from_array(np.zeros(chain.feature_size, np.float32), query))
             name = self.fresh(f"{PREFIX}/{tag}/site{k}")
-            nodes.append(site_node(inputs, query, link.result, eps=self.config.eps, scale=scale,
-                                   axis=chain.feature_axis, rank=len(link.shape), name=name))
-            self.removed.update(link.adds)
-            out.append(RewrittenSite(chain.index, k, name, query, len(inputs), scale))
+            gate = None
+            if delta:
+                gate = self.fresh(f"{PREFIX}.{tag}.gate{k}")
+                self.graph.initializer.append(numpy_helper.from_array(np.full(1, self.config.gate_init, np.float32), gate))
+                nodes.append(delta_node(inputs, query, plain, gate, link.result, eps=self.config.eps, scale=scale,
+                                        axis=chain.feature_axis, rank=len(link.shape), name=name))
+                nxt = chain.links[k] if k < len(chain.links) else None
+                self._read_delta(link.result, plain, chain.skip_paths[k] if nxt else [], nxt.adds if nxt else [], tag)
+            else:
+                nodes.append(site_node(inputs, query, link.result, eps=self.config.eps, scale=scale,
+                                       axis=chain.feature_axis, rank=len(link.shape), name=name))
+                self.removed.update(link.adds)
+            out.append(RewrittenSite(chain.index, k, name, query, len(inputs), scale, gate))
         return out
+
+    def _read_delta(self, value: str, plain: str, path: list[str], skip_adds: list[str], tag: str) -> None:
+        """Delta: `value`'s producer writes `plain` instead (the Delta node takes `value` over); the
+        skip path to the next link (`path`, read at its end by one of `skip_adds`) goes on from the plain
+        names, and each op on it with other readers is copied over the Delta side (the copy takes its
+        value name over, the op writes a fresh one)."""
+        readers = [self.producer[a] for a in skip_adds]
+        self._rename(value, plain)
+        hops = [*path, None]
+        for i, hop in enumerate(hops):
+            on_path = readers if hop is None else [self.producer[hop]]
+            for node in on_path:  # the path reads the plain value
+                node.input[:] = [plain if x == value else x for x in node.input]
+            if hop is None or not self._read_off_path(hops[i:], skip_adds):
+                return
+            op = self.producer[hop]
+            fresh = self.fresh(f"{PREFIX}/{tag}/plain/{hop}")
+            copy = onnx.NodeProto()
+            copy.CopyFrom(op)
+            copy.input[:] = [value if x == plain else x for x in op.input]  # over the Delta side
+            copy.name = self.fresh(f"{PREFIX}/{tag}/delta/{op.name or hop}")
+            self._rename(hop, fresh)
+            self.after.setdefault(fresh, []).append(copy)  # reads `value` (the Delta side), writes `hop`
+            value, plain = hop, fresh
+
+    def _read_off_path(self, hops: list, skip_adds: list[str]) -> bool:
+        """Whether an op of `hops` (the rest of a skip path, None at its end) has a reader off the path."""
+        for hop, nxt in zip(hops, hops[1:]):
+            keep = set(skip_adds) if nxt is None else {nxt}
+            if any(u not in keep for u in self.view.nodes[hop]["users"]):
+                return True
+        return False
+
+    def _rename(self, value: str, new: str) -> None:
+        """`value`'s producer writes `new` instead."""
+        node = self.producer.pop(value)
+        node.output[:] = [new if o == value else o for o in node.output]
+        self.producer[new] = node
 
 
 class _Site:

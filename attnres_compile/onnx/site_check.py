@@ -27,6 +27,7 @@ from onnx import AttributeProto, TensorProto, helper
 
 from ..core.errors import CorruptModelError
 from .function import (
+    DELTA,
     DOMAIN,
     DOMAIN_VERSION,
     MERGE,
@@ -34,6 +35,7 @@ from .function import (
     OP_TYPE,
     PAIR,
     PARTIAL,
+    SITES,
     default_opset,
     definition,
     partial_structure,
@@ -49,6 +51,7 @@ ATTRIBUTES = {  # op type: {attribute: type}
     PAIR: {"eps": AttributeProto.FLOAT, "scale": AttributeProto.FLOAT, "axis": AttributeProto.INT,
            "norm_eps": AttributeProto.FLOAT, "norm": AttributeProto.STRING, "affine": AttributeProto.INT},
 }
+ATTRIBUTES[DELTA] = ATTRIBUTES[OP_TYPE]
 ADVICE = "the file is damaged or was not written by attnres-compile; rewrite the original model again"
 
 
@@ -84,7 +87,7 @@ def check_sites(model: onnx.ModelProto, types: dict[str, tuple[int, tuple | None
     if ours and not any(o.domain == DOMAIN and o.version == DOMAIN_VERSION for o in model.opset_import):
         raise CorruptModelError(f"the model uses attnres nodes without importing the attnres opset, version "
                                 f"{DOMAIN_VERSION}; {ADVICE}")
-    return sum(n.op_type in (OP_TYPE, MERGE, PAIR) for n in ours)
+    return sum(n.op_type in SITES for n in ours)
 
 
 def _nested(model: onnx.ModelProto) -> str | None:
@@ -119,8 +122,9 @@ def _attributes(node: onnx.NodeProto) -> dict:
         raise _Bad(f"eps is {attrs['eps']}, must be positive and finite")
     if "scale" in attrs and not (math.isfinite(attrs["scale"]) and attrs["scale"] > 0):
         raise _Bad(f"scale is {attrs['scale']}, must be positive and finite")
-    if attrs["axis"] >= 0 or (node.op_type != OP_TYPE and attrs["axis"] != -1):
-        raise _Bad(f"axis is {attrs['axis']}, must be {'negative' if node.op_type == OP_TYPE else '-1'}")
+    free = node.op_type in (OP_TYPE, DELTA)  # any negative axis; the others' -1
+    if attrs["axis"] >= 0 or (not free and attrs["axis"] != -1):
+        raise _Bad(f"axis is {attrs['axis']}, must be {'negative' if free else '-1'}")
     if node.op_type == PAIR:
         attrs["norm"] = attrs["norm"].decode(errors="replace")
         if not (math.isfinite(attrs["norm_eps"]) and attrs["norm_eps"] > 0):
@@ -140,6 +144,16 @@ def _check_node(node: onnx.NodeProto, partials: dict, types: dict) -> None:
         if len(node.input) < 2 or len(node.output) != 1:
             raise _Bad(f"{len(node.input)} inputs and {len(node.output)} outputs, expected sources, a query and one output")
         _check_types(list(node.input[:-1]), node.input[-1], attrs["axis"], types)
+        return
+    if node.op_type == DELTA:
+        if len(node.input) < 4 or len(node.output) != 1:
+            raise _Bad(f"{len(node.input)} inputs and {len(node.output)} outputs, expected sources, a query, a base, "
+                       "a gate and one output")
+        _check_types(list(node.input[:-3]) + [node.input[-2]], node.input[-3], attrs["axis"], types)
+        gate = types.get(node.input[-1])
+        if gate is not None and (gate[0] not in FLOATS or (gate[1] is not None and math.prod(
+                d if isinstance(d, int) else 2 for d in gate[1]) != 1)):
+            raise _Bad(f"its gate {node.input[-1]!r} is not a float scalar")
         return
     if node.op_type == PAIR:
         count = len(node.input) - 1 - attrs["affine"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..core.two_phase import MAX_GROUP, site_groups
-from .function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, merge_node, partial_node
+from .function import DELTA, DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, merge_node, partial_node
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -99,6 +99,8 @@ class Site:
     eps: float
     scale: float
     axis: int
+    base: str | None = None  # Delta AttnRes: the plain sum and the gate
+    gate: str | None = None
 
 
 def sites(graph: onnx.GraphProto) -> list[Site]:
@@ -119,6 +121,9 @@ def sites(graph: onnx.GraphProto) -> list[Site]:
         elif node.op_type in (OP_TYPE, MERGE):
             sources = (history[node.input[0]] + list(node.input[3:-1])) if node.op_type == MERGE else list(node.input[:-1])
             out.append(Site(node, sources, node.input[-1], attrs["eps"], attrs["scale"], attrs["axis"]))
+        elif node.op_type == DELTA:
+            out.append(Site(node, list(node.input[:-3]), node.input[-3], attrs["eps"], attrs["scale"], attrs["axis"],
+                            node.input[-2], node.input[-1]))
         elif node.op_type == PAIR:
             count = len(node.input) - 1 - attrs["affine"]
             out.append(Site(node, list(node.input[:count]), node.input[count], attrs["eps"], attrs["scale"], attrs["axis"]))

@@ -31,7 +31,7 @@ from onnx import TensorProto
 from ..core.errors import CorruptModelError
 from ..core.graph_view import Kind, ViewNode, build_view
 from . import io as onnx_io
-from .function import DOMAIN, MERGE, OP_TYPE, PAIR
+from .function import DOMAIN, SITES
 from .site_check import check_sites
 from .unfuse_skip_norm import DOMAIN as ORT_DOMAIN
 
@@ -312,7 +312,7 @@ def subgraph_reads(node: onnx.NodeProto) -> list[str]:
 
 
 def _kind(node: onnx.NodeProto, types: dict) -> Kind:
-    if node.domain == DOMAIN and node.op_type in (OP_TYPE, MERGE, PAIR):
+    if node.domain == DOMAIN and node.op_type in SITES:
         return Kind.DEPTH_ATTENTION
     if node.domain not in STANDARD_DOMAINS:
         return Kind.OP

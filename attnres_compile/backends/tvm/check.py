@@ -53,11 +53,11 @@ def onnx_depth(path: Path) -> int:
 
     from ...core.chain_analysis import analyze
     from ...core.config import AttnResConfig
-    from ...onnx.function import DOMAIN, MERGE, OP_TYPE
+    from ...onnx.function import DELTA, DOMAIN, MERGE, OP_TYPE
     from ...onnx.view import view_from_onnx
 
     model = onnx.load(os.fspath(path), load_external_data=False)
-    sites = sum(n.domain == DOMAIN and n.op_type in (OP_TYPE, MERGE) for n in model.graph.node)
+    sites = sum(n.domain == DOMAIN and n.op_type in (OP_TYPE, MERGE, DELTA) for n in model.graph.node)
     try:
         plan = analyze(view_from_onnx(model), AttnResConfig(min_chain=1))
     except Exception:  # noqa: BLE001 - a model the analysis cannot read gets the flat bound

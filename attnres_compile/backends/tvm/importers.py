@@ -33,7 +33,7 @@ from ...fx.decoder import GENERATION, flat_input_names, token_ids
 from ...fx.two_phase import one_pass
 from ...onnx import genai as onnx_genai
 from ...onnx import io as onnx_io
-from ...onnx.function import DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, default_opset
+from ...onnx.function import DELTA, DOMAIN, MERGE, OP_TYPE, PAIR, PARTIAL, default_opset
 from ...onnx.site_check import check_sites
 from ...onnx.two_phase import sites as onnx_sites
 from ...onnx.view import value_types
@@ -41,11 +41,12 @@ from ...utils import pytree_warning
 from .onnx_prepare import ConverterFixes, simplify
 from .program_prepare import convertible
 from .site_norm import emit_norm
-from .sites import site_call
+from .sites import delta_call, site_call
 from .tile import symbolic, tile
 
 TORCH_OP_NAME = "depth_attention.default"
 TORCH_PAIR_NAME = "depth_attention_norm.default"
+TORCH_DELTA_NAME = "depth_attention_delta.default"
 
 
 class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
@@ -66,6 +67,9 @@ class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
         if op_name == OP_TYPE:
             *sources, query = [self.bb.normalize(x) for x in inputs]
             return self.bb.normalize(site_call(sources, query, attrs["eps"], attrs["scale"], attrs["axis"]))
+        if op_name == DELTA:
+            *sources, query, base, gate = [self.bb.normalize(x) for x in inputs]
+            return self.bb.normalize(delta_call(sources, query, base, gate, attrs["eps"], attrs["scale"], attrs["axis"]))
         if op_name == PAIR:
             inputs = [self.bb.normalize(x) for x in inputs]
             count = len(inputs) - 1 - attrs["affine"]
@@ -127,7 +131,7 @@ def _dtype(value) -> str:
 
 
 def _is_attnres(node: onnx.NodeProto) -> bool:
-    return node.domain == DOMAIN and node.op_type in (OP_TYPE, PARTIAL, MERGE, PAIR)
+    return node.domain == DOMAIN and node.op_type in (OP_TYPE, PARTIAL, MERGE, PAIR, DELTA)
 
 
 def _pair(bb: relax.BlockBuilder, sources: list, query, eps: float, scale: float, axis: int, params: list,
@@ -183,6 +187,12 @@ def _convert_torch_site(node, importer) -> relax.Var:
     return importer.block_builder.emit(site_call(list(sources), query, eps, scale, dim))
 
 
+def _convert_torch_delta(node, importer) -> relax.Var:
+    """custom_convert_map entry: depth_attention_delta(sources, query, base, gate, eps, scale, dim) -> placeholder."""
+    sources, query, base, gate, eps, scale, dim = importer.retrieve_args(node)
+    return importer.block_builder.emit(delta_call(list(sources), query, base, gate, eps, scale, dim))
+
+
 def _convert_torch_pair(node, importer) -> relax.Tuple:
     """custom_convert_map entry: depth_attention_norm(...) -> (placeholder, its norm)."""
     sources, query, eps, scale, dim, weight, bias, norm_eps, norm = importer.retrieve_args(node)
@@ -197,6 +207,7 @@ def from_exported_program(program) -> tvm.IRModule:
     from ... import ops  # noqa: F401  (the program's attnres ops, which the decompositions dispatch)
 
     return convert(program, custom_convert_map={TORCH_OP_NAME: _convert_torch_site, TORCH_PAIR_NAME: _convert_torch_pair,
+                                                TORCH_DELTA_NAME: _convert_torch_delta,
                                                 "view.default": _convert_reshape,
                                                 "reshape.default": _convert_reshape, "empty.default": _convert_empty,
                                                 "empty.memory_format": _convert_empty, "slice.Tensor": _convert_slice,
@@ -302,8 +313,9 @@ def _import_program(program: torch.export.ExportedProgram) -> ImportedModel:
     params = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     sites = []
     for node in program.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "") in (TORCH_OP_NAME, TORCH_PAIR_NAME):
-            sources, query, eps, scale, dim = node.args[:5]
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name in (TORCH_OP_NAME, TORCH_PAIR_NAME, TORCH_DELTA_NAME):
+            sources, query, *_, eps, scale, dim = node.args[:7] if name == TORCH_DELTA_NAME else node.args[:5]
             sites.append({"name": node.name, "query": params.get(query.name, query.name), "sources": len(sources),
                           "axis": int(dim), "eps": float(eps), "scale": float(scale)})
     try:

@@ -168,17 +168,24 @@ class _SiteLowerer(expr_functor.PyExprMutator):
             affine = [bb.emit(self.visit_expr(t)) if isinstance(t, relax.Call) else self.visit_expr(t)
                       for t in (norm.gamma, norm.beta) if t is not None]
             record[f"{norm.kind}_norm_eps"] = norm.eps
+        delta = site.base is not None
+        plus = []
+        if delta:  # Delta AttnRes: the plain sum in the sources' layout, the gate as float32 [1]
+            plus = [self.to_rows(site.base, order, rows, size),
+                    self.builder_.emit(relax.op.reshape(self.float32(site.gate), relax.ShapeExpr([1])))]
+            record["delta"] = True
         if planned:  # the query's index and the scale are the merge kernel's arguments
             group, index = planned
             if group.state is None:
                 group.state = self.partial(group, order, rows, size, dtype, site.eps)
-            kernel = self.kernel("merge", (len(group.queries), len(flat), size), dtype, (site.eps, *fused), len(rows) + 1)
-            args = [*group.state, *flat, query, *affine, relax.prim_value(index, "int64"),
+            kernel = self.kernel("merge", (len(group.queries), len(flat), size), dtype, (site.eps, *fused), len(rows) + 1,
+                                 delta)
+            args = [*group.state, *flat, query, *plus, *affine, relax.prim_value(index, "int64"),
                     relax.prim_value(site.scale, "float32")]
             record["partial"] = group.kernels
         else:
-            kernel = self.kernel("site", (len(flat), size), dtype, (site.eps, site.scale, *fused), len(rows) + 1)
-            args = [*flat, query, *affine]
+            kernel = self.kernel("site", (len(flat), size), dtype, (site.eps, site.scale, *fused), len(rows) + 1, delta)
+            args = [*flat, query, *plus, *affine]
         self.lowered.append({"kernel": kernel.name_hint, **record})
         out = relax.call_tir(kernel, args, relax.TensorType([*rows, size], dtype))
         if len(rows) + 1 != ndim:
@@ -231,13 +238,14 @@ class _SiteLowerer(expr_functor.PyExprMutator):
             return source
         return self.builder_.emit(relax.op.reshape(source, relax.ShapeExpr([*rows, size])))
 
-    def kernel(self, kind: str, shape: tuple, dtype: str, params: tuple, rank: int) -> relax.GlobalVar:
+    def kernel(self, kind: str, shape: tuple, dtype: str, params: tuple, rank: int, delta: bool = False) -> relax.GlobalVar:
         """The `kind` kernel ("site", "merge", "partial") for `shape`, `dtype`, `params` (eps, a site's
-        scale, a fused norm's kind and eps) and sources of rank `rank`, generated, scheduled and added once."""
-        key = (kind, shape, dtype, params, rank)
+        scale, a fused norm's kind and eps) and sources of rank `rank` (`delta`: Delta AttnRes' form,
+        taking the plain sum and the gate after the query), generated, scheduled and added once."""
+        key = (kind, shape, dtype, params, rank, delta)
         if key not in self.kernels:
-            variant = sum(k[:3] == key[:3] for k in self.kernels)
-            name, func = _make_kernel(kind, shape, dtype, params, variant, rank)
+            variant = sum(k[:3] == key[:3] and k[5] == delta for k in self.kernels)
+            name, func = _make_kernel(kind, shape, dtype, params, variant, rank, delta)
             self.kernels[key] = self.builder_.add_func(_finish(func, self.target), name)
         return self.kernels[key]
 
@@ -248,23 +256,24 @@ def _native(order: list[int]) -> bool:
 
 
 def _make_kernel(kind: str, shape: list[int], dtype: str, params: tuple, variant: int,
-                 rank: int = 2) -> tuple[str, tirx.PrimFunc]:
+                 rank: int = 2, delta: bool = False) -> tuple[str, tirx.PrimFunc]:
     """(name, unscheduled function) of a site, merge or partial kernel over rank-`rank` sources;
-    `variant` tells apart kernels of one shape and dtype with another eps, scale or rank."""
+    `variant` tells apart kernels of one shape and dtype with another eps, scale or rank; `delta`:
+    Delta AttnRes' site or merge (named ..._delta...)."""
     tail = f"_{dtype}" + (f"_{variant}" if variant else "")
     if kind in ("site", "merge"):  # params (eps[, scale][, norm kind, norm eps]): "_ln" / "_rms" kernels
         eps, *rest = params  # store the normed output
         scale, norm = (rest[0], rest[1:]) if kind == "site" else (None, rest)
         norm_kind, norm_eps = norm if norm else ("layer", None)
-        suffix = {"layer": "_ln", "rms": "_rms"}[norm_kind] if norm else ""
+        suffix = ("_delta" if delta else "") + ({"layer": "_ln", "rms": "_rms"}[norm_kind] if norm else "")
     if kind == "site":
         sources, size = shape
         return (kernel_name(sources, size, dtype, variant) + suffix,
-                depth_attention_func(sources, size, dtype, eps, scale, rank, norm_eps, norm_kind))
+                depth_attention_func(sources, size, dtype, eps, scale, rank, norm_eps, norm_kind, delta))
     if kind == "merge":  # index and scale: arguments
         queries, extras, size = shape
         return (f"{KERNEL_PREFIX}_merge_q{queries}_e{extras}_d{size}{tail}{suffix}",
-                depth_attention_merge_indexed_func(queries, extras, size, dtype, eps, rank, norm_eps, norm_kind))
+                depth_attention_merge_indexed_func(queries, extras, size, dtype, eps, rank, norm_eps, norm_kind, delta))
     (history, queries, size, start), (eps,) = shape, params  # start: the link continues a state
     return (f"{PARTIAL_PREFIX}_j{history}_q{queries}_d{size}{tail}" + ("_cont" if start else ""),
             depth_attention_partial_func(history, queries, size, dtype, eps, rank, start))

@@ -7,7 +7,9 @@ The ONNX and PyTorch importers (importers.py) turn each site into
 with eps and scale float64 and axis int64 prim values, typed like the sources. No packed
 function of that name exists: the placeholder only carries the site through import, and
 `LowerDepthAttention` (lower.py) must replace every one by a call to the fused kernel, so a
-module that skipped the lowering fails to build instead of running something else.
+module that skipped the lowering fails to build instead of running something else. A Delta AttnRes
+site is `R.call_pure_packed("attnres.depth_attention_delta", s_1, ..., s_n, query, base, gate, eps,
+scale, axis)`: base + gate * the site, `base` the plain sum (typed like the sources), `gate` a scalar.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tvm
 from tvm import relax
 
 PACKED_NAME = "attnres.depth_attention"
+DELTA_PACKED_NAME = "attnres.depth_attention_delta"
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,19 @@ class Site:
     eps: float
     scale: float
     axis: int
+    base: relax.Expr | None = None  # Delta AttnRes: the plain sum and the gate
+    gate: relax.Expr | None = None
+
+
+def delta_call(sources: list[relax.Expr], query: relax.Expr, base: relax.Expr, gate: relax.Expr, eps: float,
+               scale: float, axis: int) -> relax.Call:
+    """The placeholder for Delta AttnRes: `base` + `gate` * the site over `sources`, typed like `base`."""
+    return relax.op.call_pure_packed(
+        DELTA_PACKED_NAME, *sources, query, base, gate,
+        relax.prim_value(float(eps), "float64"), relax.prim_value(float(scale), "float64"),
+        relax.prim_value(int(axis), "int64"),
+        ty_args=_best_type([base, *sources]),
+    )
 
 
 def site_call(sources: list[relax.Expr], query: relax.Expr, eps: float, scale: float, axis: int) -> relax.Call:
@@ -57,8 +73,11 @@ def parse(call: relax.Call) -> Site | None:
     if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_pure_packed"):
         return None
     callee, *args = call.args
-    if not (isinstance(callee, relax.ExternFunc) and callee.global_symbol == PACKED_NAME):
+    if not (isinstance(callee, relax.ExternFunc) and callee.global_symbol in (PACKED_NAME, DELTA_PACKED_NAME)):
         return None
     *tensors, eps, scale, axis = args
+    if callee.global_symbol == DELTA_PACKED_NAME:
+        *sources, query, base, gate = tensors
+        return Site(tuple(sources), query, float(eps.value), float(scale.value), int(axis.value), base, gate)
     *sources, query = tensors
     return Site(tuple(sources), query, float(eps.value), float(scale.value), int(axis.value))

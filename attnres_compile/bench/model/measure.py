@@ -44,7 +44,9 @@ from .worker import WorkerError, Workers, measure_memory, onnxruntime_providers,
 
 MODELS = ("gpt", "llama")
 RUNTIMES = ("eager", "train", "onnxruntime", "tvm", "tvm-tuned")
-VARIANTS = ("original", "copy", "full", "block")
+VARIANTS = ("original", "copy", "full", "block")  # what a run times by default
+REWRITES = ("full", "block", "delta", "delta-block")  # --variants: Delta AttnRes on request; original and copy always
+DEFAULT_REWRITES = ["full", "block"]
 # timing groups, each in its own worker processes: interleaved in one process with the training steps, the
 # eager forward's overhead read higher (GPT-2 256/24 Block +17% there, +9% timed alone)
 GROUPS = {"eager": ("eager",), "train": ("train",), "onnxruntime": ("onnxruntime",), "tvm": ("tvm",),
@@ -84,6 +86,7 @@ class Settings:
     min_time: float
     profile: bool
     factory: str | None = None  # `module:function` of the user's causal LM, timed instead of the random models
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_REWRITES))  # the rewrites timed (REWRITES)
     vocab: int = VOCAB          # token ids are drawn below this (a factory's model: at most its vocabulary)
 
 
@@ -105,7 +108,8 @@ def settings(args) -> Settings:
                  tuning_db=Path(getattr(args, "tuning_db", None) or Path(args.out) / "tuning-db"),
                  device=getattr(args, "device", "cpu"), threads=getattr(args, "threads", None) or os.cpu_count() or 1,
                  rounds=getattr(args, "rounds", None) or base["rounds"], min_time=base["min_time"],
-                 profile=bool(getattr(args, "profile", False)), factory=getattr(args, "factory", None))
+                 profile=bool(getattr(args, "profile", False)), factory=getattr(args, "factory", None),
+                 variants=getattr(args, "variants", None) or list(DEFAULT_REWRITES))
     if s.factory and any(getattr(args, flag, None) for flag in ("models", "width", "sublayers")):
         raise ConfigError("--factory times that model at its own size: drop --models, --width and --sublayers")
     depths = [d for _, ds in s.matrices for d in ds]
@@ -199,15 +203,21 @@ class Variant:
     tuning: dict | None = None                              # TVM's tuning summary (tune.TuningSummary)
 
 
-def make_variants(model: torch.nn.Module, args: tuple, blocks: int) -> list[Variant]:
-    """The exported original and its verified Full and Block (N=`blocks`) rewrites."""
+def rewrite_config(name: str, blocks: int) -> AttnResConfig:
+    """The rewrite a variant name stands for: full, block (N=`blocks`), delta, delta-block (N=`blocks`)."""
+    variant, blocked = name.removesuffix("-block"), name.endswith("block")
+    return AttnResConfig(variant=variant, num_blocks=blocks if blocked else None)
+
+
+def make_variants(model: torch.nn.Module, args: tuple, blocks: int,
+                  names: list[str] = tuple(DEFAULT_REWRITES)) -> list[Variant]:
+    """The exported original and its verified rewrites `names` (full, block, delta, delta-block; N=`blocks`)."""
     from ... import rewrite
 
     start = time.perf_counter()
     program = torch.export.export(model, args)
     variants = [Variant("original", program, 0, times={"export": time.perf_counter() - start})]
-    for name, config in (("full", AttnResConfig(variant="full")),
-                         ("block", AttnResConfig(variant="block", num_blocks=blocks))):
+    for name, config in ((n, rewrite_config(n, blocks)) for n in REWRITES if n in names):
         start = time.perf_counter()
         result = rewrite(program, args, config)
         if not result.modified or not all(v["ok"] for v in result.report["verification"]):
@@ -402,7 +412,7 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, progress: Prog
     inputs = make_inputs(s.batch, s.seq, s.vocab)
     args = tuple(torch.from_numpy(a).to(s.device) for a in inputs.values())
     reference = reference_outputs(model, args)
-    variants = make_variants(model, args, s.blocks)
+    variants = make_variants(model, args, s.blocks, s.variants)
     keys = {"model": name, "width": width, "sublayers": sublayers}
     rows, profiles = [], []
     with tempfile.TemporaryDirectory(prefix=f"attnres-bench-{name}-{width}-{sublayers}-") as tmp:

@@ -13,7 +13,8 @@ from . import profile
 
 PLOT_COLORS = {"eager": "tab:blue", "train": "tab:purple", "onnxruntime": "tab:orange", "tvm": "tab:green",
                "tvm-tuned": "tab:olive", "generate": "tab:red"}
-PLOT_STYLES = {"original": ("^", ":"), "copy": ("x", ":"), "full": ("s", "--"), "block": ("o", "-")}  # marker, line
+PLOT_STYLES = {"original": ("^", ":"), "copy": ("x", ":"), "full": ("s", "--"), "block": ("o", "-"),
+               "delta": ("D", "--"), "delta-block": ("v", "-")}  # marker, line
 
 
 def columns(threads: int) -> list[tuple[str, str, str]]:
@@ -44,9 +45,37 @@ def table(data: dict) -> str:
         stages = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in c.items() if k.endswith("_s"))
         lines.append(f"compile {c['model']} {c['width']}/{c['sublayers']} {c['variant']}: {stages}")
     lines += [model_targets.line(t, cfg["threads"]) for t in data["targets"]]
+    lines += delta_lines(data["rows"])
     if data.get("profiles"):
         lines += ["", profile.tables(data["profiles"])]
     return "\n".join(lines)
+
+
+DELTA_TARGET = 1.0  # Delta-Block's overhead over the original at most Block's + 1 point (issue 64)
+
+
+def delta_lines(rows: list[dict]) -> list[str]:
+    """Per (model, width, sublayers, runtime) run with both: Delta-Block's 1-thread overhead beside
+    Block's (medians over the same interleaved rounds), the difference in points, and the identical
+    copy's overhead (the noise floor), against the target of at most +1 point: MET where the
+    difference plus the copy's |overhead| holds it, NOT MET where the difference less it does not,
+    else WITHIN NOISE."""
+    out = []
+    for r in rows:
+        if r["variant"] != "delta-block" or r.get("cpu_overhead_pct") is None:
+            continue
+        key = (r["model"], r["width"], r["sublayers"], r["runtime"])
+        same = {v["variant"]: v for v in rows if (v["model"], v["width"], v["sublayers"], v["runtime"]) == key}
+        block, copy = same.get("block", {}).get("cpu_overhead_pct"), same.get("copy", {}).get("cpu_overhead_pct")
+        if block is None:
+            continue
+        diff = r["cpu_overhead_pct"] - block
+        floor = abs(copy or 0.0)
+        verdict = "MET" if diff + floor <= DELTA_TARGET else "NOT MET" if diff - floor > DELTA_TARGET else "WITHIN NOISE"
+        out.append(f"delta-block vs block: {r['model']} {r['width']}/{r['sublayers']} {r['runtime']}: "
+                   f"{r['cpu_overhead_pct']:+.1f}% vs {block:+.1f}% = {diff:+.1f} points (target <= "
+                   f"{DELTA_TARGET:+g}; identical copy {copy if copy is not None else float('nan'):+.1f}%): {verdict}")
+    return out
 
 
 def interval_text(row: dict) -> str | None:
@@ -97,12 +126,14 @@ def plot(data: dict, out_dir: Path) -> list[Path]:
 
     panels = list(dict.fromkeys((r["model"], r["width"]) for r in data["rows"]))
     tvm = [r for r in data["rows"] if r.get("vs_onnxruntime_cpu") is not None]
-    figures = [("cpu_overhead_pct", "overhead over the original, 1-thread CPU time (%)", ("copy", "full", "block"),
+    rewrites = tuple(v for v in PLOT_STYLES
+                     if v not in ("original", "copy") and any(r["variant"] == v for r in data["rows"]))
+    figures = [("cpu_overhead_pct", "overhead over the original, 1-thread CPU time (%)", ("copy", *rewrites),
                 "model_overhead.png", data["rows"]),
-               ("cpu_ms", "1-thread CPU time per call (ms)", ("original", "full", "block"), "model_latency.png",
+               ("cpu_ms", "1-thread CPU time per call (ms)", ("original", *rewrites), "model_latency.png",
                 data["rows"]),
-               ("vs_onnxruntime_cpu", "x onnxruntime running the original, 1-thread CPU time", ("original", "block"),
-                "model_vs_onnxruntime.png", tvm)]
+               ("vs_onnxruntime_cpu", "x onnxruntime running the original, 1-thread CPU time",
+                ("original", *(v for v in rewrites if v != "full")), "model_vs_onnxruntime.png", tvm)]
     paths = []
     for key, ylabel, variants, fname, rows in figures:
         fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)

@@ -185,3 +185,35 @@ def test_bad_folders_fail_in_one_line(shipped, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_delta_checkpoint_ships_its_gates(shipped, capsys):
+    """Delta AttnRes: a Delta-Block conversion with planted queries and gates (the gates are what
+    make Delta differ from the original) reloads bitwise and serves its own tokens as an ONNX file
+    and through the onnxruntime-genai folder rewritten with --queries."""
+    folder = shipped["folder"] / "delta"
+    converted = ac.convert(tf.LlamaForCausalLM.from_pretrained(shipped["base"]).eval(),
+                           ac.AttnResConfig(variant="delta", num_blocks=2))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in converted.named_parameters():
+            if "attnres" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 2)
+    assert any(".gate" in name for name, _ in converted.named_parameters())
+    converted.save_pretrained(folder / "ckpt")
+    reloaded = ac.load(folder / "ckpt")
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompt).logits, converted(prompt).logits)
+    want = converted.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(PROMPT):].tolist()
+    assert want != shipped["untrained"]
+    assert main(["rewrite", str(folder / "ckpt"), "-o", str(folder / "m.onnx"), "--with-past", "--no-verify"]) == 0
+    assert _tokens(folder / "m.onnx", capsys) == want
+    builder = shipped["builder"]
+    if builder is None:
+        return
+    assert builder.wait(timeout=300) == 0, builder.stderr.read()[-2000:]
+    (folder / "genai").mkdir()
+    assert main(["rewrite", str(shipped["folder"] / "genai" / "model.onnx"), "-o", str(folder / "genai" / "model.onnx"),
+                 "--queries", str(folder / "ckpt")]) == 0
+    assert _tokens(folder / "genai", capsys) == want

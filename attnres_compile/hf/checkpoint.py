@@ -30,7 +30,7 @@ from ..utils.file_kind import ATTNRES_SECTION
 from . import classes
 from . import program as prog
 from .runtime import Backbone
-from .state import Geometry, Program, State
+from .state import Geometry, Program, State, holder
 
 FORMAT = 1
 SECTION = ATTNRES_SECTION
@@ -225,11 +225,5 @@ def attach(lm: nn.Module, state: State, queries: bool) -> None:
         for layer in backbone.get_submodule(state.layers):
             classes.swap(layer, classes.Layer)
     if queries:
-        device = next(backbone.parameters()).device
-        holder = nn.Module()
-        for chain, site, size in state.sites:
-            if not hasattr(holder, chain):
-                holder.register_module(chain, nn.ParameterDict())
-            getattr(holder, chain)[f"site{site}"] = nn.Parameter(torch.zeros(size, dtype=torch.float32, device=device))
-        backbone.attnres = holder
+        backbone.attnres = holder(state.sites, state.config, next(backbone.parameters()).device)
     backbone.__dict__["_attnres_state"] = state

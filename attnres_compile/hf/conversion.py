@@ -32,7 +32,7 @@ from . import program as prog
 from . import trace as tracing
 from .checkpoint import attach
 from .runtime import Module
-from .state import Geometry, ModuleState, Program, State, dtype_name, parameter_dtype
+from .state import Geometry, ModuleState, Program, State, dtype_name, holder, parameter_dtype
 
 CHECK_TOKENS = (2, 12)  # the exactness check's batch and sequence length
 
@@ -162,13 +162,7 @@ def _convert_module(model: nn.Module, config, example_inputs) -> nn.Module:
     if layers and blocks:
         for layer in converted.get_submodule(layers):
             classes.swap(layer, classes.Layer)
-    holder = nn.Module()
-    for chain, site, size in sites:
-        if not hasattr(holder, chain):
-            holder.register_module(chain, nn.ParameterDict())
-        getattr(holder, chain)[f"site{site}"] = nn.Parameter(torch.zeros(size, dtype=torch.float32,
-                                                                         device=next(converted.parameters()).device))
-    converted.attnres = holder
+    converted.attnres = holder(sites, config.to_dict(), next(converted.parameters()).device)
     converted.__dict__["_attnres_state"] = ModuleState(config.to_dict(), sites, Program(data), spec.in_spec,
                                                        spec.out_spec, dtype_name(dtype))
     args, kwargs = split_inputs(example_inputs)

@@ -44,7 +44,7 @@ def example_inputs(model: torch.nn.Module, batch: int = 2, length: int = 8) -> d
 
 
 def queries(source) -> tuple[dict, dict[str, np.ndarray]]:
-    """(AttnRes config fields, {"chain<i>.site<k>": float32 array}) of a converted model (`convert`,
+    """(AttnRes config fields, {"chain<i>.site<k>" (and Delta's "chain<i>.gate<k>"): float32 array}) of a converted model (`convert`,
     `load`) or of an AttnRes checkpoint folder."""
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isdir(source):
@@ -63,8 +63,10 @@ def queries(source) -> tuple[dict, dict[str, np.ndarray]]:
                          "model first: merge_and_unload())")
     found = {}
     for chain, site, _ in state.sites:
-        value = getattr(holder, chain)[f"site{site}"]
-        found[f"{chain}.site{site}"] = value.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+        for kind in ("site", "gate"):  # a Delta AttnRes site's gate beside its query
+            value = getattr(holder, chain).get(f"{kind}{site}")
+            if value is not None:
+                found[f"{chain}.{kind}{site}"] = value.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
     return dict(state.config), found
 
 

@@ -32,6 +32,22 @@ class Geometry:
         return {"layers": self.layers, "heads": self.heads, "head_dims": self.head_dims}
 
 
+def holder(sites: list, config: dict, device) -> nn.Module:
+    """The trainable AttnRes parameters of `sites` ([chain, site, size] lists), zeros as a rewrite
+    makes them: `<chain>.site<k>` pseudo-queries, and for Delta AttnRes `<chain>.gate<k>` gates at
+    the config's initial value."""
+    gate = (1.0 if config.get("init") == "paper" else 0.0) if config.get("variant") == "delta" else None
+    out = nn.Module()
+    for chain, site, size in sites:
+        if not hasattr(out, chain):
+            out.register_module(chain, nn.ParameterDict())
+        getattr(out, chain)[f"site{site}"] = nn.Parameter(torch.zeros(size, dtype=torch.float32, device=device))
+        if gate is not None:
+            getattr(out, chain)[f"gate{site}"] = nn.Parameter(torch.full((1,), gate, dtype=torch.float32,
+                                                                         device=device))
+    return out
+
+
 class Program:
     """One dtype's graph as data (program.py) and, per device, its compiled functions."""
 

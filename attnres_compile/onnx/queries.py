@@ -1,5 +1,6 @@
 """Trained pseudo-queries set into a rewritten ONNX model: the sites' zero initializers
-(`attnres.chain<i>.site<k>`, rewrite.py) take the values a converted model learned, matched by
+(`attnres.chain<i>.site<k>`, and Delta's gates `attnres.chain<i>.gate<k>`, rewrite.py) take the
+values a converted model learned, matched by
 chain and site index and by size; any difference between the two site lists is refused in one line."""
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from .rewrite import PREFIX
 
 
 def _sites(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    """{"chain<i>.site<k>": initializer} of the model's pseudo-queries."""
+    """{"chain<i>.site<k>" / "chain<i>.gate<k>": initializer} of the model's pseudo-queries and gates."""
     found = {}
     for init in model.graph.initializer:
         chain, _, site = init.name[len(PREFIX) + 1:].partition(".")
-        if init.name.startswith(PREFIX + ".chain") and site.startswith("site") and site[4:].isdigit():
+        if init.name.startswith(PREFIX + ".chain") and site[:4] in ("site", "gate") and site[4:].isdigit():
             found[f"{chain}.{site}"] = init
     return found
 
@@ -26,7 +27,7 @@ def _listing(keys) -> str:
     chains: dict[str, int] = {}
     for key in keys:
         chain = key.split(".")[0]
-        chains[chain] = chains.get(chain, 0) + 1
+        chains[chain] = chains.get(chain, 0) + (".site" in key)
     return ", ".join(f"{c}: {n} sites" for c, n in sorted(chains.items())) or "no sites"
 
 

@@ -44,7 +44,7 @@ from tests import generated_models as gen
 from tests.generated_models import REASONS, BranchSpec, LinkSpec, ModelSpec, StreamSpec
 
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
+    "ci", max_examples=12, deadline=None, derandomize=True, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(

@@ -141,7 +141,7 @@ def paddleocr_det():
     return Path(spec.submodule_search_locations[0]) / "models" / "ch_PP-OCRv4_det_infer.onnx"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_paddleocr_det_builds_and_verifies(paddleocr_det):
     """det itself, built by TVM at a fixed size, passes compile's verification (check.py) against
     the reference; against onnxruntime's own Sigmoid it failed (2.1e-3 relative at 320x320)."""
@@ -151,7 +151,7 @@ def test_paddleocr_det_builds_and_verifies(paddleocr_det):
     assert rows and all(r["ok"] for r in rows), rows
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_paddleocr_det_rewritten_with_one_link_chains_compiles(paddleocr_det, tmp_path):
     """`rewrite det.onnx --min-chain 1` then `compile` (exit 7 before: a mismatch on the sigmoid output)."""
     rewritten = tmp_path / "det.onnx"

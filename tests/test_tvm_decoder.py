@@ -87,7 +87,7 @@ def _max_error(expected: dict, actual: dict) -> float:
     return max(float(np.abs(e - a).max()) for e, a in zip(expected.values(), actual.values()))
 
 
-@pytest.mark.parametrize("source", ["onnx", "pt2"])
+@pytest.mark.parametrize("source", ["onnx", pytest.param("pt2", marks=pytest.mark.heavy)])
 def test_artifact_matches_its_source_at_any_batch_sequence_and_past(source, request):
     """One artifact, symbolic batch, sequence and past: prefill (past 0), one-token steps, batch 1 and 3,
     against onnxruntime (.onnx) or torch (.pt2). Before the fixes the ONNX build stopped at "Binding of

@@ -320,7 +320,7 @@ def _records(database: Path) -> int:
     return len((database / "database_tuning_record.json").read_text().splitlines())
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
     """Also the time budget (--tune-minutes): spent before the first batch is back, it ends the search
     there and the build goes on. (The stop used to terminate meta_schedule's tasks from the measure
@@ -346,7 +346,7 @@ def test_tuning_fills_the_database_then_reuses_it(tmp_path, capfd):
     assert np.abs(load(tmp_path / "tuned")(feeds)["y"] - expected).max() <= ATOL
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_task_no_trial_can_run_is_recorded_and_not_retried(tmp_path, capfd):
     """A row lookup by GatherND fed meta_schedule's random indices reads out of bounds: every
     trial fails. It keeps the default schedule, is listed in untunable.json, and the next compile

@@ -108,7 +108,7 @@ def test_integer_div_of_a_dim_is_floordiv():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wav2vec2", "hubert"])
+@pytest.mark.parametrize("name", ["wav2vec2", pytest.param("hubert", marks=pytest.mark.heavy)])
 def test_audio_encoder_with_block_sites_builds_at_any_length(tmp_path, name):
     """A tiny HF wav2vec2 / HuBERT, Block(2) ONNX with a dynamic batch and length, compiled with no
     flags: verified against onnxruntime by `compile_model`, then run at lengths it was not built at."""

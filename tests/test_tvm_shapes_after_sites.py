@@ -83,7 +83,7 @@ def test_a_reshape_by_run_time_dims_after_a_site(tmp_path, blocks, op_type):
     _check(tmp_path / "heads_ar.onnx", {"x": x})
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_pp_ocrv4_rec_compiles_before_and_after_the_rewrite(tmp_path):
     """PP-OCRv4 rec (rapidocr-onnxruntime's file): its Reshape after the four sites converts, and both
     the original and the rewritten model match onnxruntime at a fixed input shape."""

@@ -163,7 +163,7 @@ def _trained(gm) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.heavy), "llama"])
 def test_full_chain_becomes_partials_and_merges(name):
     """Full over 16 sublayers: groups of 4 sites; with histories from 3 sources up, three groups run
     two-phase (histories 5, 9, 13), the first stays one-pass. Outputs and every parameter's gradient

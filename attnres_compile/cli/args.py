@@ -61,7 +61,7 @@ def model_kind(model: str) -> str:
     """What MODEL names: "onnx" (a file), "attnres" (a saved AttnRes checkpoint folder), "hf" (a saved
     Hugging Face model folder) or "factory"; a folder that is neither checkpoint is InputError (one
     line). Reads config.json only: no import of torch, nothing from the folder run."""
-    if os.path.isdir(model):
+    if os.path.isdir(model) and not model.lower().endswith(".onnx"):  # x.onnx/ is refused as an ONNX input
         from ..utils.file_kind import folder_kind
 
         return folder_kind(model)

@@ -1,33 +1,10 @@
-"""The fused depth-attention kernels (TVM) against what a user would otherwise run, over S x T x D.
+"""`bench kernel`: the fused depth-attention kernels (TVM) against the alternatives, over S x T x D.
 
-Forward backends, all computing `S * softmax_s(w . RMSNorm(s)) . s` over S sources of [T, D]:
-  eager        the unfused torch form as the paper's pseudocode writes it, in the storage dtype
-  op           the eager reference of torch.ops.attnres.depth_attention (a rewritten model's op;
-               it never stacks, float32 accumulation for 16-bit sources), which the op runs
-               where the fused kernel does not apply (ATTNRES_KERNEL=eager, float64, ...)
-  compile      torch.compile of exactly that function (rows dynamic: one compile per S, D, dtype;
-               its cold compile time is recorded, inductor's on-disk caches off for that call)
-  onnxruntime  a one-site ONNX model, the `attnres.DepthAttention` node the rewrite emits, with
-               the query an initializer as in a rewritten model (onnxruntime then fuses each
-               source's RMSNorm and query product into one SimplifiedLayerNormalization)
-  tvm          the fused kernel, built once per (S, D, dtype): rows are symbolic in it; what the
-               op runs by default
-Backward backends, computing the gradients of every source and of the query for an upstream
-gradient g (onnxruntime has none):
-  eager        autograd of the unfused form (its graph recorded once, the backward timed)
-  op           the op's eager backward (the analytic gradient, per source)
-  compile      the backward graph torch.compile (AOT autograd + inductor) makes for the unfused form
-  tvm          the fused backward kernel: one pass for the row statistics, one for every source
-               gradient and the row's share of the query gradient (a partial per thread)
-and the machine's copy bandwidth, timed in the same interleaved rounds: the roofline of a
-memory-bound op. Bytes: the forward reads S sources and writes one output, (S+1)*T*D*itemsize;
-the backward reads S sources and g and writes S gradients, (2S+1)*T*D*itemsize.
-
-Every backend's result is checked against a float64 reference on a sample of rows (rows are
-independent; the fused backward's query gradient, a sum over rows, by a second call on the
-sampled rows); TVM or onnxruntime off by more than the dtype's tolerance raises: that is a bug,
-not a benchmark result. Shapes or backends whose estimated peak memory would not fit are
-recorded as skipped.
+Forward backends eager, op, compile, onnxruntime and tvm; backward backends eager, op, compile
+and tvm; plus the machine's copy bandwidth as the memory-bound roofline (docs/bench.md,
+*`bench kernel`*). Bytes: forward (S+1)*T*D*itemsize, backward (2S+1)*T*D*itemsize. Every result
+is checked against a float64 reference on a sample of rows; TVM or onnxruntime off by more than
+the dtype's tolerance raises (a bug, not a result). Shapes that would not fit are skipped.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Memory-budgeted planning of pipeline training for an AttnRes rewrite: which N fits each rank.
 
 Given a model's one-micro-batch profile (memory_profile.py), a stage layout and a torch pipeline
-schedule, `plan_memory` predicts every rank's peak bytes for each Block AttnRes N whose block
-boundaries fall on the stage cuts (so a hop carries finished block sums, never a partial one),
-and picks the largest N that fits the budget (Full, block size 1, when it fits). Per rank:
-
-- parameters and the optimizer's state (`OPTIMIZERS`: Adam keeps two tensors per parameter,
-  plain SGD none), the pseudo-queries the rewrite adds included; a stage's gradients from its
-  first backward of the step on (`zero_grad()` sets them to None between steps);
-- the buffers torch's `PipelineStage` allocates once for every micro-batch: the receive buffers
-  of its inbound hop, the gradient buffers of its outbound hop, and on the last stage the output
-  of every micro-batch (`return_outputs`, torch's default);
-- per micro-batch in flight, counted along torch's own `pipeline_order` of the schedule (a
-  forward adds one, the backward, or the weight pass of a split backward, frees it): the layers'
-  activations as profiled, the history (one source per sublayer, saved by the sites, and the
-  copies of the history a stage relays to the next hop), and during a backward its transient
-  allocations (the last stage's through the loss and head) and the gradients of its inputs.
-
-Bytes per hop: the stream, the history (Block: the embedding and every finished block sum,
-1 + cut / B tensors; Full: every earlier source) and the other values the layers read (masks,
-rotary tables), without and with the rank-local cache (`stage_cache.seen_before`: what the
-receiving rank already holds). The peak is predicted for stages built by `split_stages` without
-the cache. Checkpointing (`SitePolicy`) and `offload` change the activation terms as described in
-`_activations`; they are predictions only (stage modules are flat GraphModules today).
+schedule, `plan_memory` predicts every rank's peak bytes for each Block N whose block boundaries
+fall on the stage cuts, and picks the largest N that fits the budget (Full when it fits). Per
+rank it counts parameters, optimizer state (`OPTIMIZERS`) and gradients, `PipelineStage`'s
+buffers, and per micro-batch in flight along torch's own `pipeline_order` the activations, the
+history and the backward's transients. docs/distributed.md, *Planning for a memory budget*, lists
+the terms. Checkpointing and `offload` terms (`_activations`) are predictions only.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """The rank-local cache of interleaved and V pipeline schedules: a hop leaves out what its receiver's rank already holds.
 
-Under Interleaved1F1B (stage s on rank s mod P) or a V schedule (ZBV: rank r holds stages r and
-2P−1−r), a rank runs several stages of one micro-batch. A value a later stage reads (a block sum,
-the embedding, the mask) was often made or received by an earlier stage on the same rank, so the
-hop into the later stage need not carry it again: that stage reads it from its rank's
-`StageCache`. The paper's cross-stage caching (its pipeline section) and Megatron-LM PR #6840
-(`attn_res_boundary_delta_slices`) leave the block sums out this way, and torchtitan PR #4312
-(`PP_ATTN_RES_CACHE.md`), loop placement only; here any placement, and values of every kind.
-
 `seen_before` is the rule (which values each hop may leave out, given which rank holds each
-stage); `split_stages(..., stage_ranks=...)` builds the stages that follow it. In a stage:
-
-- the first stage on a rank to hold a value another stage on that rank will read writes it to the
-  cache, per micro-batch slot (the stage's forward count: every schedule runs each stage's
-  micro-batches in order, so the writer's k-th forward and the reader's k-th forward are one
-  micro-batch); the entry is dropped when its last reader has read it;
-- a reader's gradient for a cached value goes into a mailbox the writer made with the entry;
-  the writer adds it to the value's gradient in its own backward, which every schedule runs after
-  the readers' (its gradient comes back through them). Both are autograd Functions anchored on the
-  stage's own inputs and outputs, so they run inside torch's `stage_backward_input` too (ZBV's
-  input pass computes `autograd.grad` w.r.t. the stage inputs only, and would skip a `.grad`
-  accumulated on a detached leaf, which is Megatron-LM's way).
-
-The schedules, sends and backward passes stay torch's; only what a stage returns and reads changes.
+stage); `split_stages(..., stage_ranks=...)` builds the stages that follow it
+(docs/distributed.md, *The rank-local cache*). The first stage on a rank to hold a value another
+stage there will read writes it to the `StageCache` per micro-batch slot (the stage's forward
+count: every schedule runs a stage's micro-batches in order); the entry is dropped after its last
+read. A reader's gradient goes into a mailbox the writer adds in its own backward. Both are
+autograd Functions anchored on the stage's inputs and outputs, so they also run inside torch's
+`stage_backward_input` (ZBV's input pass, which would skip a `.grad` on a detached leaf).
+The schedules, sends and backward passes stay torch's.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
-"""Site + norm fusion in a rewritten GraphModule (ops/site_norm.py).
+"""Site + norm fusion in a rewritten GraphModule (ops/site_norm.py; docs/design.md §6, *Site + norm pair*).
 
-In a PreNorm model every site's output is read by the next sublayer's input norm (the last one
-by the final norm), which reads it from memory once more. `fuse_norms(gm)` replaces each such
-pair by one `depth_attention_norm` node returning (mixed, normed): the norm's readers get
-`normed`, the site's other readers `mixed`. Recognised norms, over the last axis of a float32 site,
-reading the site's value directly or through same-dtype casts (torch.export writes Llama's
-`.to(float32)` of a float32 tensor as `aten.to.dtype`, beside `_assert_tensor_metadata` checks,
-which go with the nodes they check):
-
-- `aten.layer_norm(x, [D], weight?, bias?, eps)`              (GPT-2, BERT-style, nn.LayerNorm)
-- `aten.rms_norm(x, [D], weight?, eps?)`                      (nn.RMSNorm, F.rms_norm)
-- HF's RMSNorm as torch.export writes it (Llama, Qwen2, Mistral, Gemma's `1 + weight`):
-  `x * rsqrt(mean(x^2, -1, keepdim) + eps)`, optionally cast, then `* weight` (either operand
-  order), each intermediate read by the next step only.
-
-also of a reshape of the site that keeps the feature size and only the norm reads (HF OPT views its
-stream as [batch * seq, D]): row-major, it maps rows to rows, so the pair's normed output gets that
-reshape instead.
-
-The pair's node goes before the norm's last node (its weight may be computed there, Gemma's
-`1 + weight`) when every other reader of the site comes after it; else right after the site,
-when the weight and bias exist there. Exact: in mode eager the pair computes the unfused ops
-themselves; the fused kernel differs by float32 rounding.
-
-Where it runs: like `two_phase`, on a module that is run (`fuse_norms(gm)`), not in `rewrite`,
-whose canonical graph (one depth_attention per site) the monitor, the distributed tools and
-re-analysis read; `unfuse_norms` is the inverse, run wherever a graph is read (api.trace, the
-ONNX exporter maps the pair to its own node; the TVM importer to its fused-norm site kernels).
+`fuse_norms(gm)` replaces each float32 site read by the next sublayer's input norm by one
+`depth_attention_norm` node returning (mixed, normed): the norm's readers get `normed`, the site's
+other readers `mixed`. Recognised norms over the last axis, reading the site directly, through
+same-dtype casts, or through a reshape that keeps the feature size (HF OPT's [batch * seq, D]):
+`aten.layer_norm`, `aten.rms_norm`, and HF's RMSNorm as torch.export writes it
+(`x * rsqrt(mean(x^2, -1, keepdim) + eps)`, optionally cast, then `* weight`, Gemma's
+`1 + weight` too). The pair goes before the norm's last node when every other reader of the site
+comes after it, else right after the site. Like `two_phase`, this runs on a module that is run,
+not in `rewrite`; `unfuse_norms` is the inverse, applied wherever a graph is read.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """The depth-attention op's fused TVM kernels, called on torch tensors (DLPack, zero-copy).
 
-`forward`, `backward` and the two-phase pair `partial`, `merge` (ops/two_phase.py) return None
-where the fused kernels do not apply, and the op then runs its eager reference: storage dtypes
-other than float32/float16/bfloat16, a feature axis other than the last, rank-1 sources, devices
-other than the CPU and CUDA, or (mode "auto") no usable TVM. Kernels come from cache.py
-(built on first use). The per-call path is kept to a dict lookup, an output allocation and the
-kernel call: the tensors go to the kernel as they are (its row dims are symbolic, no reshape),
-made contiguous only if they are not.
-
-A call over more than CHAIN_ABOVE sources does not get a kernel of its own count (one per count
-compiled a 60-sublayer Full model's 60 forward and 60 backward kernels, the backward's seconds
-each): the forward is the phase-1 partial chain (`partial`) over all but its last (at most
-PARTIAL_CHUNK) sources for its one query, then an indexed merge of those, which takes the scale as
-an argument; the backward recomputes the softmax state by the chain and runs `backward_chunk`
-kernels over chunks of at most PARTIAL_CHUNK sources, summing their query gradients. At most 25
-kernels (per dtype, rank, feature size, eps and thread count: links, merges and chunks of 1 to
-PARTIAL_CHUNK sources) then serve every depth and scale, for writing and reading the chain's
-float32 state once per link, and reading the sources twice in the backward (forward ~1.2x the
-per-count kernel's bytes in float32, backward ~1.7x: benchmarks/bench_rewrite_scale.py --kernels).
-
-Threads: TVM's pool follows torch.get_num_threads() (set per calling thread, as both libraries
-keep their pools per thread). Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU
-count (the pool cannot grow later), TVM_BIND_THREADS to 0 (no pinning of a torch process's
-threads) and TVM_THREAD_POOL_SPIN_COUNT to 0: TVM's idle workers otherwise spin for milliseconds
-after each kernel, on the cores torch's next ops need (GPT-2 width 256, 12 sublayers, 2 threads:
-Full 65-78 ms per forward with spinning, 33 ms without, the original 28-37 ms). Small calls run on
-fewer threads (_threads), as a sleeping worker takes longer to wake than the call takes, and a
-one-thread call runs a kernel built without a parallel loop: it never enters TVM's pool, whose
-launch alone cost 10 us per call, 40-55 us after other work let the worker sleep. A child
-forked after that (a DataLoader worker) runs the kernels on one thread. CUDA calls run on torch's
-current stream.
+`forward`, `backward` and the two-phase pair `partial`, `merge` return None where the fused
+kernels do not apply (storage dtypes other than float32/float16/bfloat16, a feature axis other
+than the last, rank-1 sources, devices other than CPU and CUDA, or mode "auto" without a usable
+TVM); the op then runs its eager reference. Calls over more than CHAIN_ABOVE sources run as a
+chain of kernels over at most PARTIAL_CHUNK sources, so the kernels built do not grow with depth.
+Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU count, TVM_BIND_THREADS and
+TVM_THREAD_POOL_SPIN_COUNT to 0 (spinning workers steal torch's cores); CUDA calls run on
+torch's current stream. docs/design.md, *6. The depth-attention op and its kernels*, says why.
 """
 
 from __future__ import annotations
@@ -103,8 +81,8 @@ def _lookup(key: tuple):
 
 def _threads(tensors: int, like: torch.Tensor) -> int:
     """TVM threads for a CPU call moving `tensors` tensors the size of `like`: torch's count, but at
-    least BYTES_PER_THREAD per thread. Waking a sleeping worker costs more than it saves on a small
-    call (a site at width 256 and 128 tokens reads ~1 MiB: 52 us on one thread, 57 us on two)."""
+    least BYTES_PER_THREAD per thread (waking a sleeping worker costs more than a small call saves).
+    """
     size = tensors * like.numel() * like.element_size()
     return 1 if size < 2 * BYTES_PER_THREAD else min(torch.get_num_threads(), size // BYTES_PER_THREAD)
 

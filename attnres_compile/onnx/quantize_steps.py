@@ -1,28 +1,17 @@
 """Verifying quantized graphs: the rewritten model's quantize steps fixed by the original's activations.
 
-`onnxruntime.quantization.quantize_dynamic` puts a DynamicQuantizeLinear before every MatMulInteger:
-it rounds each activation to an integer step of a scale taken from that tensor's own range. An
-exact rewrite changes a residual sum by float rounding only (about 1e-7 relative), but an
-activation lying that close to a rounding boundary (x / scale = k + 0.5) then lands one step
-away: a one-step difference in an int8 operand, which the layers after it carry to the logits
-(a tiny Llama at 4x256 tokens: 2.8e-2 relative, against the 1e-5 an exact rewrite must meet).
-The rewrite is no less exact for that; a plain comparison cannot tell it from a real change.
-
-So verification compares the rewritten model with its quantize steps fixed by the original's
-activations: the original runs with every quantize node's outputs recorded (`record`: the
-integers y, the scale and the zero point); in the rewritten model each such node (`fix_steps`)
-quantizes with the original's scale and zero point, and takes the original's integer wherever
-its own value lies within the verification's tolerance of the original's rounding interval:
+An exact rewrite changes a residual sum by float rounding only, yet an activation that close to
+a rounding boundary of a DynamicQuantizeLinear lands one integer step away, and the logits then
+differ far beyond 1e-5. So the original runs with every quantize node's outputs recorded
+(`record`), and in the rewritten model each such node (`fix_steps`) quantizes with the original's
+scale and zero point and takes the original's integer wherever its own value lies within the
+verification's tolerance of the original's rounding interval:
 
     y = Where(|x / scale - (y_orig - zero_point)| <= 0.5 + rtol * max|x| / scale, y_orig, QuantizeLinear(x, scale, zp))
 
-(the margin is the tolerance `rtol * max|x|` of an unquantized comparison, in steps). A rounding-
-level difference then quantizes exactly as the original did, and the outputs must match to the
-usual float tolerance; a real change (a perturbed weight, a trained pseudo-query) moves
-activations by more than the margin, quantizes to other integers and fails as before. Nodes:
-DynamicQuantizeLinear and QuantizeLinear with one scale per tensor (per-axis or blocked ones are
-left as they are); the ones of the main graph, matched between the two files by their output's name
-(a rewrite keeps every original name).
+A real change moves activations by more than that margin and still fails. Only per-tensor
+DynamicQuantizeLinear / QuantizeLinear nodes of the main graph are fixed, matched by output name
+(docs/design.md §5).
 """
 
 from __future__ import annotations

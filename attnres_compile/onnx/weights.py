@@ -1,32 +1,11 @@
 """Weight-only quantized ONNX files (`rewrite --weights int8|int4`), and their verification with stated bounds.
 
-Every MatMul whose weight is a constant 2-D initializer (a tied LM head's `x @ W^T` too, through a transposed
-copy: `_constant_transposes`) becomes onnxruntime's `com.microsoft.MatMulNBits`, the weight stored as 8- or
-4-bit integers in blocks of `BLOCK` (32) values along the input features with a float32 scale per block:
-int8 symmetric (onnxruntime's quantizer, `matmul_nbits_quantizer`; llama.cpp's Q8_0), int4 with a float32
-minimum per block as well (`with_minimum`; llama.cpp's Q4_1), the LM head at 8 bits in an int4 file (as
-llama.cpp keeps its output tensor at 6 or 8 bits). onnxruntime computes them in int8 (`ACCURACY`: the
-activations quantized per block at run time, as llama.cpp's quantized dot products do). Nothing else
-changes: the depth-attention sites (model-local functions, whose bodies the quantizer does not visit), the
-norms, the embedding table (a Gather), the attention products (both operands activations) and every other op
-keep float32. onnxruntime runs the file, and so does onnxruntime-genai from a genai folder (its builder
-writes the same op for its int4 models).
-
-A quantized model cannot match the float32 one to 1e-5, so it is verified against the float32 model it was
-made from, on language-model terms, each with its bound stated in the report (`BOUNDS`):
-
-- perplexity of the next token over the evaluation rows (every position predicts the next token, the rows
-  run whole from an empty past): the quantized model's may exceed the float32 model's by at most
-  `Bounds.perplexity` (relative);
-- next-token agreement: the share of positions whose top-1 token is the float32 model's, at least
-  `Bounds.agreement`;
-- greedy tokens: each row's first half as a prompt, `GREEDY` tokens greedily from both models, reported
-  (equal tokens, first difference) without a verdict: a near-tie flips a free-running sequence and
-  everything after it, which says little about the weights.
-
-The evaluation rows are real text where the caller has it (the factory's example `input_ids`, `--eval-ids`
-FILE.npy, the tests' and the benchmark's pydoc text). A model that is not a language model (an integer
-token-id input, a logits output: `token_names`) is not quantized with verification: exit 2, or `verify_outputs=False`.
+Every MatMul whose weight is a constant 2-D initializer (a tied LM head through a transposed copy)
+becomes onnxruntime's `com.microsoft.MatMulNBits` in blocks of `BLOCK` values; the sites, norms,
+embedding table and activation products keep float32. A quantized model is verified against the
+float32 model it was made from on language-model terms (perplexity, next-token agreement, greedy
+tokens), each bound stated in the report (`BOUNDS`); a model that is not a language model
+(`token_names`) is refused with verification. docs/quantize.md gives the formats and bounds.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
-"""The depth-attention op, `torch.ops.attnres.depth_attention` (DESIGN.md §3).
+"""The depth-attention op, `torch.ops.attnres.depth_attention` (docs/design.md §6).
 
     out = scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
-Two implementations behind one op, chosen per call by ATTNRES_KERNEL (or `set_kernel`):
-  auto (default)  the fused TVM kernels (kernels/fused.py) where they apply, else the eager reference
-  tvm             the same, but a TVM that cannot be imported is an error, not a fallback
-  eager           the eager reference only
-The eager reference never stacks the sources: per source it reads the norm and the dot with `w`
-(two fused reductions), then accumulates `p_i * s_i` in place, in float32 (float64 for float64
-storage) whatever the storage dtype. It serves float64, feature axes other than the last,
-devices without a fused kernel, and is what the fused kernels are tested against.
-
-Sources may come in different floating dtypes (under autocast a stream holds a float32 root and
-bfloat16 branches, which `+` promotes): the op promotes them as `+` would (`promoted`, before the
-autograd kernel records it, so each source's gradient comes back in its own dtype) and returns
-the promoted dtype; the query may be of any floating dtype (the arithmetic is float32 anyway).
-
-Registration is a torch.library Library (schema, backend kernels, fake kernels) with a Python
-Autograd kernel: it stays one node through torch.export and an opaque op under torch.compile,
-and costs a few microseconds per call (torch.library.custom_op's Python wrapper cost tens, the
-price of a whole fused kernel at width 256). The backward is its own op,
-`attnres.depth_attention_backward` (fused kernel or the analytic eager form), so compiled and
-exported backward graphs keep it whole too. A plain eager inference call (a decode step's
-sites) skips the dispatcher: the op's OpOverload calls the backend kernel itself (`_SiteOverload`).
-
-`observe(fn)` has every forward call of the CPU/CUDA kernel hand its sources, query and output to
-`fn` while a block runs: the depth-weight monitor (monitor/watch.py) collects through it, in the
-training forward itself.
+ATTNRES_KERNEL (or `set_kernel`) picks the implementation per call: "auto" (default: the fused
+TVM kernels where they apply, else the eager reference), "tvm" (an unimportable TVM is an
+error) or "eager". The eager reference never stacks the sources and accumulates in float32
+(float64 for float64 storage). Sources of mixed floating dtypes are promoted as `+` would,
+and each source's gradient comes back in its own dtype. The backward is its own op,
+`attnres.depth_attention_backward`, so exported and compiled graphs keep it whole.
+`observe(fn)` hands every forward call's sources, query and output to `fn` (monitor/watch.py).
 """
 
 from __future__ import annotations
@@ -300,8 +282,9 @@ def wants_grad(*tensors: torch.Tensor) -> bool:
 
 def plain_eager(sources, query) -> bool:
     """Plain eager execution: no dispatch mode or functorch transform, plain CPU/CUDA tensors (or
-    parameters). There an Autograd kernel may call the backend kernel itself, which is what
-    redispatching would reach, minus a round trip through the dispatcher (~6 us a call)."""
+    parameters). There an Autograd kernel may call the backend kernel itself, skipping a dispatcher
+    round trip.
+    """
     return (bool(sources) and not _modes() and not _functorch() and type(query) in _PLAIN
             and (sources[0].is_cpu or sources[0].is_cuda) and _PLAIN.issuperset(map(type, sources)))
 
@@ -356,13 +339,11 @@ _forward_ad = torch.autograd.forward_ad
 class _SiteOverload(type(_OP)):
     """`torch.ops.attnres.depth_attention.default`'s class: the OpOverload, plus one eager shortcut.
 
-    A decode step calls the op at [B, 1, D], where the dispatcher's round trip into the Python
-    Autograd kernel (boxing the arguments, ~3 us a call warm, ~25 us a site inside a decode step)
-    costs more than the fused kernel. A plain eager inference call (`_shortcut`) goes straight
-    to `_forward`, the kernel the dispatcher would reach; every other call (autograd, export,
-    fake tensors, torch.compile, modes, keyword arguments) takes the dispatcher as before. The
-    object is the same (identity and `is_attnres_op` hold); torch has Python `__call__`
-    subclasses of OpOverload of its own (TorchBindOpOverload)."""
+    A plain eager inference call (`_shortcut`, a decode step's [B, 1, D] sites) goes straight to
+    `_forward`, the kernel the dispatcher would reach, since the dispatcher's round trip costs more
+    than the fused kernel; every other call (autograd, export, fake tensors, torch.compile, modes,
+    keyword arguments) takes the dispatcher. Identity and `is_attnres_op` hold.
+    """
 
     def __call__(self, /, *args, **kwargs):
         if not kwargs and len(args) == 5 and _shortcut(*args):

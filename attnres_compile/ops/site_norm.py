@@ -1,29 +1,15 @@
-"""The fused site + norm pair, `torch.ops.attnres.depth_attention_norm`.
+"""The fused site + norm pair, `torch.ops.attnres.depth_attention_norm` (docs/design.md §6).
 
     mixed, normed = depth_attention_norm(sources, query, eps, scale, dim, norm_weight, norm_bias,
                                          norm_eps, norm_kind)
-    mixed  = depth_attention(sources, query, eps, scale, dim)            (ops/depth_attention.py)
-    normed = LayerNorm(mixed) (norm_kind "layer") or RMSNorm(mixed) ("rms") over the feature axis,
-             with weight and bias where given (an RMSNorm has no bias)
+    mixed  = depth_attention(sources, query, eps, scale, dim)
+    normed = LayerNorm(mixed) ("layer") or RMSNorm(mixed) ("rms", no bias) over the feature axis
 
-In a PreNorm model every site is read by the next sublayer's input norm, which reads the site's
-output from memory once more; here the norm is computed from the row the site has just written,
-still in cache (kernels/tensorir.py `depth_attention_norm_func`), and `mixed` is still returned
-for the site's other readers (a returned hidden state; the norm's own backward). passes/
-fx/site_norm.py puts the pair in a graph.
-
-Exactness: the eager reference is the unfused pair itself (op.forward_reference, then
-torch's layer_norm, or RMSNorm in the order HF Llama writes it: h * rsqrt(mean(h^2) + eps), cast
-to the storage dtype, times the weight), so in mode eager the pair's outputs equal the unfused
-ops' bit for bit; the fused kernel (float32 storage) differs by float32 rounding.
-
-Backward: `depth_attention_norm_backward(sources, query, weight, bias, grad_mixed, grad_normed,
-...) -> (source grads, query grad, [weight grad][, bias grad])` recomputes the mixed row from the
-sources (nothing beyond the site's own inputs is saved: the unfused pair saved the site's output
-for the norm too), applies the norm's backward and adds grad_mixed (None: only the norm read the
-site), then the site's backward. Registration as ops/depth_attention.py's (schema, CPU/CUDA kernels: the fused
-kernels where they apply, else the reference; fake kernels; Autograd): one node through
-torch.export, opaque to torch.compile.
+The norm is computed from the row the site has just written, still in cache. In mode eager the
+outputs equal the unfused ops' bit for bit (RMSNorm in HF Llama's order); the fused kernel
+differs by float32 rounding. The backward recomputes the mixed row from the sources (nothing
+beyond the site's inputs is saved); grad_mixed None means only the norm read the site.
+Registered as ops/depth_attention.py's op is.
 """
 
 from __future__ import annotations

@@ -1,36 +1,7 @@
 """Default CPU schedules (no tuning) for the fused operators around the depth-attention kernels.
 
-dlight ships CPU rules for GEMV and for norm/softmax-like reductions only; this module adds
-the rest, in the order `default_rules` applies them (the first rule that returns a schedule
-TVM can lower wins, lowerable.py: a rule that raises, or whose schedule `lowers` refuses, passes
-the operator on; the kernels, already scheduled, are never touched):
-
-- `DotProducts`: a contraction that reads every operand along its innermost axis and has no
-  weight (attention scores against the keys as stored: rewrites.KeysInPlace), one dot product
-  per output element with its terms in vector lanes.
-- `Matmul`: C[s, i, j] = sum_k A[s, i, k] * B[s, k, j] with an injective epilogue (bias,
-  residual add, activation) computed per register tile. Tile: 4 rows x 4 vectors of the
-  target's width (4 x 64 float32 on AVX-512, 16 of its 32 vector registers as accumulators;
-  4 x 3 vectors, 4 x 24, where there are 16: AVX2), K unrolled by 4; the
-  column tile is the outer (parallel) loop and the row tiles run inside it, so the K x 64
-  panel of B stays in cache across row tiles. Long K is split into blocks of ~512 so that
-  the panel and a block of A stay in L2. A weight B (a constant, `layout_free_buffers`) is
-  pre-packed into contiguous [N/64, K, 64] panels, zero-padded to whole tiles: the packing is
-  a separate preprocessing block (`meta_schedule.layout_rewrite_preproc`), split out by
-  `relax.transform.SplitLayoutRewritePreproc` and evaluated at compile time by FoldConstant.
-  Where `pad_einsum` cannot pad the columns (rows that are a symbolic [batch, sequence]), the
-  tile narrows to whole vectors that divide them; with symbolic rows the accumulators are
-  indexed within their tile (`tile_accumulators`), so that they stay a register tile.
-- dlight's `GEMV`, passing on an operator its own assertions refuse (a matmul over one term
-  with a symbolic batch: HF LeViT's and MobileViT's attention over one token) or that it would
-  vectorise around a loop (a build that did not finish).
-- `RowReduction`: norms, softmax and other row reductions in dlight's `Reduction` form, with
-  the reductions vectorised (one partial sum per vector lane, then a horizontal sum) where
-  dlight adds each row serially: a chain of dependent float adds, which made a [128, 256]
-  LayerNorm take 64 us (9 us vectorised). dlight's `Reduction` takes what this rule refuses.
-- `Injective`: everything inlined into the output blocks, outer loops fused and run in
-  parallel when the operator is large enough, the innermost loop vectorised.
-- `Fallback`: any other operator gets its outermost spatial loop in parallel.
+`default_rules` lists them in the order they are tried; the first whose schedule TVM can lower
+wins. docs/tvm.md, *CPU schedules*, describes each rule and its tiling.
 """
 
 from __future__ import annotations
@@ -204,12 +175,13 @@ class Matmul(_SafeRule):
 
 
 def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
-    """The register accumulators of a GEMM over a symbolic number of rows indexed by the row within
-    its tile (row % rows) instead of the row: under the predicate of the last, partial row tile TVM
-    cannot bound the rows a tile writes, so it allocated [every row, tile columns] on the stack
-    and summed through memory (a [128, 256] x [256, 256] product took 320 us, 75 at static rows).
-    A tile's accumulators are zeroed, summed and written out within the tile, so the tiles may
-    share them. Where TVM refuses the layout (index dtypes it cannot unify) they stay as they were."""
+    """Index a symbolic-row GEMM's register accumulators by the row within its tile (row % rows).
+
+    Under the predicate of the last, partial row tile TVM cannot bound the rows a tile writes and
+    would allocate [every row, tile columns] on the stack. Tiles zero, sum and write out their
+    accumulators within the tile, so they may share them. Where TVM refuses the layout (index
+    dtypes it cannot unify) they stay as they were.
+    """
     try:
         sch.transform_layout(main, ("write", 0), lambda *d: [*d[:-2], d[-2] % rows, d[-1]],
                              assume_injective_transform=True)
@@ -218,16 +190,14 @@ def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
 
 
 class DotProducts(_SafeRule):
-    """A contraction that every operand reads along its innermost axis, none of them a weight
-    (attention scores against the keys as stored, q[.., i, k] * K[.., j, k]: rewrites.KeysInPlace):
-    one dot product per output element, its terms in vector lanes (rfactor) summed at the end of
-    the element, the output's loops fused and run in parallel when large. The GEMM tile vectorised
-    such an operator across the keys' rows, a gather per vector (a decode step's scores over 129
-    keys of 256 took 128 us, 4x the product of the same scores with the values). Producers are
-    inlined (the query's rotary embedding in a decode step), as the GEMM rule does, and an
-    elementwise epilogue too; but an operand whose producer the product would recompute for most
-    of its terms (`_materialised`: the rotary embeddings of a prefill's 128 queries and keys,
-    each recomputed 128 times, 5.3 ms a call in HF Llama at width 256) is computed once first."""
+    """A contraction every operand reads along its innermost axis, none of them a weight.
+
+    Attention scores against the keys as stored (q[.., i, k] * K[.., j, k]: rewrites.KeysInPlace):
+    one dot product per output element, its terms in vector lanes (rfactor); the GEMM tile would
+    gather per vector here. Producers and an elementwise epilogue are inlined, except an operand
+    the product would recompute for most of its terms (`_materialised`, e.g. a prefill's rotary
+    embeddings), which is computed once first.
+    """
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
@@ -377,16 +347,15 @@ def _vectorize_innermost(sch: s_tir.Schedule, block, lane: int) -> None:
 
 
 class RowReduction(_SafeRule):
-    """Reductions and elementwise stages over shared leading (row) axes, ending in an elementwise
-    stage (dlight's `Reduction` form: softmax, layer and RMS norms), one row at a time: the rows
-    loop in parallel, every stage is computed at the row, and each reduction over a trailing axis
-    that is a static multiple of the vector width (or of a half or quarter of it) keeps one
-    partial sum per lane (rfactor), summed across the lanes at the end of the row. Elementwise
-    stages read by one stage, or that only cast or copy, are inlined into their readers. A stage
-    that would be recomputed per row (a mean over the rows) leaves the operator to the next rule,
-    as does an output with no axis beyond the rows (a pooling, a squeeze-excite's [1, C, 1, 1]
-    convolution): its innermost loop is the row loop, and vectorised it held the row's stages,
-    which TVM cannot lower ("VectorizeLoop before LiftStorageAlloc")."""
+    """Row reductions in dlight's `Reduction` form (softmax, layer and RMS norms), one row at a time.
+
+    The rows loop in parallel, every stage is computed at the row, and each reduction over a
+    trailing axis that is a static multiple of the vector width (or a half or quarter of it) keeps
+    one partial sum per lane (rfactor), summed across lanes at the end of the row. A stage that
+    would be recomputed per row (a mean over the rows), or an output with no axis beyond the rows
+    (a pooling; vectorising its row loop fails "VectorizeLoop before LiftStorageAlloc"), leaves
+    the operator to the next rule.
+    """
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:

@@ -1,29 +1,13 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
-`simplify` fixes the input dims the user gave (`--static-shape`), makes weights listed as inputs
-(IR < 4) plain initializers, then folds constants and infers shapes with onnxscript's optimizer
-(local functions, the AttnRes sites among them, kept whole; a site's output gets its first
-source's type and shape, so the shape arithmetic after a site folds as it does before one:
-PP-OCRv4 rec's Reshape after its sites). Legacy (TorchScript) exports compute every shape at run
-time (Shape -> Gather -> Concat -> Reshape / ConstantOfShape / Resize); TVM's importer loses the
-shapes on the way (a Swin's Reshape, YOLOv8's Resize after a Concat of upsampled maps), while
-folded they are constants.
-
-`ConverterFixes` is a mixin for the graph importer: ConstantOfShape of a constant shape (the
-stock converter broadcasts its 1-element value to rank 0 and fails, as in legacy-exported
-Qwen2/Llama/GPT-2) and of one read at run time (normalised, so that a Shape of it reads its
-dims: DeepSeek-V3), TopK with sorted=0 (refused by the stock converter; sorted is one valid
-order), Expand to a shape known at run time (the stock one broadcast one way only,
-giving wrong shapes) and of data with symbolic dims to a constant shape (CodeGen, Cohere: the
-stock one read the data's dims as integers), Reshape of a shape dim to a 1-element vector (BLOOM,
-XGLM: the stock one wants a tensor, the importer holds the dim as a PrimValue), Reshape to a -1
-beside a compound dim (a decoder's `past + seq`: the stock -1 was a quotient TVM cannot simplify),
-arithmetic of a constant array and a dim (folded to one scalar by the stock converters),
-SequenceInsert at a negative position (off by one), Tile by counts that are a shape (SigLIP's
-probe per image: refused by the stock loop; tile.py), integer Div of a dim by a positive constant
-(floordiv, not the stock truncdiv TVM cannot equate with its own shape rules' floordiv), and every
-converter failure re-raised as one CompileError line naming the ONNX op and node. After each node,
-its outputs are held to the dims the file names for them (named_dims.py).
+`simplify` fixes the dims the user gave (`--static-shape`), makes weights listed as inputs
+plain initializers, then folds constants and infers shapes with onnxscript's optimizer (local
+functions, the sites among them, kept whole), so that legacy exports' run-time shape arithmetic
+becomes constants TVM's importer does not lose. `ConverterFixes` is a mixin for the graph
+importer that replaces stock converters which fail or give wrong shapes (ConstantOfShape, TopK
+sorted=0, Expand, Reshape of dims, SequenceInsert, Tile, integer Div of a dim, ...) and re-raises
+any converter failure as one CompileError line naming the ONNX op and node; each node's outputs
+are then held to the dims the file names (named_dims.py).
 """
 
 from __future__ import annotations

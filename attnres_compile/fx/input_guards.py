@@ -1,24 +1,13 @@
 """torch.export's per-call input checks, with each input's checks read once instead of every call.
 
-`ExportedProgram.module(check_guards=False)` (how api.trace takes a program) installs a forward
-pre-hook, `_check_input_constraints_pre_hook`, that on every call flattens the inputs with their
-key paths and walks each placeholder's fake shape through sympy (`_check_symint`: `subs` per
-dim). On a decoder with a KV cache that is ~60 inputs x 4 dims per generated token: on
-SmolLM2-135M it was 3.1 of 5.8 s of HF `generate()` through `generation.causal_lm`.
-
-torch's own compiled form, `module(check_guards=True)`, puts a `_guards_fn` call_module into the
-graph (which every pass, the ONNX export and the pipeline split would have to step around) and
-adds the tracer's guards, failing with AssertionError: a different contract from the module
-api.trace has always returned. So `install` keeps torch's hook and contract and puts a filter in
-front of it: `InputGuards` accepts a call when its inputs plainly pass (positional plain tensors,
-the exported count, each rank, static dims equal, each dynamic dim the same size wherever its
-symbol appears and inside its range, minimums <= 2 not enforced, as torch does), from checks
-read off the placeholders once per compiled graph. Anything else (kwargs, non-tensor or
-fake inputs, a dim that is an expression of a symbol, and every failure) goes to torch's own
-hook, so what passes is what torch passes and the errors are torch's own. On a module with a
-`_guards_fn` (fx/lean.py's copy of a loaded .pt2) torch's hook checks the inputs' pytree
-structure alone (~60 us a decode step on 27 inputs, its guards run in the graph): what InputGuards
-accepts has that structure, and is checked further.
+`ExportedProgram.module(check_guards=False)` (how api.trace takes a program) installs a pre-hook
+that walks every input's fake shape through sympy on every call, a large share of a KV-cache
+decoder's generate(). torch's `check_guards=True` form instead puts a `_guards_fn` node in the
+graph and changes the failure contract. So `install` keeps torch's hook and puts `InputGuards`
+in front of it: a call whose inputs plainly pass (positional plain tensors, the exported count,
+ranks, static dims equal, each dynamic dim consistent and in range, minimums <= 2 not enforced,
+as torch does), checked against facts read once per graph, is accepted; anything else goes to
+torch's hook, so what passes is what torch passes and the errors are torch's own.
 """
 
 from __future__ import annotations

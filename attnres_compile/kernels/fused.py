@@ -81,8 +81,7 @@ def _lookup(key: tuple):
 
 def _threads(tensors: int, like: torch.Tensor) -> int:
     """TVM threads for a CPU call moving `tensors` tensors the size of `like`: torch's count, but at
-    least BYTES_PER_THREAD per thread (waking a sleeping worker costs more than a small call saves).
-    """
+    least BYTES_PER_THREAD per thread (waking a sleeping worker costs more than a small call saves)."""
     size = tensors * like.numel() * like.element_size()
     return 1 if size < 2 * BYTES_PER_THREAD else min(torch.get_num_threads(), size // BYTES_PER_THREAD)
 

@@ -1,17 +1,11 @@
 """Build the kernels a rewritten model's forward will need in background processes, before it runs.
 
-A cold rewrite used to compile its kernels one after another inside the verification's run of
-the rewritten model (cache.get on first use: TVM build, export_library's gcc link, load), after
-tracing and the original's run had gone by on one core. Once the plan is applied the sites are
-known: `forward_specs` reads from the rewritten graph which kernels its depth-attention calls will
-look up (fused.py's routing: a kernel per source count up to CHAIN_ABOVE, else the partial chain's
-links and an indexed merge), and `start` hands those not yet cached to a few worker processes
-(`python -m attnres_compile.kernels.prebuild`: TVM without torch, ~1.3 s of CPU to start) that build them in first-use
-order and write them through the same checked store (store.py: checked folder, size and SHA-256,
-renamed into place). cache.get, on a miss for a spec a worker holds, waits for that worker to
-report it and loads it from the disk cache; a worker that failed or was stopped leaves nothing
-behind but its swept temporary files, and the kernel is built in-process as before (its own line).
-One stderr line announces the background build; `stop` ends the workers when the run is over.
+`forward_specs` reads from the rewritten graph which kernels its sites will look up (fused.py's
+routing), and `start` hands those not yet cached to a few worker processes
+(`python -m attnres_compile.kernels.prebuild`, TVM without torch) that build them in first-use
+order into the checked store (store.py). cache.get, on a miss for a spec a worker holds, waits
+for it and loads it from disk; if the worker failed or was stopped, the kernel is built
+in-process. `stop` ends the workers when the run is over.
 """
 
 from __future__ import annotations
@@ -131,7 +125,7 @@ def stop(workers: list[Worker]) -> None:
 
 def main() -> None:
     """The worker: build each spec read from stdin into the disk cache, print its entry name when stored.
-    It runs without torch (tvm_ffi imports it when it can: 2.5 s of CPU; a CPU kernel's build needs none of it)."""
+    It runs without torch (a CPU kernel's build needs none of it)."""
     sys.modules["torch"] = None
     for line in sys.stdin:
         spec = kernel_cache.Spec(*json.loads(line))

@@ -1,15 +1,13 @@
 """The kernel cache's folders and files, trusted only as far as they are provably this user's own.
 
-A cached kernel is a shared library and loading it runs its code (issue 39), so nothing another
-user could have written is loaded. The cache folder is created only below an existing base (the
-existing parent of an absolute ATTNRES_KERNEL_CACHE, $XDG_CACHE_HOME, or $HOME/.cache); it and
-every folder under it are created 0700, opened without following symlinks, and used only when
-owned by this user and writable by no group or other user. An entry is one file: a header line
-with its library's size and SHA-256, then the library, written under a temporary name and renamed
-into place, so the two are replaced together. A read opens the entry without following symlinks,
-checks type, owner and mode on the open descriptor, reads it whole and checks size and hash; the
-loader then gets a fresh private copy of exactly those bytes (`copy`), so a change to the entry
-after the check cannot reach dlopen. Temporary files (`.tmp-<pid>-...`) of dead writers are removed.
+A cached kernel is a shared library and loading it runs its code, so nothing another user could
+have written is loaded. The cache folder is created only below an existing base (the parent of
+an absolute ATTNRES_KERNEL_CACHE, $XDG_CACHE_HOME, or $HOME/.cache); every folder is 0700, opened
+without following symlinks, and used only when owned by this user and not group/other-writable.
+An entry is one file (a header with the library's size and SHA-256, then the library), written
+under a temporary name and renamed into place. A read checks type, owner and mode on the open
+descriptor, then size and hash, and hands the loader a private copy of those bytes (`copy`), so
+a later change to the entry cannot reach dlopen. Dead writers' `.tmp-<pid>-...` files are removed.
 """
 
 from __future__ import annotations

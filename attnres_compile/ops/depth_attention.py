@@ -283,8 +283,7 @@ def wants_grad(*tensors: torch.Tensor) -> bool:
 def plain_eager(sources, query) -> bool:
     """Plain eager execution: no dispatch mode or functorch transform, plain CPU/CUDA tensors (or
     parameters). There an Autograd kernel may call the backend kernel itself, skipping a dispatcher
-    round trip.
-    """
+    round trip."""
     return (bool(sources) and not _modes() and not _functorch() and type(query) in _PLAIN
             and (sources[0].is_cpu or sources[0].is_cuda) and _PLAIN.issuperset(map(type, sources)))
 
@@ -342,8 +341,7 @@ class _SiteOverload(type(_OP)):
     A plain eager inference call (`_shortcut`, a decode step's [B, 1, D] sites) goes straight to
     `_forward`, the kernel the dispatcher would reach, since the dispatcher's round trip costs more
     than the fused kernel; every other call (autograd, export, fake tensors, torch.compile, modes,
-    keyword arguments) takes the dispatcher. Identity and `is_attnres_op` hold.
-    """
+    keyword arguments) takes the dispatcher. Identity and `is_attnres_op` hold."""
 
     def __call__(self, /, *args, **kwargs):
         if not kwargs and len(args) == 5 and _shortcut(*args):

@@ -1,9 +1,9 @@
 """TVM (TensorIR) backend: whole-model lowering (every AttnRes site one kernel call) and deployable
-artifacts (`compile_model`, `load`); it re-exports the fused depth-attention kernels (forward,
-backward, two-phase pair) and their schedules from their home, attnres_compile.kernels.
+artifacts (`compile_model`, `load`); it re-exports the fused depth-attention kernels and their
+schedules from attnres_compile.kernels.
 
 The names below load on first use (PEP 562), so that `backends.tvm.cli`, which the command line
-imports to build its parser, does not import TVM (~3.5 s of CPU) for commands that never use it."""
+imports to build its parser, does not import TVM for commands that never use it."""
 
 from ...utils.lazy import exports
 

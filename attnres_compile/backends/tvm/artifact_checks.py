@@ -1,14 +1,10 @@
-"""What `load` and `run` check before they load an artifact's library (issue 39 items 6, 9, 10),
-and which folder `compile` may replace (`artifact_output`).
+"""What `load` and `run` check before they load an artifact's library, and which folder `compile` may replace (`artifact_output`).
 
-Loading the library runs its code: an artifact folder is trusted code (docs/tvm.md, *Trust
-model*). These checks keep a damaged or malformed folder to one line (ArtifactError, exit 14)
-instead of a traceback or a crash, and keep the manifest from pointing the loader elsewhere:
-the manifest must have every key the runtime reads, with its type; the library must be a plain
-file name of the folder, a regular file (no symlink), of the size and SHA-256 the writer recorded
-(a truncated library killed every process that loaded it with SIGBUS). The hash is checked on the
-file as it is then loaded by path: it guards against damage, not against someone who can write
-the folder (they can rewrite the manifest too).
+Loading the library runs its code, so an artifact folder is trusted code (docs/tvm.md, *Trust
+model*). These checks turn a damaged or malformed folder into one ArtifactError line (exit 14)
+and keep the manifest from pointing the loader elsewhere: every key the runtime reads, with its
+type; the library a plain, regular (non-symlink) file of the folder with the recorded size and
+SHA-256. The hash guards against damage, not against someone who can write the folder.
 """
 
 from __future__ import annotations

@@ -180,8 +180,7 @@ def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
     Under the predicate of the last, partial row tile TVM cannot bound the rows a tile writes and
     would allocate [every row, tile columns] on the stack. Tiles zero, sum and write out their
     accumulators within the tile, so they may share them. Where TVM refuses the layout (index
-    dtypes it cannot unify) they stay as they were.
-    """
+    dtypes it cannot unify) they stay as they were."""
     try:
         sch.transform_layout(main, ("write", 0), lambda *d: [*d[:-2], d[-2] % rows, d[-1]],
                              assume_injective_transform=True)
@@ -196,8 +195,7 @@ class DotProducts(_SafeRule):
     one dot product per output element, its terms in vector lanes (rfactor); the GEMM tile would
     gather per vector here. Producers and an elementwise epilogue are inlined, except an operand
     the product would recompute for most of its terms (`_materialised`, e.g. a prefill's rotary
-    embeddings), which is computed once first.
-    """
+    embeddings), which is computed once first."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:
@@ -354,8 +352,7 @@ class RowReduction(_SafeRule):
     one partial sum per lane (rfactor), summed across lanes at the end of the row. A stage that
     would be recomputed per row (a mean over the rows), or an output with no axis beyond the rows
     (a pooling; vectorising its row loop fails "VectorizeLoop before LiftStorageAlloc"), leaves
-    the operator to the next rule.
-    """
+    the operator to the next rule."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:

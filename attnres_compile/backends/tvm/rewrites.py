@@ -267,20 +267,14 @@ def _scores(a: te.Tensor, keys: te.Tensor, scale: float | None) -> te.Tensor:
 
 @tvm.transform.module_pass(opt_level=0, name="KeysInPlace")
 class KeysInPlace:
-    """`matmul(q, reshape/permute(K) * c)` with the permute swapping K's last two axes (ONNX's scaled
-    dot-product attention: K, [batch, heads, past + sequence, head_dim], transposed through a
-    [batch * heads, ...] view and scaled) -> one operator reading K where it is. TVM made three
-    copies of the keys per call for it (the transpose, a reshape, the scaling), with symbolic
-    extents that it neither vectorises nor divides cheaply: in a decode step with past 128 they
-    took half its time (Llama, width 1024). Grouped-query attention (HF's repeat_kv of K and V to
-    the query heads: expand_dims, broadcast_to, reshape) reads the cache unrepeated too, the
-    queries or probabilities viewed per KV head (`_grouped`): the repeats were two copies of each
-    cache per layer per step, a quarter of SmolLM2-135M's decode step.
+    """`matmul(q, reshape/permute(K) * c)` with the permute swapping K's last two axes -> one operator reading K where it is.
 
-    Scores of a static PREFILL_ROWS queries or more keep the copy: there the product is a GEMM
-    whose key loads every query row shares, and the copy is one pass over K. As dot products (one
-    per score, each ending in a horizontal sum) GPT-2's 128-token scores took 300 us a call against
-    ~70 us for the copy and the GEMM (width 256, 4 heads, 1 thread): 6.8 of a 34 ms forward."""
+    This is ONNX's scaled dot-product attention (K [batch, heads, past + sequence, head_dim],
+    transposed through a [batch * heads, ...] view and scaled), for which TVM would copy the keys
+    three times per call with symbolic extents. Grouped-query attention (HF's repeat_kv) also reads
+    the cache unrepeated, the queries or probabilities viewed per KV head (`_grouped`). Scores of a
+    static PREFILL_ROWS queries or more keep the copy: there the product is a GEMM whose key loads
+    every query row shares, and the copy is one pass over K."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return rewrite_functions(mod, _KeysMutator)

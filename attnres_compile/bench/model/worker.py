@@ -175,11 +175,9 @@ def _tvm(path: str | Path, inputs: dict[str, np.ndarray], device: str, release: 
 
 
 def set_threads(threads: int) -> None:
-    """Every runtime's thread count, in a worker before any runtime starts its pool. TVM's idle
-    workers sleep instead of spinning (as in the torch op, kernels/fused.py): a TVM worker shares its
-    process with onnxruntime's original, and TVM's spinning workers (they yield in the loop, and
-    keep spinning through the other runtime's turn) doubled that candidate's 2-thread wall time
-    (29 against 15-19 ms, GPT-2 width 256, 12 sublayers)."""
+    """Every runtime's thread count, in a worker before any runtime starts its pool. TVM's idle workers
+    sleep instead of spinning (as in kernels/fused.py): they share the process with onnxruntime's
+    original, and spinning through the other runtime's turn would slow both."""
     import torch
 
     os.environ["TVM_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)  # TVM reads it at its pool's start

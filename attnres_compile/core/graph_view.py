@@ -1,25 +1,14 @@
 """The framework-neutral graph view that chain analysis runs on.
 
 Frontends (fx, ONNX) emit `ViewNode`s in topological order; `build_view` turns them into a
-networkx DiGraph whose node attributes are the only facts the analysis reads:
-
-    kind     one of the `Kind` values below
-    target   a readable op name ("aten.layer_norm", "Add", ...)
-    inputs   ordered names of the tensor-valued inputs (no literals)
-    users    names of the consumers, with multiplicity, in graph order
-    shape    tuple of int (static) or str (symbolic) dims, or None if unknown
-    dtype    str or None
-    order    topological index
-    const    True when no graph input reaches the node (parameters, buffers, folded tables)
-    scalar   ADD only: True when one operand is a literal scalar
-    blocker  ADD only: a frontend's reason why this add can never be a residual link
-             (an in-place add whose operand is read again), else None
-    learned  a learned operator: a contraction (matmul, gemm, conv, linear, attention; the
-             frontend says so) or an op reading a weight (a floating constant of more than one
-             element: parameter, initializer). A residual branch passes through one; the
-             internal sums of activations (GELU-tanh's x + 0.044715 * x**3) do not.
-    mode_dependent  PASSTHROUGH only: the identity in eval mode only (dropout with p > 0);
-             an n-ary sum is not flattened through it, so its training behaviour survives
+networkx DiGraph whose node attributes are the only facts the analysis reads: kind (`Kind`),
+target (readable op name), inputs (tensor inputs, in order), users (consumers, with
+multiplicity), shape (int or symbolic str dims, or None), dtype, order (topological index),
+const (no graph input reaches it), scalar (ADD: one operand a literal), blocker (ADD: why it can
+never be a residual link, else None), learned (a contraction or an op reading a multi-element
+floating constant: a residual branch passes through one, GELU-tanh's internal sums do not) and
+mode_dependent (PASSTHROUGH: identity in eval only, e.g. dropout; sums are not flattened
+through it).
 """
 
 from __future__ import annotations

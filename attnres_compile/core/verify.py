@@ -1,23 +1,13 @@
 """Numerical verification: original against rewritten outputs on the same inputs, per output.
 
-A verdict that can fail: every element must satisfy |got - ref| <= atol + rtol * |ref| (as numpy
-and torch `allclose` do) with atol = rtol * max|ref|, so each output is judged against its own
-magnitude (an output of 1e-21 is not passed by an absolute 1e-5). rtol follows the mode and the
-dtype: preserve mode differs by rounding only (the rewrite reassociates a sum), so its rtol
-scales with the dtype's epsilon; paper mode differs through the norms' eps, a floor in any dtype.
-Each row holds `min_rtol`, the smallest rtol that would pass (as polygraphy prints).
-
-- Non-finite values: NaN and +-inf must sit at the same positions in both outputs; only the
-  finite positions are compared with the tolerance (one inf never makes it infinite).
-- fp16/bf16 outputs, when a float64 run of the original is given (`truth`): the rewrite also
-  passes when its error against that run is within twice the original's own rounding error.
-- An output whose magnitude is below TINY (squares underflow float32 there, so norms and the
-  keys' RMSNorm no longer compute what they do at a normal scale) gets no pass: "too small".
-- Integer and bool outputs compare exactly; an output with no elements gets no pass: "empty".
-- `verify_module` runs each model on a fresh copy of the inputs (a run that changes them, a KV
-  cache that grows, changes nothing the next run sees), keeps the caller's model as it was (its
-  buffers and the torch RNG state are restored after every run) and runs once more on a copy
-  with zero rows (`zero_rows`), where the keys' RMSNorm divides by sqrt(eps).
+Every element must satisfy |got - ref| <= atol + rtol * |ref| with atol = rtol * max|ref|, so
+each output is judged against its own magnitude. rtol follows the mode (preserve: rounding only,
+scaled by the dtype's epsilon; paper: the norms' eps) and the dtype; each row reports `min_rtol`.
+NaN and +-inf must sit at the same positions. fp16/bf16 outputs also pass within twice the
+original's own error against a float64 run (`truth`). Outputs below TINY ("too small") and empty
+ones ("empty") get no pass; integer and bool outputs compare exactly. `verify_module` runs each
+model on a fresh copy of the inputs, restores the caller's buffers and RNG state, and runs once
+more with zero rows (`zero_rows`), where the keys' RMSNorm divides by sqrt(eps).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """DTensor sharding rules for the depth-attention ops, so `torch.ops.attnres.*` take DTensor inputs.
 
-Every op is per row: a row is one position of the sources' axes other than the feature axis
-`dim`; the softmax runs over the sources and each source's RMS norm and its dot with the query
-over the feature axis, within the row. So a shard of the rows is computed on its own:
-  sources Shard(d), d not the feature axis (sequence, batch), or all Replicate; query Replicate
-    -> the output as the sources; in the backward the source gradients as the sources and the
-       query gradient Partial() (each rank's rows' share, summed by the engine), Replicate where
-       the sources are.
-Sources with other placements (Partial, shards that differ between sources) are redistributed
-to one row shard or to Replicate, the query to Replicate: in the forward DTensor's costs choose,
-the backward follows the forward (the output gradient's shard).
-The feature axis sharded (a source's Shard(dim), or the query's Shard(0)) would need the norms,
-dots and sums reduced over the shard group; it is refused with `ShardingError`, which names
-the fix: shard the sequence axis, or replicate.
-
-The forward and the two-phase pair (`depth_attention_partial`, `depth_attention_merge`) use
-torch's public `register_sharding`. The backward cannot, nor the op-strategy registry under it:
-for a (Tensor[], Tensor) return the propagator builds no output spec
-(`OpSchema.return_type_tuple_tensor_like` holds only when the first return is a Tensor), and
-the dispatcher then fails with "output spec does not match with output! Expected list/tuple,
-got None". The backward therefore has a propagation rule (`register_prop_rule`, the registry
-torch's own ops use), which returns the output spec itself, nested as the outputs are.
+Every op is per row (the softmax runs over the sources, the norms and dots over the feature
+axis), so sources sharded on an axis other than `dim` (or Replicate) with a Replicate query give
+the output sharded as the sources; in the backward the query gradient is Partial(). Other
+placements are redistributed to one row shard or Replicate. A sharded feature axis is refused
+with `ShardingError` naming the fix (shard the sequence axis, or replicate).
+The forward and the two-phase pair use torch's `register_sharding`; the backward needs a
+`register_prop_rule` propagation rule instead, because for a (Tensor[], Tensor) return the
+op-strategy propagator builds no output spec ("output spec does not match with output!").
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The rewritten trace made to run on the model's own modules: leaf modules called, dtype checks gone.
 
-torch.export records every op a module ran, with the module's call in the node's
-`nn_module_stack`. `outline` turns the rewritten trace of a wrapper (`<prefix>` names the wrapped
-module, the backbone) into a graph over that module:
-
-- the `_assert_tensor_metadata` checks torch.export leaves on computed tensors go (they pin every
-  tensor to its traced dtype: a bf16 autocast run, or mixed sources, would fail them), and the dead
-  nodes (HF's empty-cache initialisation) with them;
-- each call of a LEAF module (no children; `forward` takes one required argument) whose nodes
-  read one tensor from outside (plus SymInts the module computes again itself: GPT-2's Conv1D reads
-  the batch and sequence sizes) and the module's own parameters, and have one value read outside,
-  becomes one `call_module` of that module on that tensor: `nn.Linear`, `nn.Embedding`, the norms,
-  activations and dropouts run as modules again (PEFT's replacements, hooks, `.train()` reach
-  them). A same-dtype cast of the input that the rewrite reads outside the module (Llama's norm's
-  `to(float32)`, taken as the chain's root) reads the input itself instead;
-- targets become relative to the wrapped module (its `attnres.*` queries included);
-- nodes inside `<layers>.<i>` (by module stack or attribute path) get layer index i (`blocks`), and
-  a node without one that sits between two nodes of the same layer joins it, for program.split.
+`outline` turns the rewritten trace of a wrapper (`<prefix>` names the wrapped backbone) into a
+graph over that module: torch.export's `_assert_tensor_metadata` checks (which pin dtypes and
+would fail under autocast) and dead nodes go; each call of a LEAF module that reads one outside
+tensor plus its own parameters and has one value read outside becomes a `call_module` again
+(so PEFT replacements, hooks and `.train()` reach it); targets become relative to the wrapped
+module; and nodes inside `<layers>.<i>` get layer index i (`blocks`) for program.split.
 """
 
 from __future__ import annotations

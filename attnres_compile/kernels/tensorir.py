@@ -1,22 +1,13 @@
 """TensorIR for the depth-attention kernel family: the fused forward, the Block AttnRes two-phase
 pair (partial, merge) and the fused backward.
 
-The functions are generated per source count and rank: every source is its own [rows.., D] buffer
-(never stacked, never reshaped) with symbolic row dims. Per row they run three kinds of stage:
-
-    stats_*:    row reductions over the features, sum(s^2), w.s (and g.s in the backward), all
-                from the same load of the source
-    softmax*:   per-row scalars: logits z_k = w.s_k / rms(s_k), their max m, the weights
-                e_k = exp(z_k - m) and the denominator l (in the backward: the softmax gradient's
-                coefficients); exact softmax, not online, since every logit of the row is known
-    the rest:   elementwise over the features (out, acc_*, ds_*) and, in the backward, the query
-                gradient `dw`, a reduction over rows
-
-Each stage writes fresh [rows]/[rows, K] intermediates (SSA style), so the root block is a stage
-pipeline the schedules can merge under one row loop: per row a source is then loaded from memory
-once and re-read from cache. Arithmetic is float32 whatever the storage dtype. The schedules
-(schedule.py) key on the block names: stats_<source>[_<group>] (reductions), softmax* (per-row
-scalars), dw (the row reduction), sum_<block> (a long phase 1's running sums, one loop together);
+Functions are generated per source count and rank; every source is its own [rows.., D] buffer
+(never stacked or reshaped) with symbolic row dims. Each stage writes fresh [rows]/[rows, K]
+intermediates (SSA style), so the schedules (schedule.py) can merge the stages under one row
+loop and load each source once per row. Arithmetic is float32 whatever the storage dtype; the
+softmax is exact, since every logit of the row is known. The schedules key on block names:
+stats_<source>[_<group>] (row reductions: sum(s^2), w.s, g.s), softmax* (per-row scalars), dw
+(the query gradient, a reduction over rows), sum_<block> (a long phase 1's running sums);
 everything else is elementwise over the features.
 """
 
@@ -427,22 +418,14 @@ def depth_attention_backward_func(
         dz_k = c p_k (u_k - sum_j p_j u_j)
         ds_k = c p_k g + dz_k r_k w - (dz_k z_k r_k^2 / D) s_k
         dw   = sum over rows of sum_k dz_k r_k s_k        (float32, [D])
-    One pass per row reduces sum(s^2), w.s and g.s of every source (from one load), the row's
-    scalars follow, then one pass writes every ds_k and one adds the row's share of dw; the
-    schedules give each thread its own partial dw (a reduction over rows), summed at the end.
+    One pass per row reduces sum(s^2), w.s and g.s; one writes every ds_k and adds the row's share
+    of dw (a partial per thread, summed at the end).
 
-    With `chunk`, `depth_attention_backward_chunk(s0, ..., w, g, m, l, ubar, ds0, ..., dw)` is
-    the same for a chunk of a longer source list whose softmax is given per row (float32 [rows..]):
-    m its max logit, l = sum_j exp(z_j - m) and ubar = sum_j p_j u_j over all the sources, so
-    p_k = exp(z_k - m) / l, and dw is this chunk's share. A few such kernels (chunks of at most
-    PARTIAL_CHUNK sources) serve every source count, where the whole form is one per count; and
-    every scale, at scale 1 given l / c (c enters only as c p_k: fused.py's _backward_chunks).
-
-    With `delta` (Delta AttnRes, out = base + gate * c * sum_k p_k s_k): `gate` (float32 [1]) follows
-    `w`, c becomes c * gate[0] (the gradients of the sources and of w are the plain site's with g
-    times the gate), and the whole form also stores `ubar` (float32 [1, rows..], after dw): sum_k p_k u_k
-    per row, of which the gate's gradient is c times the sum over rows (the caller's sum; base's
-    gradient is g itself)."""
+    With `chunk`, `depth_attention_backward_chunk(s0, ..., w, g, m, l, ubar, ds0, ..., dw)` covers a
+    chunk of a longer source list given the whole softmax per row (float32: max logit m,
+    l = sum_j exp(z_j - m), ubar = sum_j p_j u_j); dw is the chunk's share.
+    With `delta`, `gate` (float32 [1]) follows `w`, c becomes c * gate[0], and the whole form also
+    stores `ubar` (float32 [1, rows..], after dw), whose sum over rows times c is the gate's gradient."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     c0 = float(S) if scale is None else float(scale)

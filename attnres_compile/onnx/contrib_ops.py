@@ -1,23 +1,14 @@
 """How the analysis read each onnxruntime contrib op (`com.microsoft`, or any other custom domain) of a file.
 
-onnxruntime's producers (onnxruntime-genai's builder, `onnxruntime.transformers.optimizer`,
-`onnxruntime.quantization`) fuse parts of a transformer into contrib ops. Each is read one of
-three ways, and `inspect`/`rewrite` say which, per op (report key `contrib_ops`):
-
-- **unfused**: Skip(Simplified)LayerNormalization, whose residual add is unfused before the
-  analysis (onnx/unfuse_skip_norm.py); a node kept fused is listed with its reason.
-- **stream root**: EmbedLayerNormalization computes the embedding sum (word + position +
-  segment) and its LayerNorm. Where it returns the sum (optional output 2, `embedding_sum`,
-  which a pre-norm stream reads as its first skip) the view reads the normed output 0 as a
-  function of that sum (onnx/view.py, FUSED_SUMS), so the sum is the chain's root and the
-  first link, whose branch starts at the normed output, is found; where it does not (post-norm
-  BERT), its normed output is what the stream starts from. Either way the node is named with
-  the value the stream starts at.
-- **opaque**: any other op is one node whose output is a value like any other. Attention,
-  GroupQueryAttention, MatMulNBits, RotaryEmbedding and the other sublayer ops listed in
-  SUBLAYER compute inside a branch (their own weights make them learned operators): nothing of
-  the residual stream is hidden in them, so reading them whole is right. An op not listed is read
-  whole too, and the report says that a residual add it may compute inside is not seen.
+Each is read one of three ways, reported per op under `contrib_ops`:
+- **unfused**: Skip(Simplified)LayerNormalization (onnx/unfuse_skip_norm.py); a node kept fused
+  is listed with its reason.
+- **stream root**: EmbedLayerNormalization. Where it returns the embedding sum (output 2) the view
+  reads the normed output as a function of it (onnx/view.py, FUSED_SUMS), so the sum is the
+  chain's root; otherwise (post-norm BERT) the normed output is.
+- **opaque**: any other op is one node. The sublayer ops in SUBLAYER (Attention, MatMulNBits,
+  ...) hide no part of the residual stream; for an op not listed the report says a residual add
+  inside it is not seen.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """onnxruntime-genai model folders: their config read as data, and what a rewrite to another folder carries.
 
-A genai folder (onnxruntime_genai.models.builder) holds the decoder `.onnx` with its external
-data, `genai_config.json` (which names the decoder file) and the tokenizer files; `og.Model`
-loads the folder. The rewritten file runs in it as it is (its sites are model-local functions of
-standard ops), so a rewrite into another folder carries the rest of the folder beside it, with
-the config's decoder file name changed to the output's when they differ: the output folder is
-then a genai folder whose `og.Generator` gives the original's tokens.
-
-The config is read as data, never as instructions to load code or to write files: og.Model hands
-`session_options` to onnxruntime, where `custom_ops_library` dlopens a library (its constructor
-runs at once), an execution provider's options can name a library (QNN's `backend_path`) or a
-folder it writes (TensorRT's engine cache, OpenVINO's `cache_dir`), `enable_profiling` writes
-`<prefix>_<time>.json` wherever the prefix points, and every other key becomes an onnxruntime
-session config entry, some of which write files (`ep.context_file_path`). So `read_config` checks
-the config before og.Model (or a rewrite) sees it, against an allow-list of what is known to be
-data only (`SESSION_OPTIONS`, `SESSION_ENTRIES`, `PROVIDERS`): anything else is refused in one line
-(UnsafeConfigError, exit 21), as are duplicate keys (og applies every copy, json.loads keeps the
-last), a string naming a shared library anywhere, and file names that are absolute or climb out
-of the folder. A config that is not a regular file of the folder (a symlink), not JSON, not an
-object with `model.decoder`, or nested deeper than og needs is refused too (InputError, exit 6).
+A rewrite into another folder carries the rest of the genai folder (config, tokenizer files)
+beside the rewritten decoder, with the config's decoder file name changed to the output's, so
+the output is a genai folder whose `og.Generator` gives the original's tokens.
+The config is read as data, never as instructions to load code or write files: og hands
+`session_options` to onnxruntime, where keys can dlopen libraries or write files. `read_config`
+checks it against an allow-list (`SESSION_OPTIONS`, `SESSION_ENTRIES`, `PROVIDERS`) and refuses
+anything else, duplicate keys, library names and paths leaving the folder (UnsafeConfigError,
+exit 21); a config that is a symlink, not JSON or malformed is an InputError (exit 6).
 """
 
 from __future__ import annotations

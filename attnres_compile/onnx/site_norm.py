@@ -1,24 +1,13 @@
 """Site + norm fusion in an AttnRes ONNX graph: the ONNX form of fx/site_norm.py.
 
-A `DepthAttention` site (feature axis -1) whose output a norm over the last axis reads becomes one
-`DepthAttentionNorm` node (onnx/function.py) with outputs (the site's own output name, the norm's
-output name): the site's other readers keep reading its value, the norm's readers read the pair's
-normed output, and the norm's nodes go. Recognised norms, as exporters write them:
-
-- `LayerNormalization(x, scale[, bias], axis=-1, epsilon)` (opset 17+; torch.onnx, GPT-2), its mean
-  and inverse-std outputs unread;
-- `SimplifiedLayerNormalization(x, scale, axis=-1, epsilon)` (onnxruntime's RMSNorm, onnxruntime-genai);
-- RMSNorm decomposed: `Pow(x, 2)`, `ReduceMean(-1, keepdims)`, `Add(eps)`, `Sqrt`, then
-  `Reciprocal` and `Mul(x, r)`, `Div(1, s)` and `Mul(x, r)`, or `Div(x, s)`; then `Mul` by a [D]
-  weight (either operand order), each intermediate read by the next step only (torch.onnx's HF
-  Llama; the TorchScript exporter's also casts to float32 before and after, which for a float32
-  site, `float32(name)`, are identities and go with the norm).
-
-A norm's weight and bias must exist where the site is (initializers, graph inputs or values made
-before it). Sites on another axis, sites read by two norms and other forms stay as they are. The
-pair is a one-pass site: `onnx_grouping.group_sites`, which runs after this, regroups only the
-DepthAttention nodes left. onnxruntime runs the pair's function (its norm the decomposed ops it
-fuses again); TVM's importer maps it onto the lowering's fused-norm site kernels.
+A `DepthAttention` site (feature axis -1) read by a norm over the last axis becomes one
+`DepthAttentionNorm` node (onnx/function.py) whose outputs keep the site's and the norm's output
+names. Recognised norms: `LayerNormalization` (axis -1, mean/inv-std outputs unread),
+`SimplifiedLayerNormalization`, and RMSNorm decomposed (Pow, ReduceMean, Add eps, Sqrt, then
+Reciprocal+Mul, Div(1, s)+Mul or Div; then Mul by a [D] weight; float32 casts of a float32 site
+included). The norm's weight and bias must exist where the site is; sites read by two norms and
+other forms stay. The pair is a one-pass site: `onnx_grouping.group_sites`, run after this,
+regroups only the DepthAttention nodes left.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Unfusing onnxruntime's fused residual norms: each Skip*LayerNormalization back into Add + norm.
 
-onnxruntime-genai's builder and `onnxruntime.transformers.optimizer` fold every residual add of a
-transformer into the norm after it: `com.microsoft:SkipLayerNormalization(input, skip, gamma,
-beta?, bias?)` computes `sum = input + skip (+ bias)`, returns LayerNorm(sum) * gamma + beta, and
-hands `sum` (its optional output 3, `input_skip_bias_sum`) to the next block as the residual
-stream; `SkipSimplifiedLayerNormalization(input, skip, gamma, bias?)` is the same with RMS norm.
-Such a graph holds no residual Add for chain analysis to find. `unfuse` rewrites each node, in
-place in the node list, into
+onnxruntime-genai's builder and `onnxruntime.transformers.optimizer` fold every residual add into
+the norm after it, leaving no residual Add for chain analysis to find. `unfuse` rewrites each
+node in place into
 
     Add(input, bias) -> Add(., skip) -> LayerNormalization(., gamma, beta)      (SkipLayerNormalization)
     Add(input, bias) -> Add(., skip) -> RMSNormalization / SimplifiedLayerNormalization(., gamma)
 
-with axis -1, the node's epsilon (onnxruntime's default, 1e-12, where it has none) and float
-statistics (stash_type 1, as onnxruntime's kernels compute); output 3's consumers read the last
-Add, output 0 keeps its name. The bias goes on `input`: onnxruntime's bias fusion takes it from
-the `MatMul + bias` feeding that operand, so the unfused adds are the ones it fused, and the
-residual Add adds skip and branch with no bias add between links. The RMS norm is opset 23's
-RMSNormalization where the model imports opset 23 or newer, else SimplifiedLayerNormalization,
-which onnxruntime registers in the default domain and runs (onnx/ort_ops.py).
-
-One rule per op (onnxscript rewriter style): `Rule.check` gives the reason a node is left fused
-(None: it is unfused), `Unfused` counts the nodes unfused per op and lists those kept.
+with axis -1, the node's epsilon (default 1e-12) and float statistics (stash_type 1). Output 3's
+(`input_skip_bias_sum`) readers read the last Add. The bias goes on `input`, where onnxruntime's
+bias fusion took it from. RMSNormalization needs opset 23, else SimplifiedLayerNormalization
+(onnx/ort_ops.py). `Rule.check` gives the reason a node stays fused; `Unfused` counts per op.
 """
 
 from __future__ import annotations

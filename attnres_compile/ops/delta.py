@@ -2,23 +2,12 @@
 
     out = base + gate * scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
-`base` is the plain sum the original graph held at the site (the stream, which the next link's
-skip keeps reading), `gate` the site's gate, float32 [1] (0 at a conversion: out is `base`, bitwise).
-A second op of the family rather than optional arguments of `depth_attention`, so that no pass
-reading that op's five arguments can drop the delta part unnoticed. Implementations as
-depth_attention.py's: the fused TVM kernels (kernels/fused.py forward_delta, backward_delta) where
-they apply, else the eager reference; observers (depth_attention.observe, the depth-weight
-monitor) see every forward call.
-
-Gradients: base's is the output's gradient itself; the sources' and the query's are the plain
-site's with that gradient times the gate; the gate's is scale * sum over rows of
-sum_i p_i (grad . s_i). At gate 0 the query gets a zero gradient, so a conversion trains the
-gates first and the queries once the gates have moved.
-
-Its two-phase form (two_phase.py's, for eager inference: fx/two_phase.py):
-
-    depth_attention_merge_delta(m, l, acc, index, extra, query, base, gate, eps, scale, dim)
-        = base + gate * depth_attention_merge(m, l, acc, index, extra, query, eps, scale, dim)
+`base` is the plain sum the original graph held at the site, `gate` the site's float32 [1] gate
+(0 at a conversion: out is `base`, bitwise). A separate op, so that no pass reading
+`depth_attention`'s five arguments drops the delta part unnoticed; implementations and observers
+as depth_attention.py's. At gate 0 the query's gradient is zero, so a conversion trains the gates
+first. The two-phase form `depth_attention_merge_delta(..., base, gate, ...)` is
+`base + gate * depth_attention_merge(...)`.
 """
 
 from __future__ import annotations

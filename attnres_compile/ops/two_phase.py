@@ -5,18 +5,11 @@
         m_q = max_j z_qj, l_q = sum_j exp(z_qj - m_q), acc_q = sum_j exp(z_qj - m_q) h_j
         (float32 state, float64 for float64 storage; m, l [B, rows..], acc [B, rows.., D])
     depth_attention_merge(m, l, acc, index, extra, query, eps, scale, dim)
-        query `index`'s state merged with its site's own newest sources `extra`:
         = depth_attention(history + extra, query, eps, scale, dim) up to float reassociation
 
-At inference the queries are constants, so a group of sites over one history (Block: the sites
-of a block; Full: ~sqrt(L) consecutive sites) reads that history once in one partial instead of
-once per site (fx/two_phase.py puts them in a graph). "rows" are the sources' dims but
-the feature axis, in order, the feature axis moved last.
-
-Both run the fused TVM kernels (the two-phase pair of kernels/tensorir.py) where the op's
-mode allows and they apply, else the eager reference below. With a gradient wanted they run the
-reference in differentiable torch ops: m and the merge's running max are shifts the result does
-not depend on, held constant, so autograd's gradient is the exact one.
+"rows" are the sources' dims but the feature axis, which moves last. Fused TVM kernels where
+they apply, else the eager reference; with a gradient wanted, the reference in differentiable
+ops (m is a shift held constant, so the gradient is exact). docs/design.md §6, *Two-phase*.
 """
 
 from __future__ import annotations

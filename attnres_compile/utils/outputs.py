@@ -2,23 +2,13 @@
 written into a staging folder beside it, committed so that the destination is either the old
 file untouched or the complete new one.
 
-- `check` (before any work): an existing output (a dangling symlink counts) is replaced only with
-  --force, and only when it is a regular file (or a symlink, itself replaced), or for a folder
-  output an artifact folder of ours (its marker file present); an output (or a file the run
-  would remove: an older output's weights) never replaces an input, except in the documented
-  in-place rewrite (`-o` is the input, with --force: `-o` and its weights may replace the
-  input's); a folder output never holds an input or the working folder; two outputs of one run
-  never name the same file; an output that is a folder (or a folder output that is a file) is
-  refused even with --force.
-- `staged` / `staged_folder`: files are written into `.NAME.PID.TOKEN.tmp/` beside the output
-  (NAME a digest when the output's name is too long for that), fsynced and renamed into place
-  (other staged files first, the output itself last, then the folder is fsynced), and an ONNX
-  output's older weights are removed only after it is in place, in the same step under a lock
-  on the folder, so that concurrent runs never remove each other's new weights nor leave
-  orphans. Any exception (errors, Ctrl-C, SIGTERM raised as `Interrupted`) removes the staging
-  folder; staging folders of dead processes (kill -9) are removed by the next run writing the
-  same output. Folders replace folders with one atomic exchange (renameat2) where the system
-  has it. Nothing is committed once SIGNALS records a signal (an interrupt a library swallowed).
+- `check`: an existing output is replaced only with --force, and only if it is a regular file,
+  a symlink, or (for folder outputs) an artifact folder of ours; no output replaces an input
+  except the documented in-place rewrite; no two outputs name the same file.
+- `staged` / `staged_folder`: written into `.NAME.PID.TOKEN.tmp/`, fsynced and renamed into place
+  (the output itself last); an ONNX output's older weights are removed after, under a lock on the
+  folder. Any exception (SIGTERM raised as `Interrupted` too) removes the staging folder; dead
+  processes' ones are removed by the next run. Nothing is committed once SIGNALS records a signal.
 - Write errors (disk full, EIO, read-only, permission) become OutputWriteError (exit 19).
 """
 

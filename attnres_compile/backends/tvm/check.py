@@ -1,26 +1,14 @@
 """The compiled model against its source, before the artifact is written (`compile_model`'s
 `verify_outputs`, on by default; `compile --no-verify` skips it).
 
-An ONNX source runs in onnxruntime (an isolated child) on generated inputs (the same generator,
-shape sets and --input-shape sizes as `rewrite`'s verification); a `.pt2` source or ExportedProgram runs in
-torch on the example inputs stored with the program. The built executable runs on the same
-inputs here, and every output must match within RTOL of its largest magnitude (scaled for
-fp16/bf16, as verify.py does; integer and bool outputs exactly; an empty one is no pass). TVM's
-frontends have converted models into silently different ones (a one-way Expand, an off-by-one
-SequenceInsert: onnx_prepare.py); this is where such a model stops instead of being deployed.
-
-The bound grows with the model's residual depth L (residual links plus AttnRes sites):
-RTOL·sqrt(L / DEPTH_FREE) past DEPTH_FREE steps. Rounding differences (kernel summation order,
-fast-math exp) enter the residual stream at every step and add up like a random walk: a
-30-layer decoder (60 steps; SmolLM2-135M with past) built correctly was reported 1.3e-4 off
-onnxruntime, the original decoder 1.06e-4, on random inputs, against 1e-4 flat (exit 7); its bound
-is now 2.7e-4 (tests/test_smollm2.py's run: worst output 3.1e-5), while a wrong build is off by
-whole percents.
-
-The onnxruntime reference computes Sigmoid exactly (onnx/exact_sigmoid.py, as `rewrite`'s
-verification does): onnxruntime's own is accurate to ~1e-7 absolute only, and on PP-OCRv4 det's
-output (sigmoids of at most 5.9e-5) a correct build was 2.1e-3 off it and is 8.0e-6 off the exact
-one.
+An ONNX source runs in onnxruntime (an isolated child, Sigmoid computed exactly as in
+onnx/exact_sigmoid.py) on `rewrite`'s generated inputs; a `.pt2` source runs in torch on its
+stored example inputs. The built executable runs on the same inputs and every output must match
+within RTOL of its largest magnitude (scaled for fp16/bf16; integer and bool outputs exactly; an
+empty one is no pass), so a model a TVM frontend silently converted wrong is not deployed.
+The bound grows as RTOL·sqrt(L / DEPTH_FREE) past DEPTH_FREE residual steps L: rounding
+differences enter the stream at every step and add up like a random walk, while a wrong build is
+off by whole percents.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """torch.export programs made convertible by TVM's PyTorch frontend (`from_exported_program`).
 
-`convertible(program)` returns a copy (the graph copied, the weights shared) with these fixes:
-- user inputs that are not tensors (HF models exported with `use_cache=False`) are dropped: the
-  frontend reads a shape and dtype off every user input (`'bool' object has no attribute
-  'shape'`); export already specialised the graph on their values, so nothing uses them;
-- `aten.contiguous` becomes `aten.clone(memory_format=contiguous)`, the same value and strides:
-  the frontend runs the core-ATen decompositions, whose `contiguous` of a transposed view is a
-  no-op for fake tensors, and a later `view` then fails ("Cannot view a tensor with shape ...
-  and strides ...", T5, Swin); the ONNX exporter (onnx/export.py) does the same;
-- `aten.view` becomes `aten.reshape` (the same in a functional graph): decomposed, the attention
-  of HF GPT-2 gets other strides than at export and its `view` of the transposed output fails
-  the same way, while reshape copies when it must;
-- tensor indices of `aten.index` are taken modulo the indexed size: torch wraps negative ones,
-  TVM's converter reads out of bounds (HF Falcon's `fused_qkv[..., [-2], :]`);
-- `aten.cumsum` of bools or small integers gets its int64 result dtype explicitly: the converter
-  keeps the input dtype, and TVM cannot add bools (HF Whisper's decoder positions);
-- `aten.topk(sorted=False)` becomes sorted: the order of an unsorted top k is unspecified, so
-  sorted is one valid answer, and the converter refuses sorted=False (HF DeepSeek-V3's routing);
-- `aten.cat` drops its empty 1-D inputs, which torch skips whatever the other inputs' rank: HF's
-  `DynamicCache` starts each layer's keys and values as `torch.tensor([])` and concatenates the
-  past onto them, and the converter refused the ranks ("Concat expects all input tensors to have
-  same ndim ... 1 and 4", every decoder-with-past `.pt2`).
+`convertible(program)` returns a copy (graph copied, weights shared) with the ops the frontend
+gets wrong replaced by equivalents it handles: non-tensor user inputs dropped (export specialised
+on them), `aten.contiguous` -> `aten.clone(memory_format=contiguous)` and `aten.view` ->
+`aten.reshape` (decomposed, a later view saw other strides and failed), `aten.index` indices
+taken modulo the size (TVM read negative ones out of bounds), `aten.cumsum` of bools/small ints
+given its int64 dtype, `aten.topk(sorted=False)` made sorted (one valid order; the converter
+refuses unsorted), and `aten.cat` without its empty 1-D inputs (HF DynamicCache's
+`torch.tensor([])`, which torch skips and the converter refuses).
 """
 
 from __future__ import annotations

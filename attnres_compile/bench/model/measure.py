@@ -1,23 +1,11 @@
-"""Whole models: what the AttnRes rewrite costs a deployed model, per runtime, side by side.
+"""`bench model`: what the AttnRes rewrite costs a deployed model, per runtime, side by side.
 
-Models are HF transformers decoders from random configs (seed 0): GPT-2 (a PreNorm GPT) and
-Llama, at several depths (two sublayers, attention and MLP, per layer) and widths: by default
-width 256 at 12, 24 and 48 sublayers, and width 1024 at 24. Each is exported once with
-torch.export; the original is that program and the Full and Block rewrites are `rewrite`s of
-it, so all variants take the same path everywhere: the same ONNX exporter and TVM pipeline.
-A fourth variant, the identical copy, is the original's files copied and loaded again: its
-"overhead" is the noise floor of the measurement.
-
-Runtimes: torch eager forward ("eager"), a training step's forward + backward in torch eager
-("train"), onnxruntime, the TVM artifact in its default build (no tuning) and, when asked
-(--tune-minutes or --trials), a tuned one ("tvm-tuned"). Per runtime the variants are checked
-against the original and timed in interleaved rounds in a fresh worker process
-(bench/model/worker.py), twice: at 1 thread on the process's CPU time (the work runs in the calling
-thread, and a busy machine's waiting is not counted) and at --threads threads on wall time.
-The TVM workers also time onnxruntime running the original in the same rounds (the
-speed-against-onnxruntime targets' ratio). Peak memory is measured per artifact in a fresh worker; --profile adds per-kernel
-(TVM) and per-node (onnxruntime) times by op kind (profile.py). With --factory, the user's own HF
-causal LM at its own size takes the random models' place (factory.py), every target read there.
+HF GPT-2 and Llama decoders from random configs (or the user's own with --factory) are exported
+once with torch.export; Full and Block are `rewrite`s of that program, and an identical copy of
+the original's files gives the noise floor. Per runtime (eager, train, onnxruntime, TVM default
+and, when asked, tuned) the variants are checked against the original and timed in interleaved
+rounds in a fresh worker (bench/model/worker.py): at 1 thread on CPU time and at --threads on
+wall time. docs/bench.md, *`bench model`*, lists the models, runtimes and targets.
 """
 
 from __future__ import annotations

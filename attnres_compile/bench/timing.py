@@ -1,22 +1,11 @@
 """Interleaved timing: candidates measured in alternating rounds, so drift hits all of them alike.
 
-A shared machine's speed drifts by tens of percent within minutes; timing A for a minute and
-then B for a minute turns that drift into a false ratio. Here every round times each candidate
-once (each call repeated until `min_time` has passed), and the median over rounds is reported.
-
-`interleaved_clocks` keeps every round's sample of three clocks: wall time, the process's CPU
-time (`time.process_time`: every thread of the process, the measure for 1-thread runs, which a
-busy machine's waiting does not inflate) and the calling thread's CPU time (equal to the
-process's when the work runs in the calling thread); `paired_ratio` compares two candidates
-round by round, so drift between rounds cancels, and `ratio_interval` says how far that median
-could be from the true one.
-
-Each candidate's turn starts after a pause (PAUSE_S): onnxruntime's and TVM's thread pools spin
-on their cores for a while after a run, and a candidate of another runtime (or another
-onnxruntime session, which has its own pool) timed at once loses a core to them. In `bench
-model`'s TVM worker (GPT-2 width 256, 12 sublayers, 2 threads) TVM's original is timed right
-after onnxruntime's, and its identical copy read -22 and -31% against it without the pause,
--0.1 and -4.4% with it.
+Every round times each candidate once (each call repeated until `min_time` has passed); the
+median over rounds is reported. `interleaved_clocks` keeps each round's wall time, process CPU
+time and calling-thread CPU time; `paired_ratio` compares two candidates round by round, so drift
+between rounds cancels, and `ratio_interval` bounds that median. Each candidate's turn starts
+after PAUSE_S, as onnxruntime's and TVM's pools keep spinning for a while after a run and would
+steal a core from the next candidate.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Two-phase sites in a rewritten GraphModule, for eager inference (ops/two_phase.py).
 
-A site reads all of its sources, so a Full chain of L sites reads ~L^2/2 source tensors per
-forward. Sites of one chain that share a history (onnx_grouping.site_groups, the grouping the
-ONNX and TVM forms use: Block's sites per block, Full's ~sqrt(L) consecutive sites) become one
-`depth_attention_partial` over that history for all of their queries, placed before the group's
-first site, and a `depth_attention_merge` per site over its own newest sources. Only groups
-where that moves fewer bytes and the history is long enough (MIN_HISTORY) change.
-
-Delta AttnRes' sites (`depth_attention_delta`) group the same way; their merges are
-`depth_attention_merge_delta`, which adds the site's plain sum and gate.
-
-The canonical form, one `depth_attention` per site, is what `rewrite` returns and what the
-monitor reads; this pass is applied after it, to a module that is run (`two_phase(gm)`), e.g.
-one loaded from a .pt2 artifact. Gradients stay exact, through the ops' differentiable
-reference: training is cheaper on the canonical form. `one_pass` is the inverse, with which
-the ONNX exporter, the TVM importer and re-analysis take a two-phase module as they take the
-canonical one.
+Sites of one chain that share a history (onnx_grouping.site_groups) become one
+`depth_attention_partial` over that history for all their queries, before the group's first
+site, and a `depth_attention_merge` (Delta: `depth_attention_merge_delta`) per site over its
+own newest sources, where that moves fewer bytes and the history is at least MIN_HISTORY.
+Applied to a module that is run (`two_phase(gm)`), not in `rewrite`, whose canonical form the
+monitor reads; `one_pass` is the inverse for exporters and re-analysis (docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Depth-attention observability: what each AttnRes site attends to, while training and afterwards.
 
-- `DepthMonitor` (watch.py): per-site statistics (mean weight per source, its maximum, entropy,
-  output RMS) collected during the training forward on chosen steps, through an observer of the
-  depth-attention op: no second forward, nothing on other steps; reduced over the data-parallel
-  group under torch.distributed.
-- `find_collapse`, `format_stats` (collapse.py): collapsed sites and dead sources; a table.
-- `CollapseController` (controller.py): scales a collapsed site's query steps down (or freezes it).
-- `CsvLog`, `read_csv`, `tensorboard_writer`, `log_stats` (logs.py): the stats of each watched
-  step to CSV and TensorBoard; `plots.plot_weights_over_steps` draws a history.
-- `ResidualProbe`, `trace_sites`, `record` (residual.py): the stream RMS of an original model,
-  site by site (an fx Interpreter: an original model has no op to observe); `record` runs batches
-  through either.
-- `inspect_weights` (checkpoint.py): the stats of a saved `.pt2` (`attnres-compile inspect --weights`).
-
-Stats are a JSON-able dict, {"step", "sites": [{"chain", "site", "name", "rows", "rms", "sources",
-"weights", "weights_max", "entropy", "max_entropy"}]}; docs/monitor.md has the whole story.
+`DepthMonitor` (watch.py) collects per-site stats in the training forward through an observer of
+the op; `find_collapse`/`format_stats` (collapse.py) find collapsed sites and dead sources;
+`CollapseController` (controller.py) damps or freezes them; logs.py and plots.py write and draw
+the stats; `ResidualProbe`/`trace_sites`/`record` (residual.py) measure an original model's
+stream; `inspect_weights` (checkpoint.py) reads a saved `.pt2`. docs/monitor.md has the stats'
+format and the whole story.
 """
 
 from .checkpoint import inspect_weights, load_checkpoint

@@ -1,20 +1,10 @@
 """Sizes for an ONNX model's symbolic input dims, chosen consistently, for verification runs.
 
 A dim_param that is a linear expression of other input dims (`past_sequence_length +
-sequence_length`, `2 * seq`, `n - 1`) is computed from them instead of getting a size of its
-own; it counts as an expression only when every name in it is a dim of some input on its own
-(so `batch-size` stays one name). Free dims get 2 (leading) or 16, or 1 in the small set that
-catches broadcasts that break at size 1; a file this tool exported records its example inputs'
-sizes (`EXAMPLE_DIMS`), which then replace 2 and 16 (an audio model's conv stack needs hundreds of
-samples, not 16). Past-like dims (only in inputs named `past...` or
-`...cache...`) get 0 in a second variant of each set: it makes an opaque total length
-(`unk__12`, `s53`) equal to the sequence length, as a first decode step has it.
-
-What the graph itself fixes comes first (`implied`): a KV cache's head size, which
-onnxruntime-genai names `kv_cache_dim` (onnx/cache_dims.py), and the length of a decoder's
-attention mask, which covers the past and the new tokens: a mask dim of its own
-(`total_sequence_length`) in a model with past inputs is the past length (axis -2 of the past
-inputs) plus the sequence length (axis 1 of the other inputs), as optimum writes it outright.
+sequence_length`) is computed from them. Free dims get 2 (leading) or 16, 1 in the small set,
+or the example sizes a file of ours records (`EXAMPLE_DIMS`); past-like dims get 0 in a second
+variant of each set, as a first decode step has them. What the graph itself fixes comes first
+(`implied`): a KV cache's head size (onnx/cache_dims.py) and a decoder mask's total length.
 """
 
 from __future__ import annotations

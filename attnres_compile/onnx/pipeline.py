@@ -102,21 +102,15 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                  weights: str | None = None, eval_ids=None) -> ExportResult:
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (atomically).
 
-    Weights stay external (`<output>.data`) when the input kept them external, or when large.
-    The staged output must pass the same checks as an input (onnx_io.load). With
-    `verify_outputs`, the staged output and the input run in onnxruntime, in an isolated child
-    with `verify_timeout` seconds (default sized to the model), before the output is put in
-    place, at the default and the all-1 shape sets (onnx/dims.py; `input_shapes` fixes
-    an input's shape in both, and in the analysis, `_view`): preserve mode must match to 1e-5. An existing output, or one that would replace a
-    file of the input, is refused unless `force`. `fuse_norms`: each site that a norm reads is written
-    with that norm as one `attnres.DepthAttentionNorm` node (onnx/site_norm.py). `queries`:
-    {"chain<i>.site<k>": array} of a converted model (`queries_from` names it in errors), set into
-    the sites' initializers after the verification (which checks the rewrite itself, exact at zero
-    queries); the sites must be the same, with the same sizes (onnx/queries.py). `rewrite_chains=False`: no
-    site; the file goes through every other pass and check (onnxruntime's fused residual norms unfused, written,
-    verified against the input), the original as a rewrite would be written, to compare like with like.
-    `weights` ("int8", "int4"): the file written has its MatMul weights quantized (onnx/weights.py), verified
-    against the float32 rewrite on `eval_ids` (token ids [rows, tokens] of real text; needed to verify).
+    Weights stay external (`<output>.data`) when the input kept them external, or when large. With
+    `verify_outputs`, the staged output and the input run in onnxruntime (an isolated child,
+    `verify_timeout` seconds) at the default and all-1 shape sets (onnx/dims.py; `input_shapes`
+    fixes shapes there and in the analysis); preserve mode must match to 1e-5. An output that exists
+    or would replace a file of the input needs `force`. `fuse_norms`: onnx/site_norm.py. `queries`
+    ({"chain<i>.site<k>": array}, `queries_from` naming it in errors) are set after verification
+    (onnx/queries.py). `rewrite_chains=False` writes the original through every other pass, to
+    compare like with like. `weights` ("int8", "int4") quantizes MatMul weights (onnx/weights.py),
+    verified on `eval_ids` (token ids [rows, tokens]).
     """
     config = as_config(config)
     path, output = Path(path), Path(output)

@@ -1,21 +1,12 @@
 """Validate the attnres nodes a model already carries, before it counts as rewritten.
 
-A file may hold attnres nodes we did not write, or wrote and someone damaged: a spoofed site,
-an edited attribute, a user function under our name. `check_sites` refuses such a model in one
-line (CorruptModelError, exit 9) before inspect, rewrite or compile trust its sites:
-
-- every node of the `attnres` domain is a DepthAttention, DepthAttentionPartial,
-  DepthAttentionMerge or DepthAttentionNorm of the main graph (none inside subgraphs or functions), with its inputs,
-  outputs and attributes (types, eps > 0 and finite, scale > 0 and finite, axis negative and,
-  for the two-phase pair and the site + norm pair, -1; index below the Partial's query count; a
-  pair's norm_eps > 0 and finite, norm "layer" or "rms", affine 0 to 2, an RMSNorm's at most 1);
-- a Merge reads the lse, acc and columns outputs of one Partial, with the query that Partial holds at
-  its index; a Partial with carry = 1 reads the history and rms outputs of an earlier Partial;
-- where types are known, the sources of a site share one float type and the query is a float
-  vector of their feature size;
-- every attnres function definition is the one attnres-compile writes for the nodes that use
-  it (same bytes), and no other function sits in the attnres domain (a user function under
-  our name, which a rewrite would replace); the attnres opset import is version 1.
+A spoofed site, an edited attribute or a user function under our name makes `check_sites`
+refuse the model in one line (CorruptModelError, exit 9) before inspect, rewrite or compile
+trust its sites. It checks every attnres node's kind, place (main graph only), inputs, outputs
+and attribute ranges; that Merges and carried Partials read the outputs of one earlier Partial
+consistently; where types are known, that sources share a float type and the query matches
+their feature size; and that every attnres function is byte for byte the one we write, under
+opset version 1.
 """
 
 from __future__ import annotations

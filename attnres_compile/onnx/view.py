@@ -1,21 +1,12 @@
 """ONNX frontend: the neutral view (graph_view.py) of an ONNX graph.
 
-One view node per value (node output, graph input, initializer), named by the value, so a
-plan's names are the graph's value names. Ops are classified structurally, never by name:
-
-    Add, Sum                                   ADD
-    Identity, inference Dropout, Cast/CastLike to the same type   PASSTHROUGH
-    Reshape keeping the last dimension whole   LAYOUT
-    initializers, Constant, Shape, Size        CONST (Shape/Size carry sizes, no data)
-    attnres.DepthAttention, DepthAttentionMerge  DEPTH_ATTENTION (one per site; checked by onnx_site_check)
-    graph inputs                               INPUT
-
-A fused op that returns a sum and its norm (EmbedLayerNormalization's `embedding_sum` and its
-LayerNorm, FUSED_SUMS) gets its normed output read as a function of the sum.
-
-Shapes come from shape inference (`inferred_types`: the inference runs merged, with the inputs
-bound where --input-shape gives them) on top of the file's own value_info; symbolic dims are
-their names, unknown dims a per-value token that equals no other.
+One view node per value (node output, graph input, initializer), named by the value. Ops are
+classified structurally, never by name: Add/Sum ADD; Identity, inference Dropout and same-type
+Cast PASSTHROUGH; Reshape keeping the last dim LAYOUT; initializers, Constant, Shape, Size CONST;
+attnres DepthAttention/DepthAttentionMerge DEPTH_ATTENTION; graph inputs INPUT. A fused op
+returning a sum and its norm (FUSED_SUMS) has its normed output read as a function of the sum.
+Shapes come from shape inference (`inferred_types`) over the file's value_info; unknown dims
+get a per-value token that equals no other.
 """
 
 from __future__ import annotations

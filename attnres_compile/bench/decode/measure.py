@@ -1,20 +1,10 @@
-"""Decode: what AttnRes costs per generated token with a KV cache, in the same runtime.
+"""`bench decode`: what AttnRes costs per generated token with a KV cache, in the same runtime.
 
-Each model (HF Llama, and GPT-2 with --models, from bench model's random configs) is traced
-as a decoder with past (fx/decoder.py) once; the original is that trace, Full and Block (N=8)
-are `rewrite(..., with_past=True)` of it, and the identical copy is the original's files loaded
-again (the noise floor). The decode call is a prefill of --prefill tokens (once, untimed), then
---steps decode steps of one token, each fed the previous step's present (bench/decode/worker.py);
-its time over --steps is the per-token cost. Runtimes: torch eager (the traced .pt2 of every
-variant, and HF's own forward with a DynamicCache beside them as `hf`), onnxruntime (the
-decoder-with-past .onnx of every variant, exported alike) and TVM (that .onnx built by
-compile_model's pipeline into one library with dynamic batch, sequence and past, default
-schedules, no tuning; the presents stay TVM tensors from step to step), and `generate`: HF
-generate() on the model against generation.causal_lm over its trace and its Block rewrite
-(bench/decode/route.py). With --factory, the user's own HF causal LM at its own size takes the random
-models' place (factory.py). Timing, clocks and targets as in bench model: 1 thread on CPU time
-decides, --threads on wall time beside; the TVM rounds time onnxruntime's original too (TVM
-against onnxruntime); bench/decode/sites.py adds what one site costs at [1, 1, D].
+Each model is traced once as a decoder with past (fx/decoder.py); Full and Block are
+`rewrite(..., with_past=True)` of it, an identical copy is the noise floor. A prefill (untimed),
+then --steps one-token steps fed the previous presents; the per-token cost is their time over
+--steps. Runtimes: torch eager (and HF's own forward as `hf`), onnxruntime, TVM, and `generate`
+(bench/decode/route.py). Timing as in bench model; docs/bench.md, *`bench decode`*, says more.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Where a forward's time goes, by op kind: per-kernel time in the TVM artifact, per-node time in onnxruntime.
 
-Both run at 1 thread (the work is in the calling thread), each in a fresh worker
-(model_worker.Workers). After a warm-up, RUNS forwards are timed: each call's wall time in its
-fastest run (a busy machine's preemptions land on single calls), summed by kind, beside the
-fastest forward's CPU time (which also holds what runs between the calls):
-
-  tvm          the Relax VM's instrument hook times every call the VM makes: the compiled
-               kernels and the VM's builtins (allocation, reshape views); each includes the
-               hook's own few microseconds (the builtins, which do almost nothing, show it).
-               The loop is backends/tvm/profile.py's (`timed_forwards`), as for `run --profile`
-  onnxruntime  the session's own profiler (SessionOptions.enable_profiling): its node events
-
-A TVM kernel's kind is its name without numeric suffixes (fused_matmul3_add2 -> fused_matmul_add;
-every depth-attention kernel -> attnres_depth_attention); an onnxruntime node's kind is its op
-type. `category` puts the kinds of both runtimes in common CATEGORIES, so they can be read side
-by side, and the original against the rewrites shows what the sites cost and where.
+Both run at 1 thread in a fresh worker; after a warm-up, RUNS forwards are timed, each call's
+fastest time summed by kind. TVM: the Relax VM's instrument hook (backends/tvm/profile.py),
+which adds a few microseconds per call; onnxruntime: its session profiler. A TVM kernel's kind is
+its name without numeric suffixes; an onnxruntime node's, its op type. `category` maps both onto
+CATEGORIES so they read side by side.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Measurements of saved model artifacts, each in a fresh worker process.
 
-`runner` turns an artifact (.pt2 for torch eager forward or forward + backward, .onnx for
-onnxruntime, .so for TVM) into a call and a reader of its outputs. The jobs below run in
-`Workers`: processes forked from a server that has imported numpy, torch, onnxruntime and TVM
-and run nothing, so each job starts as a fresh process would (no thread pool started, no heap
-reused from an earlier artifact), with its thread count its own, without paying the imports:
-
-  time_candidates  outputs checked, then every candidate timed in interleaved rounds on three
-                   clocks (timing.interleaved_clocks), at one thread count
-  measure_memory   one warm-up call, then the RSS the next call adds and the process's peak
-
-For the memory job the runtimes are set to give memory back after each call: onnxruntime
-without its arena, TVM's naive allocator, glibc with a fixed mmap threshold, MKL without its
-buffer pool. Otherwise the warm-up's buffers stay resident and the measured call needs nothing.
-A job's own output (native libraries' log lines) goes to a log file; a failed job is reported
-by its last line.
+`runner` turns an artifact (.pt2, .onnx, .so) into a call and a reader of its outputs. Jobs run
+in `Workers`, processes forked from a server that has imported the runtimes and run nothing, so
+each starts fresh without paying the imports: `time_candidates` (checked, then timed in
+interleaved rounds) and `measure_memory` (the RSS a call adds after a warm-up, with every
+runtime's caching allocators off so the warm-up's buffers are not reused). A job's native log
+lines go to a log file; a failed job is reported by its last line.
 """
 
 from __future__ import annotations

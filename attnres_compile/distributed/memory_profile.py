@@ -1,19 +1,11 @@
 """What one micro-batch of a model costs in memory, measured once in one process: the planner's input.
 
-The pipeline memory planner (planner.py) multiplies per-layer figures by what each rank's
-schedule keeps in flight, so it needs, per decoder layer of the traced (original) model: its
-parameter bytes, and the bytes its forward leaves alive for backward (saved activations and
-outputs, what a stage holds per micro-batch until that micro-batch's backward); and the bytes that
-cross each layer boundary besides the residual stream (HF Llama: the mask and the rotary tables).
-Those depend on the model's internals (attention kernel, MLP width, which op saves what), so they
-are measured, not guessed: `profile_model` runs the traced model once, forward and backward, on
-the example (one micro-batch) under `LiveBytes`, which attributes every storage torch makes to the
-layer whose node made it. What the rewrite adds (one source per sublayer, the history each hop
-carries) is the planner's arithmetic, from the chain's sublayers, width and dtype.
-
-The layers are the module scopes holding the chain's residual links, found as `split_stages`
-finds the blocks of a rewritten model (pipeline._blocks), so the profile's layers are the
-blocks the stages are cut at.
+`profile_model` runs the traced original once, forward and backward, on one micro-batch under
+`LiveBytes`, which attributes every storage torch makes to the layer whose node made it: per
+decoder layer, parameter bytes, the bytes kept for backward, and what crosses each boundary
+besides the stream (masks, rotary tables). Measured, because they depend on the model's
+internals; what the rewrite adds is the planner's arithmetic. Layers are found as `split_stages`
+finds blocks (pipeline._blocks).
 """
 
 from __future__ import annotations

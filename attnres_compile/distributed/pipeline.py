@@ -1,18 +1,11 @@
 """Pipeline stages of a rewritten model for torch.distributed.pipelining's manual `PipelineStage`.
 
-A depth-attention site reads values from many earlier blocks (every block sum, or in Full every
-sublayer output), so a cut between blocks is crossed by more than the hidden state: the traced
-pipelining frontend turns those into skip connections it cannot run backward through
-(`Backward of skip connections not supported yet`), and an output that is a view or an
-unchanged input breaks the V schedules (`Can't detach views in-place`). `split_stages` cuts the
-graph at block boundaries and makes each stage a GraphModule whose inputs are everything the
-previous hop carries and whose outputs are everything the next hop carries: a value needed further
-down is relayed stage by stage as a fresh tensor (a clone, which is also what makes gradients flow
-back hop by hop to the stage that produced it). The `StagePlan` says what crosses each hop and
-its bytes, the figure Block AttnRes keeps at O(N·d) per token and Full lets grow with depth.
-
-The graph is re-exported at the micro-batch's shapes first (stages run at fixed shapes, as
-pipeline schedules do), so no symbolic size crosses a hop.
+A site reads values from many earlier blocks, which torch's traced pipelining frontend cannot
+run backward through. `split_stages` cuts the graph (re-exported at the micro-batch's fixed
+shapes) at block boundaries into GraphModules whose inputs and outputs are everything each hop
+carries, a value needed further down relayed stage by stage as a fresh clone so gradients flow
+back hop by hop. The `StagePlan` says what crosses each hop and its bytes (docs/distributed.md,
+*Pipeline stages*).
 """
 
 from __future__ import annotations

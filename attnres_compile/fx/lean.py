@@ -1,19 +1,11 @@
 """A copy of an exported graph module that runs with less per-call overhead, for decode steps.
 
-HF `generate()` through `generation.causal_lm` runs the rewritten decoder once per token, where
-what a graph runs besides the model's own ops is a measurable share. `lean_copy` computes the same
-values without: `_assert_tensor_metadata` on computed tensors and `to.dtype` to a tensor's own
-dtype; dead nodes (the empty-cache chains torch.export leaves per layer); HF's `repeat_kv` copy of
-the KV cache before SDPA on the CPU (SDPA reads it unrepeated with `enable_gqa=True`, bitwise the
-same); attribute paths of many `Module.__getattr__` hops (one hop through the owner). Its second
-form, `Lean.inference`, calls the depth-attention sites' backend kernel directly, the op's per-site
-checks made once per call of the graph (`Lean.pick`).
-
-Exact: the removed nodes compute nothing read or return their input; the removed checks hold while
-the inputs and attributes have the dtypes and devices of the trace, which `Lean.fits` checks on
-every call (a call that does not fit runs the graph itself). Attributes are read through their
-owners on every call, so in-place updates are seen; a replaced submodule or an edited graph needs a
-new copy (generation/serve.py keys its copies on the graph module's code).
+`lean_copy` computes the same values without torch.export's metadata asserts and same-dtype
+casts, dead nodes, HF's `repeat_kv` copy before CPU SDPA (`enable_gqa=True` instead, bitwise
+equal) and long attribute paths; `Lean.inference` also calls the sites' backend kernel directly.
+Exact while the inputs and attributes have the trace's dtypes and devices, which `Lean.fits`
+checks on every call (else the graph itself runs). Attributes are read on every call; a replaced
+submodule or an edited graph needs a new copy.
 """
 
 from __future__ import annotations

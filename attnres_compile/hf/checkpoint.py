@@ -1,19 +1,10 @@
 """Save and load a converted model the Hugging Face way.
 
-`save_pretrained(dir)` is transformers' own (safetensors with tied weights dropped as for the base
-model, the queries as `<backbone>.attnres.*` tensors, generation config), plus:
-
-- `config.json`: `attnres` (format, AttnRes config, sites, KV geometry, the base class, the graph
-  files) and `auto_map` naming `modeling_attnres.AttnResForCausalLM`;
-- `attnres_graph.<dtype>.json`: each traced dtype's rewritten graph as data (program.py: torch ops
-  by name, module paths; no code, nothing unpickled);
-- `modeling_attnres.py`: three lines importing the class from attnres-compile, saying how to
-  install it where it is missing (transformers skips imports inside `try` in its own check).
-
-`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and `attnres_compile.load(dir)`
-build the converted class (its `__init__` adds the queries, so transformers loads them like any
-weight), load the weights, and read the graphs: no trace, no verification. The graph is checked
-against the model it will run on (every module and attribute it names, with its shape).
+`save_pretrained(dir)` is transformers' own plus `config.json`'s `attnres` entry and `auto_map`,
+`attnres_graph.<dtype>.json` (the rewritten graph as data, program.py) and a three-line
+`modeling_attnres.py`. `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and
+`attnres_compile.load(dir)` build the converted class, load the weights and read the graphs: no
+trace, no verification, but the graph is checked against the model it will run on.
 """
 
 from __future__ import annotations

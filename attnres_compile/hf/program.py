@@ -1,19 +1,11 @@
 """A converted model's rewritten graph as data, and the Python that runs it against the live modules.
 
-The graph (one per parameter dtype) is what `outline.outline` made of a rewritten trace: leaf
-modules called by name (`call_module`), parameters read by name (`get_attr`), every other node a
-torch op. As data it is a list of nodes whose call targets are torch ops looked up by name
-(`torch.ops.<namespace>.<op>.<overload>` of the namespaces in OP_NAMESPACES), `operator` functions
-or `torch.sym_*`, and whose arguments are numbers, strings, dtypes, devices, layouts, memory
-formats and other nodes: `save_pretrained` writes it as JSON, and reading it back runs no code from
-the file (fx's own code generator writes the Python; `check` compares every name it reads with the
-model it will run on).
-
-`compiled(device)` splits the graph by decoder layer (each node carries its layer index, `split`)
-and compiles one function for the backbone and one per layer: the backbone's calls
-`self.<layers>[i](block_i, *inputs)`, and a converted layer's forward runs `block_i(self, *inputs)`,
-so the layers are called modules (hooks, gradient checkpointing, `fully_shard`) and every
-attribute is read through the module tree on each call (PEFT's replaced modules, `.to()`).
+The graph (one per parameter dtype, made by `outline.outline`) is a JSON list of nodes whose
+targets are torch ops by name (namespaces in OP_NAMESPACES), `operator` functions or
+`torch.sym_*`, with plain-data arguments: reading it runs no code from the file, and `check`
+compares every name it reads with the model. `compiled(device)` splits it by decoder layer and
+compiles one function for the backbone and one per layer, so layers stay called modules (hooks,
+checkpointing, `fully_shard`) and attributes are read through the module tree on every call.
 """
 
 from __future__ import annotations

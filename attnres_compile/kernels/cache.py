@@ -1,19 +1,12 @@
 """Compiled depth-attention kernels for the PyTorch op: built on first use, kept in memory and on disk.
 
-A kernel is one of tensorir.py's functions (forward, backward, backward_chunk, partial, merge) for one (arity,
-rank, feature size, dtype, eps, scale), scheduled and compiled for one target. The disk cache is
-a folder (ATTNRES_KERNEL_CACHE, an absolute path, else $XDG_CACHE_HOME/attnres-compile/kernels,
-else ~/.cache/attnres-compile/kernels), in a subfolder per TVM version and target, one entry per
-kernel named for its parameters and a digest of the kernel generator's source (tensorir.py,
-schedule.py, target.py, tir_pipeline.py): a new version of any never loads an old binary. A
-cached kernel is code, so the folder and its entries are checked before anything is loaded
-(store.py: this user's own, writable by no one else, no symlinks, size and SHA-256 recorded at
-build time); a folder that
-fails is replaced by a private temporary one for the process (one warning line), an entry that
-fails is rebuilt and replaced (one warning line). A build prints one line on stderr.
-
-Loading a cached CPU kernel needs only TVM's runtime library (tvm_ffi plus libtvm_runtime,
-a tenth of a second); the compiler (`import tvm`, seconds) is imported for a build only.
+A kernel is one tensorir.py function for one (arity, rank, feature size, dtype, eps, scale) and
+target. The disk cache (ATTNRES_KERNEL_CACHE, absolute, else $XDG_CACHE_HOME or ~/.cache under
+attnres-compile/kernels) has a subfolder per TVM version and target; entry names carry a digest
+of the generator's sources, so a new version never loads an old binary. Folders and entries are
+checked before loading (store.py): a bad folder is replaced by a private temporary one, a bad
+entry rebuilt, each with one warning line. Loading needs only TVM's runtime; `import tvm` only
+for a build.
 """
 
 from __future__ import annotations

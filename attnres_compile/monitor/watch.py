@@ -1,19 +1,12 @@
 """`DepthMonitor`: per-site depth-attention statistics collected while the model trains, no second forward.
 
-On a watched step the monitor adds an observer to the depth-attention op (`op.observe`); every
-forward call of the op (fused TVM kernel or eager reference, plain or under autograd) then hands
-it the call's sources, query and output, from which it computes the softmax weights under
-no_grad (a norm and a dot per source and token: the op's own logits) and adds, per site, the
-weights' sum and maximum per source, their entropy, and the output's sum of squares (a Delta
-AttnRes site's stats also hold its gate's value, read from `attnres.chain<i>.gate<k>`). On other
-steps nothing is added: the op tests an empty list. A site is named (chain, k) from its query
-parameter's name (`attnres.chain<i>.site<k>`), so the flat GraphModule, `called_blocks`' module,
-DDP and FSDP2 wrappers and DTensor-distributed modules are watched alike. Calls recomputed during
-the backward (activation checkpointing) are not counted twice.
-
-When torch.distributed is initialised, the sums are all_reduced over `group` (default: the world)
-as a watched step ends: every process then holds the statistics of the whole global batch, and a
-`CollapseController` acts alike on every rank.
+On a watched step an observer on the op (`op.observe`) receives every forward call's sources,
+query and output and accumulates, under no_grad, per-source weight sums and maxima, entropy and
+the output's sum of squares (and a Delta site's gate). Other steps cost an empty-list test.
+Sites are named from their query parameter (`attnres.chain<i>.site<k>`), so wrapped, FSDP2 and
+DTensor modules are watched alike; checkpointing's recomputed calls are not counted twice. Under
+torch.distributed the sums are all_reduced over `group` as the step ends, so every rank holds
+the global batch's stats.
 """
 
 from __future__ import annotations

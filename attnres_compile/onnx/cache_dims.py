@@ -1,19 +1,10 @@
 """Sizes a graph fixes for the symbolic dims of its KV-cache inputs: the head size, read off the attention op.
 
-onnxruntime-genai's builder names the last dim of every `past_key_values.{i}.key|value` input
-`kv_cache_dim`: a dim_param, although the graph admits one size only, the head size of the
-attention op that reads the cache. Verification must feed that size (a free dim of 16 fails
-every model whose head size is not 16, in the original already). `head_sizes` finds it
-structurally: for each graph input read as a past key/value by an attention op, the head size
-from the op's attributes and the feature size of its query (an initializer's, `MatMulNBits`'s
-`N`, a bias's, through casts and bias adds), for
-
-    com.microsoft GroupQueryAttention  past [B, kv_heads, P, H]   H = q / (num_heads + 2 kv_num_heads) packed, q / num_heads
-    com.microsoft MultiHeadAttention   past [B, heads, P, H]      H = q / num_heads
-    com.microsoft Attention            past [2, B, heads, P, H]   H = qkv_hidden_sizes[0] or weights' columns / 3, / num_heads
-    ai.onnx Attention (opset 23)       past [B, kv_heads, P, H]   H = q / q_num_heads (3-D q), q's last dim (4-D)
-
-A dim whose readers disagree, or whose size does not divide, gets none (the defaults stand).
+onnxruntime-genai names the last dim of every past key/value input `kv_cache_dim`, though only
+the attention op's head size fits, so verification must feed that size. `head_sizes` reads it
+off the op that reads the cache (its attributes and the query's feature size through casts and
+bias adds) for com.microsoft GroupQueryAttention, MultiHeadAttention and Attention, and opset 23
+Attention. A dim whose readers disagree, or whose size does not divide, gets none.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Apply a `Plan` to an ONNX model: one `attnres.DepthAttention` node per site (function.py).
 
-The site node takes over the value name of the site's sum, so every reader of h_k (the next
-branches, the next skip, the final norm, graph outputs) reads the AttnRes output without any
-rewiring, and value_info for it stays valid. Block sums are plain Adds shared between sites;
-a source of another layout ([B*T, D] vs [B, T, D]) is brought to the site's with
-Reshape(source, Shape(first branch of the site)). The residual Adds, and skip-path ops they
-leave without readers, are removed. Pseudo-queries are zero float32 initializers named
-`attnres.chain<i>.site<k>` (k from 1), the names of the fx rewrite's state_dict entries.
-
-Delta AttnRes (config.delta) keeps the residual Adds: the root Add of link k writes a fresh name
-(`attnres/chain<i>/plain<k>`), the `attnres.DepthAttentionDelta` node placed after it takes over the
-site's value name (readers and graph outputs read it), and the next link's skip is pointed back at
-the plain name. An op on the skip path (a Cast, a Reshape) whose other readers must read the Delta
-side is treated alike: it writes a fresh name that the path goes on with, and a copy of it over the
-Delta side takes over its value name. Gates are float32 [1] initializers `attnres.chain<i>.gate<k>`.
+The site node takes over the value name of the site's sum, so every reader reads the AttnRes
+output without rewiring. Block sums are plain shared Adds; a source of another layout is
+reshaped to the site's. Residual Adds and the skip-path ops they leave unread are removed.
+Pseudo-queries are zero float32 initializers `attnres.chain<i>.site<k>` (k from 1), as the fx
+rewrite's state_dict names them. Delta AttnRes keeps the residual Adds under fresh names
+(`attnres/chain<i>/plain<k>`); the `DepthAttentionDelta` node takes over the site's name, and
+gates are float32 [1] initializers `attnres.chain<i>.gate<k>`.
 """
 
 from __future__ import annotations

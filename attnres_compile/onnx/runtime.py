@@ -1,19 +1,11 @@
 """onnxruntime backend: sessions, inputs built from a model's input signature, original vs rewritten.
 
-Inputs: symbolic dims get sizes (onnx/dims.py: `--input-shape name:1x128` first, binding
-its symbols for every input that shares them; dims that are expressions of others computed; then
-2 for a leading dim, 16 for the others, and a second shape set with 1); float inputs are
-standard normal, integer inputs named like a mask are ones, integer inputs that index an
-embedding table (Gather on an initializer) are uniform below the table size, others zero.
-
-`compare_files` runs both models in a forked child (isolate.py) with a time and memory limit:
-onnxruntime executes the user's graph, and its crashes and endless loops must not be ours.
-
-Verification (`run_sets` for both models, `run_file` against torch) runs `reference_session`: the
-model with Sigmoid computed exactly (exact_sigmoid.py). onnxruntime's own is accurate to 1.7e-7
-absolute only (1.8e-2 relative at x in [-12, -8], several times off below), and PP-OCRv4 det's
-~1e-5 outputs failed a correct TVM build at 2.1e-3 relative. `session` (generation, bench) runs
-the file as it is.
+Inputs: symbolic dims sized by onnx/dims.py; floats standard normal, mask-like integers ones,
+embedding indices uniform below the table size, other integers zero. `compare_files` runs both
+models in a forked child with time and memory limits (isolate.py), since onnxruntime runs the
+user's graph. Verification runs `reference_session`, the model with Sigmoid computed exactly
+(exact_sigmoid.py), as onnxruntime's own is accurate only to ~1e-7 absolute; `session` runs the
+file as it is.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The project's performance targets as data (AttnRes overhead per runtime, TVM against onnxruntime,
-TVM build time), and their verdicts from `bench model`'s rows.
+"""The project's performance targets as data, and their verdicts from `bench model`'s rows.
 
-Each target is a limit on one measure of one (runtime, variant) over a set of (width, sublayers)
-configurations. The verdict is decided on the 1-thread CPU-time measure (drift on a shared
-machine barely moves it); the 2-thread wall-clock measure and the identical copy's overhead in
-the same rounds (the noise floor) are reported beside it. A target none of whose
-configurations was run is "not measured"; one run on part of them says so.
-
-A verdict needs the measure to be clear of the limit. Each configuration's measure comes with an
-interval (of its median over the rounds, timing.ratio_interval), widened by the identical copy's
-overhead in the same rounds (an unchanged model: whatever it reads is noise). NOT MET: some
-configuration's interval lies above the limit. MET: every configuration's interval lies at or
-below it. Otherwise WITHIN NOISE: the run cannot tell, and more rounds or a quieter machine can.
+Each target limits one measure of one (runtime, variant) over a set of (width, sublayers)
+configurations, judged on the 1-thread CPU-time measure. Each configuration's interval
+(timing.ratio_interval) is widened by the identical copy's overhead (the noise floor): NOT MET if
+some interval lies above the limit, MET if all lie at or below it, else WITHIN NOISE. A target
+with no configuration run is "not measured".
 """
 
 from __future__ import annotations

@@ -17,22 +17,19 @@ SCALES = ("preserve", "paper")
 
 @dataclass(frozen=True)
 class AttnResConfig:
-    """How residual chains are rewritten (DESIGN.md §2).
+    """How residual chains are rewritten (docs/design.md §2).
 
-    variant: "full" (every site attends over all earlier sources), "block", or "delta" (Delta AttnRes:
-        the stream stays the plain sum and what reads a site reads h_k + g_k * the site's mix).
-    num_blocks / block_size: for "block", give exactly one; B = ceil(m / N) per chain. For "delta",
-        optional: Delta-Block (the mix over the root and block sums), else every source.
-    scale: "preserve" (c_k = |S_k|, the rewrite is exact at init) or "paper" (c_k = 1). Full and
-        Block only: Delta's mix is the published convex one (c_k = 1), its gate the scale.
-    init: for "delta", where the gates start: "exact" (g_k = 0, the rewrite computes the original
-        bitwise) or "paper" (g_k = 1, the published form, for training from scratch).
-    eps: RMSNorm epsilon of the keys, in [EPS_MIN, EPS_MAX]: a smaller one is 0 (or subnormal)
-        in float32, and a zero row of a source then gives NaN where the original gives zeros.
+    variant: "full", "block", or "delta" (the stream stays the plain sum; readers of a site read
+        h_k + g_k * the site's mix).
+    num_blocks / block_size: for "block", exactly one; B = ceil(m / N) per chain. Optional for
+        "delta" (Delta-Block).
+    scale: "preserve" (c_k = |S_k|, exact at init) or "paper" (c_k = 1); Full and Block only.
+    init: for "delta", the gates' start: "exact" (g_k = 0, bitwise the original) or "paper" (g_k = 1).
+    eps: the keys' RMSNorm epsilon, in [EPS_MIN, EPS_MAX] (smaller rounds to 0 in float32 and a
+        zero row gives NaN).
     min_chain: chains with fewer links are reported and left alone.
-    feature_axis: override the feature axis (default: 1 for rank-4 NCHW streams, else -1).
-    allow_nonlinear: also rewrite streams joined through non-linear ops (post-norm,
-        post-activation); the report marks those chains as changing the function.
+    feature_axis: override (default: 1 for rank-4 NCHW streams, else -1).
+    allow_nonlinear: also rewrite streams joined through non-linear ops; the report marks them.
     """
 
     variant: str = "full"

@@ -118,20 +118,12 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
                  stage_ranks: Sequence[int] | None = None) -> tuple[list[fx.GraphModule], StagePlan]:
     """Stage modules of `gm` (a rewritten GraphModule) and their plan.
 
-    `example_inputs`/`kwargs`: one micro-batch (the stages are built at its shapes). Give
-    `num_stages` (blocks spread evenly) or `cuts` (the blocks that begin a stage, e.g.
-    ["blocks.2"], as in pipelining's `SplitPoint.BEGINNING`). Stage 0 takes the model's inputs
-    flattened in `plan.inputs` order; the last stage returns the model's output leaves (one tensor
-    alone, else a tuple); every other stage returns what its hop carries. Non-tensor inputs are
-    fixed at the example's values. Parameters keep their
-    names in the stage that uses them; one used by two stages (tied weights) is refused.
-
-    `stage_ranks` (the rank of each stage, e.g. `schedule_stage_ranks(ScheduleInterleaved1F1B,
-    world, P)`): a hop into a stage whose rank already holds some of its values for this
-    micro-batch leaves them out, and the stage reads them from its rank's `StageCache`
-    (`module.stage_cache`; see `stage_cache.py`); `plan.hops[h].sent_bytes` is what the hop then
-    carries. Stages on one rank must share the process (one cache per rank value; a deep copy
-    of a stage gets its own copy of the cache).
+    `example_inputs`/`kwargs`: one micro-batch (stages are built at its shapes; non-tensor inputs
+    fixed at its values). Give `num_stages` (blocks spread evenly) or `cuts` (the blocks that begin
+    a stage, e.g. ["blocks.2"]). Stage 0 takes the model's inputs flattened in `plan.inputs` order;
+    the last stage returns the model's output leaves (one tensor alone, else a tuple). A parameter
+    used by two stages (tied weights) is refused. `stage_ranks` (the rank of each stage) enables
+    the rank-local cache (stage_cache.py); stages on one rank must share the process.
     """
     _check_split(gm, num_stages, cuts, max_carried)  # before the export, which takes a while
     if stage_ranks is not None and num_stages is not None:

@@ -41,12 +41,10 @@ class DepthMonitor:
                 loss = loss_fn(gm(x), y)
             loss.backward(); opt.step(); opt.zero_grad()
 
-    After a watched step `stats()` (and `history[-1]`) holds that step's statistics, reduced over
-    the data-parallel `group` when torch.distributed is initialised; they are written to `csv` (a
-    CSV path, a new file, or an existing one with `overwrite=True`; or a `CsvLog`, e.g.
-    `CsvLog(path, append=True)` to continue a resumed run's log) and `tensorboard` (a SummaryWriter,
-    `tensorboard_writer`) by the group's rank 0. `watch()` without a step watches whatever runs inside it (an evaluation over
-    several batches); `monitor(*args)` runs the module watched, adding to the sums until `reset()`.
+    After a watched step `stats()` (and `history[-1]`) holds its statistics, reduced over `group`
+    under torch.distributed, and rank 0 writes them to `csv` (a new path, `overwrite=True`, or a
+    `CsvLog`) and `tensorboard`. `watch()` without a step watches whatever runs inside it;
+    `monitor(*args)` runs the module watched, adding to the sums until `reset()`.
     """
 
     def __init__(self, module: torch.nn.Module, every: int = 1, group: Any = None,

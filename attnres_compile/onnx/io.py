@@ -1,17 +1,11 @@
 """Reading and writing ONNX files: every failure classified (errors.py), every write atomic.
 
-`load` tells a file that is not ONNX from a truncated or damaged one (ONNX files start with
-the ir_version field, byte 0x08), converts opsets older than the rewrite writes (onnx's version
-converter, noted in the model's metadata), checks the external data before reading it:
-external data must lie inside the model's folder (an absolute location, `..` or a symlink
-that leads out is refused before the file is touched) and hold exactly the tensor's bytes;
-embedded tensors must have a known data type and exactly the bytes their shape needs. onnx's
-checker checks the default-domain ops onnxruntime defines itself (SimplifiedLayerNormalization, in
-every onnxruntime-genai file) against onnxruntime's schemas (onnx/ort_ops.py, `ort_only_ops`).
-`staged` / `save` write the model (and its `<name>.data` when weights go external) through
-outputs.staged: into a staging folder beside the output, renamed into place (weights first,
-under a name of their own while an older output's weights exist) only when everything done
-there succeeded, so a failed run leaves no partial file and no mismatched model/data pair.
+`load` tells a non-ONNX file from a truncated or damaged one, converts old opsets (noted in the
+metadata), and checks tensors before reading them: external data must lie inside the model's
+folder (no absolute path, `..` or symlink out) and hold exactly the tensor's bytes, as must
+embedded tensors. The checker knows onnxruntime's own default-domain ops (onnx/ort_ops.py).
+`staged` / `save` write the model and its `<name>.data` through outputs.staged, so a failed run
+leaves no partial file and no mismatched model/data pair.
 """
 
 from __future__ import annotations

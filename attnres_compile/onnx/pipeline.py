@@ -216,19 +216,11 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
                 weights: str | None = None, eval_ids=None) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and export it to AttnRes ONNX at `output` in one step.
 
-    `dynamic` picks the input dims that stay symbolic (fx/dynamic_dims.py; default batch
-    and sequence); when the dynamic trace or export fails, both fall back to static shapes with a
-    note. With `verify_outputs`, the torch comparison of api.rewrite is followed by rows
-    "onnxruntime:<output>": the exported file in onnxruntime against the original PyTorch
-    model on the example inputs.
-
-    `with_past`: the decoder of an HF causal LM with its KV cache (fx/decoder.py), named as optimum
-    names a decoder-with-past file (`past_key_values.0.key` in, `logits` and `present.0.key`
-    out; batch, sequence and past length dynamic). `fuse_norms`: the module exported is the rewritten
-    one after `fuse_norms` (fx/site_norm.py): each pair one `attnres.DepthAttentionNorm` node.
-    `rewrite_chains=False`: the model as it is, traced, exported and verified the same way (fx.pipeline.rewrite).
-    `weights` ("int8", "int4"): the file written has its MatMul weights quantized (onnx/weights.py), verified
-    against the float32 export on `eval_ids` (token ids [rows, tokens]; default: the example inputs' input_ids).
+    `dynamic` picks the dims that stay symbolic (fx/dynamic_dims.py); if the dynamic trace or export
+    fails, both fall back to static shapes with a note. `verify_outputs` adds "onnxruntime:<output>"
+    rows: the file against the original PyTorch model. `with_past`: an HF causal LM's decoder with
+    its KV cache, named as optimum names a decoder-with-past file. `fuse_norms`, `rewrite_chains`
+    and `weights` as in `rewrite_onnx` (`eval_ids` defaults to the example's input_ids).
     """
     from ..fx import dynamic_dims
     from . import dims as onnx_dims

@@ -1,17 +1,13 @@
 """Verifying quantized graphs: the rewritten model's quantize steps fixed by the original's activations.
 
-An exact rewrite changes a residual sum by float rounding only, yet an activation that close to
-a rounding boundary of a DynamicQuantizeLinear lands one integer step away, and the logits then
-differ far beyond 1e-5. So the original runs with every quantize node's outputs recorded
-(`record`), and in the rewritten model each such node (`fix_steps`) quantizes with the original's
-scale and zero point and takes the original's integer wherever its own value lies within the
-verification's tolerance of the original's rounding interval:
+A rounding-level change lands an activation near a DynamicQuantizeLinear boundary one integer
+step away (docs/design.md §5 says why that matters). So the original's quantize outputs are
+recorded (`record`), and each matching node of the rewritten model (`fix_steps`: per-tensor
+nodes of the main graph, matched by output name) computes
 
     y = Where(|x / scale - (y_orig - zero_point)| <= 0.5 + rtol * max|x| / scale, y_orig, QuantizeLinear(x, scale, zp))
 
-A real change moves activations by more than that margin and still fails. Only per-tensor
-DynamicQuantizeLinear / QuantizeLinear nodes of the main graph are fixed, matched by output name
-(docs/design.md §5).
+with the original's scale and zero point; a real change still moves x past that margin and fails.
 """
 
 from __future__ import annotations

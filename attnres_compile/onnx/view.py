@@ -83,18 +83,13 @@ def inferred_types(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ..
                    ) -> dict[str, tuple[int, tuple | None]]:
     """`value_types` of the main graph, each dim the best that shape inference knows, the same on any machine.
 
-    Up to three inferences, merged per dim (`merge_types`), best first: ONNX's on a copy whose inputs
-    have the `input_shapes` given (--input-shape; concrete dims prove sizes equal there), onnxruntime's
-    symbolic one (one symbol per dim through Shape/Gather/Concat/Reshape arithmetic, where ONNX's
-    invents a fresh `unk__N` after every computed Reshape) and ONNX's own (dims the symbolic one
-    leaves open). Each runs in an isolated child (isolate.py): shape inference evaluates parts of
-    the graph (Range, ConstantOfShape on constants) and has its own bugs, so a hostile model's hang
-    or memory bomb there is refused in one line. The limit is CPU time (30 s plus 0.05 s per node),
-    which does not depend on how busy the machine is, with a wall-clock backstop four times as long.
-    The symbolic one failing or crashing leaves it out; it is left out beforehand where it cannot
-    end: beyond SYMBOLIC_MAX_DEPTH levels of If/Loop/Scan nesting (it re-infers each body on every
-    pass, exponential in the depth; ONNX's is linear) and on an input of undefined element type (it
-    loops forever). Shape inference is best effort: values left without a shape are reported as such.
+    Up to three inferences merged per dim (`merge_types`), best first: ONNX's with `input_shapes`
+    bound, onnxruntime's symbolic one (consistent symbols through shape arithmetic), ONNX's own.
+    Each runs in an isolated child (isolate.py) under a CPU-time limit (30 s + 0.05 s per node, a
+    wall-clock backstop four times as long), so a hostile model's hang or memory bomb is refused in
+    one line. The symbolic one is skipped where it cannot end (If/Loop/Scan nesting beyond
+    SYMBOLIC_MAX_DEPTH, inputs of undefined element type) and left out if it fails. Best effort:
+    values left without a shape are reported.
     """
     from ..core.errors import CrashError
     from ..utils import isolate

@@ -1,18 +1,11 @@
 """Imported model -> executable: bind shapes, lower the sites, optimize, optionally tune, compile.
 
-The lowering runs first, on the imported module, so everything after it sees the kernels as
-already scheduled, opaque call_tir targets. Then (`prepare`): `pow(x, 2|3|4)` becomes
-multiplications (no scalar powf, no TVM warning), attention scores read the keys where they are
-(no transposed, scaled copy of the whole KV cache per call: rewrites.KeysInPlace), on CPU `FastMath` (TVM's FastMathTransform)
-swaps exp, tanh, erf and softmax for their vectorisable forms (it only acts before legalization)
-and cumsum becomes a scan that builds with symbolic dims (cumsum.py); the module is legalized and
-fused. Then (`schedule`) every operator gets a default schedule: cpu_rules.py's on CPU
-(register-tiled GEMMs with pre-packed weights, dlight's GEMV, norms and softmax with their row
-sums in vector lanes, parallel/vectorised injective operators), dlight's GPU rules on CUDA
-(gpu_rules.py); on both, a rule's schedule that TVM cannot lower goes to the next rule
-(lowerable.py). With tuning,
-meta_schedule tunes the prepared operators first (tune.py) and the default schedules fill in
-whatever it did not schedule. The rest is TVM's standard lowering.
+The sites are lowered first (lower.py), so later passes see opaque, already-scheduled kernels.
+`prepare` then rewrites small powers to products, attention scores to read the keys in place
+(rewrites.KeysInPlace), on CPU applies FastMath (before legalization) and the scan cumsum
+(cumsum.py), then legalizes and fuses. `schedule` gives every operator a default schedule
+(cpu_rules.py on CPU, gpu_rules.py on CUDA; an unlowerable one passes to the next rule,
+lowerable.py), after tune.py's records where tuning ran.
 """
 
 from __future__ import annotations

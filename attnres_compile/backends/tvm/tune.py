@@ -1,18 +1,10 @@
 """Optional meta_schedule tuning (CPU) of the operators around the kernels, kept in a database folder.
 
-Tuning starts from the default schedules: the tasks are the fused operators of the prepared
-module (pipeline.prepare); each task's default schedule (cpu_rules.py) is measured first, on
-the same runner as the trials (defaults.json in the folder), and when the module is built a
-task takes its best tuned schedule only where that beat its default one. (The default
-schedules are not fed to the search itself: meta_schedule's layout-rewrite postprocessor
-cannot re-apply itself to their pre-packed weights.) Tasks whose function is already
-scheduled (the depth-attention kernels, marked by lower.py) are never tuned, and neither are
-tasks the database already holds trials for: a second compile of the same model against the
-same folder measures nothing. Tasks none of whose trials ran (a gather_nd fed the runner's
-random indices reads out of bounds; take wraps them) are listed in the folder's untunable.json and not
-retried; they keep the default schedule. The budget is trials per task and/or minutes in all
-(checked after each measured batch, once every task has had its first batch). Tuning measures
-real runs, so shapes must be static.
+Each task's default schedule (cpu_rules.py) is measured first on the same runner, and a task
+takes its best tuned schedule only where that beat the default. The default schedules are not
+fed to the search (meta_schedule's layout-rewrite postprocessor cannot re-apply to their
+pre-packed weights). Already-scheduled kernels and tasks the database holds are never tuned;
+untunable tasks are listed in untunable.json. Shapes must be static (docs/tvm.md, *Tuning*).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """onnxruntime-genai folders (genai_config.json, the decoder .onnx, tokenizer files) run by og.Generator.
 
-`generate` runs such a folder the way it is deployed: onnxruntime-genai's own og.Model and
-og.Generator, greedy. Its decoder's inputs are not all described by genai_config.json
-(GroupQueryAttention's past shares one max-length buffer with the present, and its sequence
-lengths are derived from the mask inside genai), so our own loop over its onnxruntime session would
-be a second, guessed implementation of genai's; og.Generator gives the tokens users get.
-
-og.Generator takes a batch of prompts of different lengths right-padded with genai_config's
-pad_token_id (its GroupQueryAttention reads each row's length from the trailing pad ids; left
-padding changes the tokens of the shorter rows). It stops a row at eos_token_id without keeping
-that id in the row's sequence (a finished row of a batch is padded from there), so a genai row's
-`new_tokens` end before the end-of-sequence id where HF generate() and our loop keep it;
-`stopped` says which rows stopped.
+`generate` runs such a folder as it is deployed, with og.Model and og.Generator (greedy): genai's
+decoder inputs are not all described by its config, so a loop of our own would be a guessed
+reimplementation. Prompts of different lengths are right-padded with pad_token_id (left padding
+changes the shorter rows' tokens). og stops a row at eos_token_id without keeping that id, so a
+genai row's `new_tokens` end before it where HF generate() keeps it; `stopped` says which rows
+stopped.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Sigmoid computed to float precision in the onnxruntime reference that verification compares against.
 
-onnxruntime's CPU Sigmoid (MLAS) is a rational approximation accurate to about 1e-7 absolute,
-not relative: over x in [-20, 20] against float64 it is off by at most 1.7e-7 absolute, but by
-1.8e-2 relative on [-12, -8] and up to 6.5x below -12 (onnxruntime 1.32). PaddleOCR PP-OCRv4 det's
-output on noise inputs is such a sigmoid (at most 5.9e-5, off by 1.2e-7), and a correct TVM build
-of it failed verification (2.1e-3 of the largest magnitude against 1e-4 allowed). The same
-function as `Reciprocal(Add(Exp(Neg(x)), 1))` runs in the same onnxruntime within 8.9e-8 absolute
-and 1.5e-7 relative (det: 1.4e-7), and its graph optimizer leaves the four nodes as they are
-(float16: no worse than onnxruntime's own). Only the reference is edited: float, double and
-float16 Sigmoids of the main graph whose type is known (bfloat16 has no CPU kernel either way);
-below opset 7 (no broadcasting Add) nothing is.
+onnxruntime's CPU Sigmoid is a rational approximation accurate to about 1e-7 absolute, not
+relative, which failed correct builds of models whose outputs are small sigmoids.
+`Reciprocal(Add(Exp(Neg(x)), 1))` runs within float rounding and onnxruntime leaves it unfused.
+Only the reference is edited: float, double and float16 Sigmoids of the main graph whose type is
+known; below opset 7 (no broadcasting Add) nothing is.
 """
 
 from __future__ import annotations

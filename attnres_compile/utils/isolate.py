@@ -1,16 +1,12 @@
 """Run what executes a user's graph (onnxruntime sessions, TVM import and build) in a forked child
-process with a time limit (wall clock, CPU time or both) and a memory limit, so that a native crash,
-an endless loop or a memory blow-up in a library becomes one error line with its own exit code
-(16 crash, 17 time limit, 18 memory limit) instead of killing or hanging the command.
+with time and memory limits, so a native crash, an endless loop or a memory blow-up becomes one
+error line (exit 16 crash, 17 time limit, 18 memory limit) instead of killing or hanging us.
 
-The child is forked from the already-imported process (no interpreter start-up, no imports:
-a few milliseconds), runs one function and pickles its result (or its AttnResError) back
-through a pipe; it never returns into the caller's code (os._exit), and it is killed when its
-parent dies, however (PR_SET_PDEATHSIG). Its stdout and stderr,
-native libraries' log lines included, are collected and written to our stderr afterwards,
-where the CLI hides them unless --debug. Memory: RLIMIT_AS of the child is its size at the
-fork plus the budget (`memory_budget`: ATTNRES_COMPILE_MEMORY_LIMIT, else 80% of the memory
-available now).
+The child is forked from the already-imported process, runs one function, pickles its result (or
+its AttnResError) back through a pipe and never returns into the caller's code (os._exit); it
+dies with its parent (PR_SET_PDEATHSIG). Its output is written to our stderr afterwards (shown
+with --debug). RLIMIT_AS is its size at the fork plus `memory_budget`
+(ATTNRES_COMPILE_MEMORY_LIMIT, else 80% of the memory available now).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Deployable artifact folders: `compile_model` writes one (runtime.py's `load` runs it).
 
-Layout (docs/tvm.md):
-
-    OUT_DIR/model.so        the exported library: VM bytecode, weights, compiled host code
-                            (for CUDA also the device modules, as CUDA source)
-    OUT_DIR/device0.cu      CUDA only: the device source, and device0.fatbin compiled from it
-    OUT_DIR/device0.fatbin  by nvcc for the arch, served to the runtime at load (cuda_binary.py)
-    OUT_DIR/manifest.json   inputs/outputs (names, shapes with symbolic dims as names, dtypes),
-                            sites and their kernels, target, device code, tuning, the check
-                            against the source (check.py), versions
-
-The folder is written in a staging folder beside OUT_DIR and swapped into place when complete
-(outputs.staged_folder), so a failed compile leaves nothing (and an existing artifact intact).
+The layout and manifest are in docs/tvm.md, *Artifact layout*. The folder is written in a
+staging folder beside OUT_DIR and swapped into place when complete (outputs.staged_folder), so a
+failed compile leaves nothing and an existing artifact intact.
 """
 
 from __future__ import annotations

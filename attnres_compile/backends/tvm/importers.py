@@ -1,16 +1,11 @@
 """Rewritten models into Relax, each depth-attention site as one placeholder call (sites.py).
 
-`import_model` takes an AttnRes ONNX file, a `.pt2` file (torch.export.save) or an
-ExportedProgram, and returns the Relax module with the model's signature and its sites.
-
-ONNX: TVM's `from_onnx` keys converters on op_type only and has no hook for custom ops, so
-`_OnnxImporter` subclasses its graph importer and converts `attnres.DepthAttention` nodes
-itself (the function body attached to the model is never expanded). PyTorch: the
-`from_exported_program` frontend takes a `custom_convert_map`, keyed by the fx target's
-name, for `torch.ops.attnres.depth_attention.default`. The fused site + norm pair
-(`attnres.DepthAttentionNorm`, `torch.ops.attnres.depth_attention_norm`) becomes the site's
-placeholder and the norm in the Relax forms backends/tvm/site_norm.py fuses into that site's kernel
-(`_ln` / `_rms`): where only the norm reads the site, the lowering runs the pair as one kernel.
+`import_model` takes an AttnRes ONNX file, a `.pt2` file or an ExportedProgram and returns the
+Relax module with the model's signature and its sites. `from_onnx` has no hook for custom ops,
+so `_OnnxImporter` subclasses its graph importer and converts attnres nodes itself (their
+function bodies never expanded); `from_exported_program` takes a `custom_convert_map`. A site +
+norm pair becomes the site's placeholder and the norm in the forms site_norm.py fuses into one
+kernel.
 """
 
 from __future__ import annotations

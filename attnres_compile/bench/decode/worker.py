@@ -1,16 +1,10 @@
 """Decode loops of saved decoder-with-past artifacts, checked then timed in a fresh worker (model_worker.Workers).
 
-A candidate's call is the benchmark's whole decode: from its own prefill's present (done once,
-untimed), `steps` decode steps of one token each, each fed the previous step's present, the
-tokens fixed in advance (teacher forcing: every candidate runs the same steps). It returns the
-last-position logits of every step, [steps, vocab], which are checked before timing.
-
-Runtimes: "eager" (a .pt2 program's module, the traced decoder-with-past, run as `generate`
-runs a .pt2: on its lean copy), "hf" (the HF model's
-own forward with a DynamicCache, rebuilt from its config and seed), "onnxruntime" (a
-decoder-with-past .onnx), "tvm" (its TVM library, model_worker.load_tvm: the VM's main on TVM
-tensors, each step's presents fed back as they come, only the logits copied out) and "generate"
-(HF generate() on the model or through generation.causal_lm: bench/decode/route.py).
+A candidate's call is the whole decode: from its own untimed prefill, `steps` one-token steps,
+each fed the previous step's present, with the tokens fixed in advance (teacher forcing). It
+returns the last-position logits of every step, [steps, vocab], checked before timing. Runtimes:
+"eager" (a .pt2 on its lean copy), "hf" (HF's forward with a DynamicCache), "onnxruntime", "tvm"
+(presents kept as TVM tensors) and "generate" (bench/decode/route.py).
 """
 
 from __future__ import annotations

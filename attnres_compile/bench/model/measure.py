@@ -439,21 +439,14 @@ def bench_one(name: str, width: int, sublayers: int, s: Settings, progress: Prog
 
 
 def run(args, progress: TextIO) -> dict:
-    """Every model x (width, depth) x runtime x variant: CPU time at 1 thread and wall time at
-    --threads, overheads, TVM against onnxruntime, peak memory, output error; the targets.
+    """Every model x (width, depth) x runtime x variant, measured and checked; the targets.
 
-    Row fields: model, width, sublayers, runtime, variant, sites; cpu_ms, cpu_min_ms,
-    cpu_overhead_pct, cpu_rounds_ms (1 thread, process CPU time) and wall_ms, wall_min_ms,
-    wall_overhead_pct, wall_rounds_ms (--threads, wall time), overheads against the same
-    runtime's original as medians of per-round ratios; cpu_overhead_interval / wall_overhead_interval
-    ([low, high] %, the interval of that median from the rounds, timing.ratio_interval) with
-    cpu_interval_coverage / wall_interval_coverage (its confidence); vs_onnxruntime_cpu / _wall
-    (TVM rows: x onnxruntime's original in the same rounds) and their _interval; in_thread
-    (thread / process CPU time at 1 thread: 1 when the work runs in the calling thread) and
-    cpu_share (CPU / wall at 1 thread: below 1 when the machine is busy); forward_peak_mb and
-    peak_rss_mb (a fresh process) or memory_error; max_abs_err against the runtime's original (the
-    original: against the torch model); error: None, an output mismatch, or why the runtime has no
-    numbers."""
+    Row fields: model, width, sublayers, runtime, variant, sites; cpu_* (1 thread, process CPU time)
+    and wall_* (--threads, wall time): _ms, _min_ms, _rounds_ms, _overhead_pct (median of per-round
+    ratios to the same runtime's original), _overhead_interval ([low, high] %) and
+    _interval_coverage; vs_onnxruntime_cpu / _wall (TVM rows) and their _interval; in_thread and
+    cpu_share (clock checks, docs/bench.md); forward_peak_mb and peak_rss_mb, or memory_error;
+    max_abs_err against the runtime's original; error: None or why there are no numbers."""
     s = settings(args)
     log = Progress(progress)
     rows, compiles, profiles = [], [], []

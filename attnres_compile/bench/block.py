@@ -1,15 +1,10 @@
-"""Block AttnRes at inference: the two-phase schedule against one-pass kernels, and history memory.
+"""`bench block`: Block AttnRes at inference, the two-phase schedule against one-pass kernels, and history memory.
 
-schedules  All depth-attention work of one forward of an L-sublayer Block AttnRes model (N blocks,
-           B = ceil(L/N)) on the TVM kernels, run two ways (DESIGN.md §3):
-             one-pass   site k calls the fused kernel over S_k = [v_0, b_1..b_(j-1), P_k]
-             two-phase  at the start of block j one partial call over [v_0, b_1..b_(j-1)] for the
-                        block's queries, then per site one merge of its partial block sum P_k
-           Both are checked against each other and a float64 reference, then timed interleaved
-           with the copy bandwidth; bytes moved are counted analytically.
-history    The source tensors a rewritten model keeps alive. Analytic: a liveness walk over the
-           rewritten fx graph (eager frees every value after its last use). Measured: the RSS
-           high-water mark of an eager forward, original vs Full vs Block, each in a fresh process.
+schedules: one forward's depth-attention work on the TVM kernels, one-pass (a fused call per
+site) against two-phase (a partial per block, then a merge per site), checked against each other
+and float64, timed interleaved with the copy bandwidth; bytes counted analytically.
+history: the source tensors a rewritten model keeps alive, by a liveness walk over the fx graph
+and by the RSS high-water mark of an eager forward in a fresh process.
 """
 
 from __future__ import annotations

@@ -56,16 +56,11 @@ def rewrite(model: Any, example_inputs: Any = None, config: AttnResConfig | None
             rewrite_chains: bool = True) -> RewriteResult:
     """Rewrite the residual chains of `model` to AttnRes; returns the GraphModule and the report.
 
-    With example inputs and `verify_outputs`, the original and rewritten models run on fresh copies
-    of them and are compared per output (core/verify.py: the tolerance follows the scale and the
-    dtype; function-changing rewrites get no verdict). `model` is left as it was.
-
-    `with_past`: `model` is an HF causal LM; what is traced and rewritten is its decoder with a KV
-    cache (fx/decoder.py), which `generation.causal_lm` serves to HF `generate()`.
-
-    `rewrite_chains=False`: the model as it is, through the same trace and verification (the traced
-    module against the model) and the same report, with no site: the original, built by the same
-    machinery as a rewrite, to compare with it (a model without residual chains is fine then).
+    With example inputs and `verify_outputs`, both models run on fresh copies of them and are
+    compared per output (core/verify.py; function-changing rewrites get no verdict); `model` is
+    left as it was. `with_past`: `model` is an HF causal LM and its decoder with a KV cache is
+    rewritten (fx/decoder.py). `rewrite_chains=False`: no site, the same trace, verification and
+    report, for a like-with-like baseline.
     """
     config = as_config(config)
     if with_past:

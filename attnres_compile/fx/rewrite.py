@@ -1,15 +1,11 @@
 """Apply a `Plan` to a torch.fx GraphModule: one depth_attention node per site.
 
-For each rewritten chain, every site k gets `depth_attention(S_k, w_k, eps, c_k, axis)`,
-inserted right after the site's original sum; all uses of the sum read it instead, and the
-residual adds (now unused) are erased. Block sums are plain adds shared between sites.
-Pseudo-queries are zero-initialised parameters at `attnres.chain<i>.site<k>` (k from 1).
-
-Delta AttnRes (config.delta) keeps the residual adds: site k's node is
-`depth_attention_delta(S_k, w_k, h_k, g_k, eps, 1, axis)` with the gate `attnres.chain<i>.gate<k>`
-(float32 [1]); the next link's skip keeps reading h_k (through the ops of its skip path,
-Chain.skip_paths), every other reader reads the Delta output, through copies of those path ops
-where it read one of them.
+Site k gets `depth_attention(S_k, w_k, eps, c_k, axis)` right after its original sum, whose
+uses read it instead; the now unused residual adds are erased. Block sums are plain shared adds;
+pseudo-queries are zero parameters `attnres.chain<i>.site<k>` (k from 1). Delta AttnRes keeps the
+residual adds: site k is `depth_attention_delta(S_k, w_k, h_k, g_k, eps, 1, axis)` with gate
+`attnres.chain<i>.gate<k>` (float32 [1]); the next link's skip keeps reading h_k
+(Chain.skip_paths), every other reader reads the Delta output.
 """
 
 from __future__ import annotations

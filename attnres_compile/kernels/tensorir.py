@@ -310,16 +310,11 @@ def depth_attention_partial_func(
 
 def _block_major_sums(rows: tuple, size: int, blocks: list, weights, out, start=None) -> None:
     """sum_<j> stages: out[q, rows.., d] = sum_j weights[rows.., q, j] * blocks[j][rows.., d] for every query
-    q, a stage per block adding its term to all queries' running sums (fresh [rows.., B, D] buffers,
-    the last stage storing into `out`), in the order of the sum written out term by term; with a
-    `start` state [B, rows.., D], plus weights[rows.., q, J] * start[q, rows.., d], added last.
-
-    The schedules put these stages under one loop over the features, so a block's vector is loaded
-    once for all queries and the queries' sums stay in registers. The loop per query that phase 1
-    uses for fewer blocks keeps its J weights in registers across its loop; past ~14 blocks they no
-    longer fit, and each multiply-add reloaded its weight and its block's address (3 loads per FMA).
-    1 thread, rows 128, D 256, AVX2: 25 and 42 blocks x 7 queries 0.80x and 0.82x of that form's
-    time, 18 x 7 0.84x, 14 x 7 0.99x, 10 x 6 1.10x (benchmarks/kernel_ab.py)."""
+    q, one stage per block adding its term to all queries' running sums (fresh [rows.., B, D]
+    buffers, the last storing into `out`); a `start` state [B, rows.., D] adds
+    weights[rows.., q, J] * start[q, rows.., d] last. Scheduled under one loop over the features, a
+    block's vector is loaded once for all queries; used past the block count where a per-query loop's
+    weights no longer fit in registers."""
     queries, last = int(out.shape[0]), None
     for j, blk in enumerate(blocks):
         final = j == len(blocks) - 1

@@ -1,13 +1,9 @@
 """`CollapseController`: slow down (or freeze) a site's pseudo-query once its depth weights collapse.
 
-A site whose weights collapse onto one source (low entropy) or that reads a dead source has, in
-the seed article's words, a query that ran away; the remedy it suggests is a lower learning rate
-for that query. The controller applies it per site without touching the optimizer's parameter
-groups: it scales the step the optimizer takes on that one query (a pre-step hook keeps the
-query, a post-step hook moves it back to `old + factor * (new - old)`). For SGD (with momentum),
-Adam and AdamW, whose step is proportional to the learning rate, that is exactly the step at
-`lr * factor`; `factor=0` freezes the site. The groups stay as they were, so learning-rate
-schedulers (`query_warmup`) and optimizer checkpoints see the optimizer they were built for.
+It scales the step the optimizer takes on that one query (a pre-step hook keeps the query, a
+post-step hook moves it to `old + factor * (new - old)`), which for SGD, Adam and AdamW is exactly
+the step at `lr * factor`; `factor=0` freezes it. The parameter groups stay as built, so
+schedulers (`query_warmup`) and optimizer checkpoints are unaffected.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Default-domain ops that onnx has no schema for but onnxruntime runs, known to onnx's checker while it checks.
 
-onnxruntime registers a few ops in the default ONNX domain itself: SimplifiedLayerNormalization
-(RMS norm), which every onnxruntime-genai builder file holds, and the experimental ops onnx
-dropped (Affine, Crop, ImageScaler, ...). onnx's checker refuses such a file ("No Op registered
-for SimplifiedLayerNormalization with domain_version of 22"), onnxruntime runs it. `ort_only`
-picks the ops of a model that onnx lacks and onnxruntime has both a schema and a CPU kernel
-for; `known_to_checker` registers onnxruntime's own schemas of them with onnx while inside, so
-the checker validates those nodes against onnxruntime's definition (inputs, outputs,
-attributes, types) and everything else as before. An op neither knows stays refused.
+onnxruntime registers some ops in the default domain itself (SimplifiedLayerNormalization, in
+every onnxruntime-genai file, and experimental ops onnx dropped), which onnx's checker refuses.
+`ort_only` picks a model's such ops that onnxruntime has a schema and CPU kernel for;
+`known_to_checker` registers onnxruntime's schemas for them with onnx while inside. An op
+neither knows stays refused.
 """
 
 from __future__ import annotations

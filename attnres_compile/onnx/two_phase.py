@@ -1,14 +1,10 @@
-"""Regroup `attnres.DepthAttention` site nodes into the two-phase form (function.py), by the policy
-of core/two_phase.py.
+"""Regroup `attnres.DepthAttention` site nodes into the two-phase form (function.py), by core/two_phase.py's policy.
 
-One pass serves both paths to ONNX (the ONNX rewrite and the PyTorch export): it reads only
-the site nodes. Sites of one chain (same root v_0, eps and feature axis -1, in graph order)
-whose source lists share a prefix form a group: one Partial over the shared prefix (the
-history) and one Merge per site over the rest (its extras). Each Partial appends to the previous Partial's stacked history when that is a prefix of its
-own, so every source is named once by the Partials and the file grows linearly with depth.
-A group of one site, a group of two over a short history (at most MAX_GROUP sources: there a
-Partial costs onnxruntime about what it saves, GPT-2/Llama at 12 sublayers) and any site on
-another feature axis stay DepthAttention nodes.
+It reads only site nodes, so both paths to ONNX use it. Sites of one chain (same root, eps and
+axis -1) whose source lists share a prefix form a group: one Partial over the shared history,
+appending to the previous Partial's (every source named once, so the file grows linearly with
+depth), and one Merge per site over its extras. Groups of one, pairs over at most MAX_GROUP
+sources (no gain in onnxruntime) and sites on another axis stay DepthAttention nodes.
 """
 
 from __future__ import annotations

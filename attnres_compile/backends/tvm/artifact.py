@@ -40,18 +40,13 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
                   force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None,
                   verify_outputs: bool = True, verify_timeout: float | None = None,
                   static_shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
-    """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`.
+    """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`; returns the manifest.
 
-    Every operator gets a default schedule (no tuning). `static_shapes` ({input: dims}) fixes
-    symbolic dims in the artifact (needed to tune); the others stay symbolic. A model without sites (the
-    original, e.g. `rewrite --no-rewrite`) is built by the same pipeline; its manifest says so
-    (`rewritten`: false, `note`). `input_shapes`
-    ({input: dims}) only sizes the verification inputs. `tune` runs meta_schedule from the default schedules for
-    `trials` trials per task (default 8) and/or `tune_minutes` minutes in all, keeping records
-    in `tuning_db` and reusing them on the next compile. With `verify_outputs` the built model
-    runs against its source first (check.py: onnxruntime, or torch on the program's example
-    inputs; a CUDA build only where a GPU is present) and a mismatch writes nothing. An existing
-    `out_dir` is replaced only with `force`. Returns the manifest.
+    `static_shapes` ({input: dims}) fixes symbolic dims (needed to tune); `input_shapes` only sizes
+    the verification inputs. A model without sites is built alike (manifest `rewritten`: false).
+    `tune` runs meta_schedule for `trials` per task (default 8) and/or `tune_minutes` in all, with
+    records in `tuning_db`. With `verify_outputs` the build runs against its source first (check.py;
+    CUDA only with a GPU) and a mismatch writes nothing. An existing `out_dir` needs `force`.
     """
     out = Path(out_dir)
     _check_output(out, model, force)

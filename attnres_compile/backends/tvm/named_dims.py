@@ -1,15 +1,11 @@
 """The dims an ONNX file names, held to while TVM imports it: equal names, one Relax dim.
 
-An exporter's shape inference proves facts TVM's converters lose. wav2vec2's positional conv
-output sliced `[..., :-1]` is `(s//10) - 1` in the file's value_info, as the stream it is added
-to, but TVM's Slice converter clamps it to `min(max(s//10 - 1, 0), s//10)` (it does not know
-s >= 10) and its Div converter writes `T.Div(s, 10) - 1` (truncdiv); the add of the two gets no
-shape and legalization fails ("emit_te now only supports Tensor that has ShapeExpr shape").
-`NamedDims` gives each dim name one Relax dim: the name read as an expression of the input dims
-(torch's exporter writes sympy's `((s76//10)) - 1`; + - * // % of names and integers), else the
-first symbolic dim converted under it. A value whose dims TVM cannot prove equal to its names'
-dims is cast to them (`relax.match_cast`, checked when the model runs: a file whose names lie
-stops there, it never computes with a wrong shape). A dim TVM knows as a constant is kept.
+An exporter's value_info proves shape facts TVM's converters lose (wav2vec2's `(s//10) - 1`
+came out clamped and truncdiv'd, and legalization failed). `NamedDims` gives each dim name one
+Relax dim: the name parsed as an expression of input dims (+ - * // % of names and integers),
+else the first symbolic dim converted under it. A value TVM cannot prove equal is
+`relax.match_cast` to it, checked at run time, so a file whose names lie stops rather than
+computing with a wrong shape. Constant dims are kept.
 """
 
 from __future__ import annotations

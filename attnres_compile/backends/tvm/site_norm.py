@@ -1,15 +1,10 @@
-"""The next norm, fused into a site's kernel: in a PreNorm model a site's output is read by the
-next sublayer's norm (or the final one) and by nothing else, so the kernel can store the normed
-row from the row still in cache, and the norm's own pass over the tensor is gone.
+"""The next norm, fused into a site's kernel, which stores the normed row from the row still in cache.
 
-Two patterns, each over the last axis of a float32 site value that nothing else reads, or of a
-reshape of it that keeps the feature size and is all that reads it (HF OPT):
-- `relax.nn.layer_norm(x, gamma, beta)` (HF GPT-2, BERT-style PreNorm models);
-- RMSNorm as exporters write it, `gamma * (x * r)` with r = rsqrt(mean(x^2) + eps) or
-  1 / sqrt(mean(x^2) + eps) (HF Llama, Mistral, Qwen; no Relax op exists for it), every
-  intermediate read once.
-`Plan.add` finds them; the lowering then gives the site an `_ln` / `_rms` kernel, replaces the
-norm's last binding by the site's value (or that reshape of it) and drops the intermediates.
+Two patterns over the last axis of a float32 site value that nothing else reads (or of a
+feature-preserving reshape of it, HF OPT): `relax.nn.layer_norm` and RMSNorm as exporters write
+it, `gamma * (x * r)` with r = rsqrt(mean(x^2) + eps) or 1 / sqrt(...), every intermediate read
+once. `Plan.add` finds them; the lowering gives the site an `_ln` / `_rms` kernel and replaces
+the norm's last binding by the site's value.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The Relax placeholder for one depth-attention site, shared by both importers and the lowering.
 
-The ONNX and PyTorch importers (importers.py) turn each site into
-
     R.call_pure_packed("attnres.depth_attention", s_1, ..., s_n, query, eps, scale, axis)
 
-with eps and scale float64 and axis int64 prim values, typed like the sources. No packed
-function of that name exists: the placeholder only carries the site through import, and
-`LowerDepthAttention` (lower.py) must replace every one by a call to the fused kernel, so a
-module that skipped the lowering fails to build instead of running something else. A Delta AttnRes
-site is `R.call_pure_packed("attnres.depth_attention_delta", s_1, ..., s_n, query, base, gate, eps,
-scale, axis)`: base + gate * the site, `base` the plain sum (typed like the sources), `gate` a scalar.
+eps and scale float64 and axis int64 prim values, typed like the sources. No packed function of
+that name exists, so a module that skipped `LowerDepthAttention` fails to build instead of
+running something else. Delta sites are `"attnres.depth_attention_delta"` with `base` (typed
+like the sources) and a scalar `gate` after the query.
 """
 
 from __future__ import annotations

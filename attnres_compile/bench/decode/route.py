@@ -1,14 +1,10 @@
 """`bench decode --runtimes generate`: what the README's generation route costs per token.
 
-The route is HF `generate()` on `generation.causal_lm(model, graph_module)`, the graph module from
-`rewrite(model, None, config, with_past=True)`. Its candidates, each built afresh in the timing
-worker from the same config and seed (or the same `--factory`): `original`, the model's own
-`generate()` (the baseline); `copy`, an identical second model (the noise floor); `traced`,
-causal_lm over the model's traced decoder with past, not rewritten (what the route costs before any
-AttnRes); `block`, causal_lm over the Block (N=--blocks) rewrite. A call is one greedy `generate()`
-of --prefill prompt tokens then --steps new ones (min_new_tokens: an end-of-sequence token does not
-cut it short), the prefill included: the per-token time is the call's over --steps. Every
-candidate's step logits are checked against `original`'s (the same tokens, else they differ).
+The route is HF `generate()` on `generation.causal_lm(model, graph_module)`. Candidates, built
+afresh in the worker: `original` (the model's own generate()), `copy` (noise floor), `traced`
+(the route over the unrewritten decoder) and `block` (over the Block rewrite). A call is one
+greedy generate() of --prefill then --steps tokens (min_new_tokens set); every candidate's step
+logits are checked against `original`'s.
 """
 
 from __future__ import annotations

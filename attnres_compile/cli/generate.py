@@ -1,12 +1,9 @@
 """`attnres-compile generate`: greedy tokens from a decoder-with-past on any of our runtimes.
 
-MODEL is a `.onnx` file (onnxruntime), a `.pt2` program (torch), a TVM artifact folder, an
-onnxruntime-genai folder (og.Generator), or a `package.module:factory` (rewritten in memory with
-its KV cache, Full AttnRes, then torch). All but the genai folder are driven by the same loop
-(generation/loop.py), so the runtimes' tokens can be compared directly. Prompts of different
-lengths are left-padded with an attention mask; a row stops at the model's end-of-sequence ids
-where they are known. The runtime is warmed up once before it is timed (kernel builds on a cold
-cache take minutes), and the report gives that set-up apart from prefill time and decode speed.
+MODEL is a `.onnx` file, a `.pt2` program, a TVM artifact folder, an onnxruntime-genai folder or
+a `package.module:factory`. All but genai folders run the same loop (generation/loop.py), so
+their tokens compare directly. The report gives set-up (a warm-up call), prefill time and decode
+speed apart.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The rewritten model as called blocks: the nn.Module that FSDP2 and checkpointing work on.
 
-The rewrite returns one flat GraphModule that reads every parameter through `get_attr` and never
-calls a submodule, so per-block `fully_shard` would never gather and `checkpoint` has nothing to
-wrap. The rewrite gives every node it inserts its site's `nn_module_stack` (fx/rewrite.py),
-so torch.export records each depth-attention site inside the block that holds it, and
-`torch.export.unflatten` (the engine's own outliner) rebuilds the module tree: `blocks.3` is a
-called submodule that owns its parameters, under the same names as in the GraphModule. The
-pseudo-queries (`attnres.*`) stay at the root, which passes them to the blocks as inputs.
+The flat GraphModule never calls a submodule, so FSDP2 and `checkpoint` have nothing to wrap.
+The rewrite gives each inserted node its site's `nn_module_stack`, so `torch.export.unflatten`
+rebuilds the module tree with the sites inside their blocks and parameters under the same
+names; the pseudo-queries (`attnres.*`) stay at the root and are passed to the blocks.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Activation checkpointing of called blocks, with a policy for the depth-attention sites.
 
-A site is cheap to recompute (one pass over its sources) but its output and the block sums it
-reads are what every later site reads again, so whether to save it is a memory/time trade the
-user makes: `SitePolicy` is a selective-activation-checkpointing policy
-(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the sites' outputs
-(`save_sites=True`) or lets them be recomputed, and counts both, so a test or a log can see what
-backward recomputed. `checkpoint_blocks` applies torch's composable `checkpoint` (forward hooks,
-names unchanged, composes with `fully_shard`) to each block of a `called_blocks` module.
+`SitePolicy`, a selective-checkpointing policy, saves the sites' outputs (`save_sites=True`) or
+lets them be recomputed, and counts both. `checkpoint_blocks` applies torch's composable
+`checkpoint` to each block of a `called_blocks` module (composes with `fully_shard`).
 """
 
 from __future__ import annotations

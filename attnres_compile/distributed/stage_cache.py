@@ -25,15 +25,11 @@ V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # torch places the
 
 
 def seen_before(plan: Any, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
-    """Per hop of `plan` (a `StagePlan`; hop h goes from stage h to h + 1), the names of the values
-    it carries that the receiving stage's rank already holds for the same micro-batch, so that a
-    hop with the cache leaves them out.
+    """Per hop of `plan` (hop h: stage h to h + 1), the names of the values it carries that the
+    receiving stage's rank already holds for the same micro-batch.
 
-    A value made by stage m (a model input: stage 0) is on the rank of every stage m … h that
-    passes it on, so the receiver's rank holds it when it ran one of those stages. This holds for
-    every kind of value (block sums, the embedding, masks and rotary tables), not only history.
-    A hop between two stages on one rank (ZBV's turn) leaves nothing out: torch hands it over in
-    memory anyway (nothing crosses the wire there, cache or not).
+    A value made by stage m (inputs: stage 0) is on the rank of every stage m … h, so the receiver
+    holds it if its rank ran one of them. A hop between two stages on one rank leaves nothing out.
     """
     ranks = check_ranks(stage_ranks, len(plan.stages))
     seen = []

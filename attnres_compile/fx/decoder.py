@@ -2,11 +2,9 @@
 
     (input_ids, attention_mask, position_ids, past_key_values.0.key, ...) -> {logits, present.0.key, ...}
 
-AttnRes mixes sublayer outputs over depth at each token, so the attention layers' keys and
-values stay what they were: the KV cache is unchanged and the depth history is rebuilt per
-forward from the current tokens alone. The rewrite therefore traces this wrapper (past length
-0 for prefill, 1 token per decode step, or anything between) and every route (torch, ONNX as
-optimum names it, TVM) runs the same signature. Names follow optimum's decoder-with-past files.
+AttnRes mixes over depth per token, so the KV cache is unchanged and the depth history is
+rebuilt each forward from the current tokens. Every route (torch, ONNX, TVM) runs this one
+signature, named as optimum's decoder-with-past files.
 """
 
 from __future__ import annotations

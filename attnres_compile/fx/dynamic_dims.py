@@ -1,13 +1,10 @@
 """Which input dims a trace keeps dynamic (`--dynamic`, `dynamic=` of the API).
 
-A spec is a comma-separated list of `none`, `batch` (axis 0 of every tensor input), `seq`
-(axis 1 of rank-2 and rank-3 inputs: token ids `[B, T]`, embeddings `[B, T, D]`), `all`, or
-named dims `INPUT.AXIS` (`pixel_values.2`). The default, `batch,seq`, lets the rewritten
-model take any batch size and sequence length while image sizes and feature axes stay static:
-with every dim symbolic, window partitions (Swin) and similar shape arithmetic can no longer
-be proven to keep a branch in the skip's shape. Chosen dims get `torch.export.Dim.AUTO`, so a
-dim the model fixes (a convolution's channels, a scan over the sequence) stays static; a note
-names those of size >= 2 and where the model fixed them (`specialised_note`).
+A spec is a comma-separated list of `none`, `batch` (axis 0 of every tensor input), `seq` (axis 1
+of rank-2 and rank-3 inputs), `all`, or `INPUT.AXIS`. The default `batch,seq` keeps image sizes
+and feature axes static, as fully symbolic shapes break proofs that a branch keeps the skip's
+shape (Swin's windows). Chosen dims get `Dim.AUTO`; a note names those the model fixed anyway
+(`specialised_note`).
 """
 
 from __future__ import annotations

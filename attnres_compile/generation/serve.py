@@ -1,12 +1,9 @@
 """Serve a rewritten decoder-with-past to HF `generate()`, and as a step for generate_loop.
 
-`causal_lm(model, graph_module)` returns an instance of the model's own class whose forward
-runs the rewritten graph (fx/decoder.py's flat signature): HF's `generate()`, its logits
-processors, stopping criteria and cache bookkeeping work as they do on the original. Its
-weights are the rewritten graph's own tensors (assigned, not copied), so fine-tuning the graph
-module changes what it generates. Both run each step on fx/lean.py's copy of the graph
-module (the same values, ~25% fewer operator calls a step, and under no_grad sites that call the
-op's kernel directly: `Lean.pick`), where the inputs fit it.
+`causal_lm(model, graph_module)` returns an instance of the model's own class whose forward runs
+the rewritten graph, so HF's generate() machinery works as on the original. Its weights are the
+graph's own tensors (assigned, not copied), so fine-tuning the graph changes what it generates.
+Steps run on fx/lean.py's copy of the graph where the inputs fit it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """What the deploy routes take from a converted model or a saved folder.
 
-- `load_folder(dir)`: a saved folder's model, never running code from the folder (a folder is
-  data): an AttnRes checkpoint (config.json with the `attnres` section) through `load`, with its
-  trained queries; a plain Hugging Face causal LM through `AutoModelForCausalLM` without
-  trust_remote_code (the routes convert it as they convert a factory's model).
-- `queries(source)`: the AttnRes config and the pseudo-queries of a converted model or an AttnRes
-  checkpoint folder, as {"chain<i>.site<k>": float32 array}: what `rewrite_onnx(..., queries=)`
-  writes into an ONNX file rewritten from the base model (an onnxruntime-genai folder's).
+`load_folder(dir)` loads a saved folder without running its code: an AttnRes checkpoint through
+`load`, a plain HF causal LM without trust_remote_code. `queries(source)` returns the AttnRes
+config and pseudo-queries as {"chain<i>.site<k>": float32 array}, for `rewrite_onnx(..., queries=)`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """TVM's default TIR pipeline, with the CPU site kernels' buffers compacted before it.
 
-The default pipeline's CompactBufferAllocation proves each compacted extent <= the buffer's
-symbolic shape with TVM's Z3 prover, whose problem holds every loop bound before it: 2.8 s on a
-phase-1 partial over 43 blocks and 6 queries (~600 [rows] intermediates), 11.7 s of GPT-2
-Full's 56 s `tvm.compile` at 48 sublayers. The CPU kernels (schedule.schedule_cpu) index their
-intermediates only inside their shapes, so the compaction needs no proof: `CompactKernels` runs
-the pipeline's first passes on them with is_strict=False, and the default pipeline's strict pass
-then sees constant shapes. Every other function goes through the default pipeline as it is.
+The default CompactBufferAllocation proves every compacted extent with TVM's Z3 prover, which is
+slow on kernels with hundreds of intermediates. The CPU kernels (schedule.schedule_cpu) index
+their intermediates only inside their shapes, so `CompactKernels` runs the first passes on them
+with is_strict=False; every other function goes through the default pipeline as it is.
 """
 
 from __future__ import annotations

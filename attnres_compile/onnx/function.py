@@ -1,12 +1,8 @@
 """The ONNX form of depth-attention sites, shared by the ONNX rewrite and the PyTorch export.
 
-Five node types of the `attnres` domain, each defined by a model-local function whose body is
-standard ops only, in float32: DepthAttention (one site), DepthAttentionPartial and
-DepthAttentionMerge (a group of sites over a shared history: core/two_phase.py),
-DepthAttentionNorm (a site and the norm that reads it: ops/site_norm.py) and DepthAttentionDelta
-(a Delta AttnRes site: the plain sum plus the gated mix). docs/onnx-format.md is the
-specification: their inputs, outputs and attributes, and why the bodies are written as they are
-(what onnxruntime fuses, what tvm.relax.frontend.onnx imports, why overloads).
+Five `attnres` node types, each a model-local function of standard float32 ops: DepthAttention,
+DepthAttentionPartial, DepthAttentionMerge, DepthAttentionNorm and DepthAttentionDelta.
+docs/onnx-format.md is the specification and says why the bodies are written as they are.
 """
 
 from __future__ import annotations
@@ -177,13 +173,10 @@ def _attend(b: Body, xs: list[str], query: str, eps: str, scale: str, axes: str,
     """scale * sum_i softmax_i(z_i) x_i over float32 terms `xs`, z_i = query . RMSNorm(x_i) along `axis`;
     `state` (lse, acc) is one more term, a history already reduced to its logsumexp and weighted mean.
 
-    Logits: with `columns` (matrix [D, C], pick) (the last axis only) MatMul(x, matrix), column
-    `pick` of it where C > 1, over sqrt(ReduceMean(x * x) + eps): onnxruntime computes the parts
-    that do not depend on the site once for all the sites a source is a term of. Without, the
-    RMSNorm pattern (Pow, ReduceMean, Add, Sqrt, Div, Mul by the query), which onnxruntime fuses
-    into one SimplifiedLayerNormalization, then ReduceSum. The scale goes on the (small) weights,
-    and the sum of the weighted terms is the last op: a Sum, never an Add (`plus`: a float32 term added
-    to it unweighted, Delta's plain sum, in the same Sum)."""
+    With `columns` (matrix [D, C], pick) the logits are a MatMul over the source's RMS, so
+    onnxruntime computes them once for every site a source feeds; without, the RMSNorm pattern
+    onnxruntime fuses. The last op is a Sum, never an Add (`plus`: Delta's plain sum, unweighted).
+    See docs/onnx-format.md, *Why function nodes, and why these bodies*."""
     zs = [state[0]] if state else []
     if columns:
         matrix, pick = columns

@@ -23,13 +23,9 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
                rewrite_chains: bool = True) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
 
-    The archive takes the model's own call: its tensor inputs and its non-tensor keyword inputs at
-    their traced values (`use_cache=False`, constant inputs of the program: plain
-    `torch.export.load(p).module()(..., use_cache=False)` runs it), and returns a flat tuple of
-    named outputs. `dynamic`: the
-    input dims that stay symbolic (fx/dynamic_dims.py). `with_past`: the decoder of an HF causal LM
-    with its KV cache (fx/decoder.py), the past as separate tensor inputs, for `generate`.
-    `rewrite_chains=False`: the model as it is, traced, exported and verified the same way (fx.pipeline.rewrite).
+    The archive takes the model's own call (non-tensor keyword inputs are constants at their traced
+    values, e.g. `use_cache=False`) and returns a flat tuple of named outputs. `dynamic`,
+    `with_past` and `rewrite_chains` as in `export_onnx`.
     """
     config = as_config(config)
     if with_past:

@@ -27,14 +27,10 @@ def rewrite_onnx(path, output, config=None, verify_outputs: bool = True, input_s
                  verify_timeout: float | None = None, fuse_norms: bool = False, queries=None,
                  rewrite_chains: bool = True, weights: str | None = None, eval_ids=None):
     """Rewrite the ONNX file at `path` to AttnRes and write it to `output` (onnx/pipeline.py).
-
-    `queries`: an AttnRes checkpoint folder (`save_pretrained` of a converted model) or a converted
-    model: the rewritten file takes its trained pseudo-queries (the sites matched by chain and site
-    index and size, a mismatch refused in one line), and its AttnRes config (`config` left out, or
-    the same). For an onnxruntime-genai folder built from the base model:
-    `rewrite_onnx("base/model.onnx", "out/model.onnx", queries="tuned")` serves the trained model.
-    `rewrite_chains=False` writes the original by the same passes; `weights` ("int8", "int4") quantizes
-    the MatMul weights, verified on `eval_ids` (onnx/pipeline.py)."""
+    `queries`: an AttnRes checkpoint folder or a converted model whose trained pseudo-queries (and
+    config) the file takes, sites matched by chain, index and size; e.g. for an onnxruntime-genai
+    folder of the base model, `rewrite_onnx("base/model.onnx", "out/model.onnx", queries="tuned")`.
+    `rewrite_chains` and `weights` as in onnx/pipeline.py."""
     found, where = None, "the checkpoint"
     if queries is not None:
         where = str(queries) if isinstance(queries, (str, os.PathLike)) else f"the {type(queries).__name__}"

@@ -1,11 +1,7 @@
-"""The two-phase policy, the same for every format: which sites of a chain share a history (one
-partial over it, then a merge per site), and whether that moves fewer bytes than one pass per site.
-
-- Block-like chains, where consecutive sites have identical lists but for their last term (the
-  partial block sum), group by that: one partial per block, merges with one extra.
-- Otherwise (Full, or Block with one source per block) groups of G = ceil(sqrt(n)) consecutive sites
-  (at most MAX_GROUP) share the first site's list but its last source: the history is read once
-  per group and each site reads at most G extras.
+"""The two-phase policy, the same for every format: which sites of a chain share a history, and
+whether one partial plus a merge per site moves fewer bytes than one pass per site.
+Block-like chains group per block; otherwise (Full) groups of G = ceil(sqrt(n)) consecutive
+sites, at most MAX_GROUP, share the first site's history and read at most G extras each.
 """
 
 from __future__ import annotations

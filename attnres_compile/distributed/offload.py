@@ -1,11 +1,7 @@
 """Saved activations moved to host memory once per tensor: offload for a model whose sites share sources.
-
-`torch.autograd.graph.save_on_cpu` copies every saved reference. In an AttnRes model every later
-site saves the same block sums (and a Full chain the same sublayer outputs) again, so it copies
-one tensor up to N times. `OffloadHistory` is the same saved-tensors hook pair with one host copy
-per tensor (the same tensor object at the same version; a parameter is not copied: it stays where
-it lives anyway), and one copy back per host copy and backward. On CUDA with `pin_memory` the copy
-back is asynchronous, so backward's unpack of the next block overlaps compute.
+`save_on_cpu` would copy a block sum once per site that saves it. `OffloadHistory` is the same
+saved-tensors hook pair with one host copy per tensor (same object and version; parameters
+stay), copied back once per backward, asynchronously on CUDA with `pin_memory`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Greedy decoding over a decoder-with-past step: one loop for torch, onnxruntime and TVM.
-
-A step maps feeds by name (fx/decoder.py's names: `input_ids`, `attention_mask`, `position_ids`,
-`past_key_values.{i}.key|value`) to outputs by name (`logits`, `present.{i}.key|value`). The
-prompt is one prefill step with an empty past; each new token is one step whose past is the
-previous step's present. A batch of prompts of different lengths is left-padded with an
-attention mask (`left_pad`); positions and stopping follow HF `generate()` (decoder.positions;
-a row stops at an end-of-sequence id and is padded after it), so its tokens compare one for one.
+A step maps feeds by name (fx/decoder.py's) to outputs by name. The prompt is one prefill with an
+empty past; each new token is one step fed the previous present. Prompts of different lengths
+are left-padded (`left_pad`); positions and stopping follow HF `generate()`, so tokens compare one
+for one.
 """
 
 from __future__ import annotations

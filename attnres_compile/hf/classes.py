@@ -1,11 +1,7 @@
 """The classes of a converted model: subclasses of the user's own, generated once per base class.
-
-`converted_class(LlamaForCausalLM, LM)` is `AttnResLlamaForCausalLM(LM, Converted, LlamaForCausalLM)`:
-the mixin's methods first (checkpoint.LM: save/load; runtime.Backbone: the forward that runs the
-rewritten graph; `Layer`: `forward(block, *inputs)`, the layer's part of the graph, the backbone
-passing the function), then the user's class. Instances pickle and deep-copy as their base class with our class swapped
-back in (`_restore`): `torch.save(model)` and `copy.deepcopy(model)` work without the generated
-class being importable by name.
+`converted_class(LlamaForCausalLM, LM)` is `AttnResLlamaForCausalLM(LM, Converted, LlamaForCausalLM)`,
+the mixins first. Instances pickle and deep-copy as their base class with ours swapped back in
+(`_restore`), so the generated class need not be importable by name.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`convert(model, config)`: the user's model, converted, as a model of its own class.
-
-For a Hugging Face causal LM (a `PreTrainedModel` with a decoder and `generate`): a deep copy whose
-backbone (`model.get_decoder()`) runs the rewritten decoder-with-past graph (trace.py) on the
-backbone's own modules (outline.py), whose decoder layers run their part of it as called modules
-(program.py), and whose pseudo-queries are parameters of `<backbone>.attnres` (zero: the function is
-unchanged, checked on a few tokens before returning). The head, the loss from `labels`,
-`logits_to_keep`, `generate()` and PEFT's wrappers are HF's own code running on top.
+For an HF causal LM: a deep copy whose backbone runs the rewritten decoder-with-past graph on its
+own modules (outline.py, program.py) with zero pseudo-queries under `<backbone>.attnres` (the
+function unchanged, checked on a few tokens). The head, loss, `generate()` and PEFT wrappers are
+HF's own code on top.
 """
 
 from __future__ import annotations

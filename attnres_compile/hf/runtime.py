@@ -1,11 +1,8 @@
 """The forwards of a converted model: the backbone's (and a plain module's) runs its rewritten graph.
-
-A backbone's forward takes HF's arguments (the cache as `cache` or `past_key_values`), flattens
-the cache into the graph's past inputs (an empty past for a training forward or a prefill), runs
-the program of its parameter dtype and rebuilds the cache from the presents, as HF's own forward
-grows it. A dtype without a program gets one traced (`trace.retrace`: a fresh instance of the
-backbone's own class in that dtype, rewritten with the same sites): a model converted in float32
-and cast to bfloat16 computes what converting it in bfloat16 gives.
+A backbone's forward takes HF's arguments, flattens the cache into the graph's past inputs, runs
+the program of its parameter dtype and rebuilds the cache from the presents. A dtype without a
+program gets one traced (`trace.retrace`), so a model cast after conversion computes what
+converting it in that dtype gives.
 """
 
 from __future__ import annotations

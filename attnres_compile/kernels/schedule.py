@@ -77,15 +77,11 @@ def _merge_rows(sch: s_tir.Schedule) -> None:
 
 
 def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
-    """Rows in parallel (on a target of more than one core), feature loops vectorised at the
-    target's vector width.
-
-    All stages are merged under one row loop (the backward: a parallel loop over as many row
-    chunks as the target has cores, each with its own partial query gradient). Per row, the stats
-    of the sources are reduced in loops over the features holding lane-wise partial sums
-    (rfactor, then a horizontal add), sources packed into as few loops as the vector registers
-    allow, so the rows stream from memory concurrently without spilling the accumulators. The
-    elementwise stages then re-read the rows from L1/L2, the row's softmax weights in registers."""
+    """Rows in parallel (more than one core), feature loops vectorised at the target's vector width.
+    All stages share one row loop (the backward: one chunk of rows per core, each with its own
+    partial query gradient). The stats reductions hold lane-wise partial sums (rfactor), sources
+    packed into as few loops as the registers allow; the elementwise stages then re-read the row
+    from cache."""
     sch = s_tir.Schedule(func)
     _fuse_rows(sch)
     lanes = _lanes(target)

@@ -224,15 +224,11 @@ def depth_attention_func(
     norm: str = "layer",
     delta: bool = False,
 ) -> tirx.PrimFunc:
-    """Fused depth attention `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources
-    of rank `rank` (symbolic row dims). With `delta`, Delta AttnRes `depth_attention(s0, ..., w,
-    base, gate, out)`: out = base + gate[0] * (the site's output), base [rows.., D], gate float32 [1].
-
-    Softmax over the sources with float32 accumulation. `scale` None means `num_sources`
-    (out = S * softmax-weighted mean, Block AttnRes' convention); 1.0 gives the plain weighted sum.
-    With `norm_eps`, `depth_attention(s0, ..., w, gamma, beta, out)` stores the LayerNorm of the
-    site's output instead, or with norm="rms" `depth_attention(s0, ..., w, gamma, out)` its
-    RMSNorm (the next sublayer's norm in a PreNorm model, fused: backends/tvm/site_norm.py)."""
+    """Fused `depth_attention(s0, ..., s{S-1}, w, out)` over [rows.., D] sources of rank `rank`
+    (symbolic rows), float32 accumulation. `scale` None means `num_sources`; 1.0 the plain weighted
+    sum. `delta` adds `base` [rows.., D] and `gate` float32 [1] (out = base + gate[0] * site).
+    `norm_eps` stores the site's LayerNorm (inputs gamma, beta) or, with norm="rms", its RMSNorm
+    (gamma) instead (backends/tvm/site_norm.py)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     scale = float(S) if scale is None else float(scale)

@@ -87,14 +87,11 @@ def _vm_size() -> int:
 def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: float | None,
         memory: int | None = None, consequence: str = "", hint: str = "", cpu: float | None = None,
         **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a forked child; its result. `what` names the library ("onnxruntime"),
-    `action` what it was doing ("verifying"), for the error line, which adds `consequence`
-    ("the rewritten model was not written") and `hint` ("Re-run with --no-verify ...").
-
-    AttnResErrors raised by `fn` are raised again here; other exceptions become CrashError's
-    sibling, an AttnResError naming them. Crash (signal) -> CrashError, more than `timeout`
-    seconds (None: no limit) or more than `cpu` seconds of CPU time -> TimeLimitError, memory ->
-    MemoryLimitError. A CPU time limit does not depend on how busy the machine is.
+    """`fn(*args, **kwargs)` in a forked child; its result. `what` ("onnxruntime"), `action`
+    ("verifying"), `consequence` and `hint` make up the error line. AttnResErrors from `fn` are
+    re-raised, other exceptions become an AttnResError naming them; a signal -> CrashError, more than
+    `timeout` wall or `cpu` CPU seconds (None: no limit) -> TimeLimitError, memory ->
+    MemoryLimitError.
     """
     budget = memory_budget() if memory is None else memory
     for stream in (sys.stdout, sys.stderr):

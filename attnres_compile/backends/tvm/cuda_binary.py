@@ -1,11 +1,7 @@
 """CUDA device code of an artifact: the source, a fatbin compiled here, and serving it at load.
-
-TVM 0.27 exports CUDA modules as source: the runtime compiles it when the library is
-loaded, through the global `tvm_callback_cuda_compile` (registered by tvm.support.nvcc:
-NVRTC from cuda-bindings, or nvcc). So the artifact also carries, per device module, a
-fatbin for its arch compiled here with nvcc (no GPU needed), and `serve_fatbins` answers
-that callback with it for the matching source: the machine that runs the artifact needs
-the CUDA driver only. Sources it does not know go to TVM's own callback.
+TVM exports CUDA modules as source, compiled at load through `tvm_callback_cuda_compile`. The
+artifact also carries a fatbin per device module, compiled here with nvcc (no GPU needed), and
+`serve_fatbins` answers that callback with it, so the target machine needs the CUDA driver only.
 """
 
 from __future__ import annotations

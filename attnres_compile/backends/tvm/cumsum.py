@@ -1,13 +1,8 @@
 """`relax.cumsum` as a scan kernel that holds for symbolic shapes (module pass `LegalizeCumsum`).
-
-TVM 0.27 sends cumsum to TOPI's hand-written scan (relax.pipeline's DispatchSortScan), whose
-function uses the caller's shape variables without binding them: with a symbolic dim (OPT's
-positions, `cumsum` of the attention mask over a dynamic sequence) the build stops with
-"variables (s43, s53) are used, but are not passed in as API arguments". Here, before that
-dispatch, the input is viewed as [outer, length, inner] and one opaque block scans each
-(outer, inner) line in order, its dims matched from the buffers. CPU only: on CUDA the dispatch
-picks TVM's GPU scan, which builds with symbolic dims (an opaque serial block would not map onto
-GPU threads)."""
+TOPI's scan, which DispatchSortScan picks, uses the caller's shape variables without binding them
+and fails to build with a symbolic dim ("variables ... are used, but are not passed in as API
+arguments"). Before that dispatch the input is viewed as [outer, length, inner] and one opaque
+block scans each line. CPU only: TVM's GPU scan builds with symbolic dims."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Default schedule rules whose schedules are kept only where TVM can lower them (CPU and CUDA).
 
-dlight's ApplyDefaultSchedule takes the first rule that returns a schedule, whether or not TVM can
-lower that schedule, and one such operator failed the whole build: on CUDA, dlight's `Reduction`
-put a grouped convolution's reduction across threads in a way `LowerCrossThreadReduction`
-refuses; on CPU, `RowReduction` vectorised the row loop of a squeeze-excite's [1, C, 1, 1]
-convolution around its reductions ("VectorizeLoop before LiftStorageAlloc"). `Lowerable` rejects
-such a schedule, and a rule that raises, so the next rule gets the operator; where none is left,
-the operator stays unscheduled (on CPU: serial loops, which build).
+dlight's ApplyDefaultSchedule takes the first rule that returns a schedule, lowerable or not, so
+one bad schedule failed the whole build. `Lowerable` rejects such a schedule, and a rule that
+raises, so the next rule gets the operator; where none is left it stays unscheduled (serial
+loops on CPU, which build).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Per-kernel time of a compiled model: every call the Relax VM makes, timed through its instrument hook.
 
-`timed_forwards` is the one timing loop (this module's `profile` and the benchmark's per-kind
-profile, bench/model/profile.py, both run it): forwards of a VM, each with its own time and, with the
-hook on, every call it made (kernels, and the VM's own builtins such as allocations) with its
-time, in order. `profile(model, inputs)` sums those per function name, on the process CPU clock
-(`clock="cpu"`, the right one at 1 thread on a shared machine) or the wall clock. The hook
-costs a few microseconds per call; `overhead_pct` compares the instrumented forward with a
-plain one.
+`timed_forwards` is the one timing loop (also bench/model/profile.py's). `profile(model, inputs)`
+sums the calls per function name on the process CPU clock (`clock="cpu"`) or the wall clock;
+`overhead_pct` compares the instrumented forward with a plain one.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Where a decode step's AttnRes overhead goes: sites, operators, and one site's cost at [1, 1, D].
-
-A decode step reads [1, 1, D] sources, so a site costs what its call costs, not its bytes. Here:
-the sources of every site of a traced variant, its operator count, and in a 1-thread worker the
-CPU time of one `torch.ops.attnres.depth_attention` call at each source count the variants use,
-against a plain add of two [1, 1, D] tensors (what a residual costs), with the eager reference
-beside it. The sum over a variant's sites, less the adds it replaced, estimates its overhead per
-token, which the table compares with the measured one.
+At [1, 1, D] a site costs its call, not its bytes: this times one op call per source count the
+variants use against a plain add (a residual), in a 1-thread worker, and compares the sum over a
+variant's sites with its measured overhead per token.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The Python API, one front door for every format.
-
-torch: `inspect`, `rewrite` (fx/pipeline.py), `two_phase`, `fuse_norms` (passes on a rewritten
-GraphModule); `convert` (a Hugging Face causal LM, or any nn.Module, converted as a model of its own
-class: Trainer, PEFT, bf16, save_pretrained; hf/) and `load` (its saved folder, hf/checkpoint.py);
-ONNX files: `inspect_onnx`, `rewrite_onnx` (with `queries=`: a converted model's trained queries in a
-file rewritten from its base model, an onnxruntime-genai folder's); PyTorch to a deployable file: `export_onnx`
-(onnx/pipeline.py), `export_pt2` (pt2/export.py)."""
+torch: `inspect`, `rewrite`, `two_phase`, `fuse_norms`, `convert` and `load` (hf/); ONNX:
+`inspect_onnx`, `rewrite_onnx`; PyTorch to a deployable file: `export_onnx`, `export_pt2`."""
 
 import os
 

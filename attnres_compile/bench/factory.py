@@ -17,13 +17,8 @@ TIMEOUT = 600.0  # seconds a factory may take (--factory-timeout): loading a mod
 
 def load(spec: str, timeout: float | None = None, isolated: bool = True) -> torch.nn.Module:
     """The factory's model in eval mode, checked to be an HF causal LM with the config fields the
-    benchmarks read (ConfigError naming what is missing otherwise).
-
-    The factory is the user's code: it runs in a forked child with a time limit (`timeout`, default
-    TIMEOUT) and the memory limit of the user's graphs (utils/isolate.py: ATTNRES_COMPILE_MEMORY_LIMIT),
-    and the model comes back pickled, so a factory that never returns or eats the memory is one line
-    (17, 18) instead of a hung command. `isolated=False` in the timing workers, which have their own
-    time limit."""
+    benchmarks read (ConfigError otherwise). The factory is user code, so it runs in a forked child
+    with time and memory limits (utils/isolate.py) unless `isolated=False` (timing workers)."""
     if not isolated:
         return _load(spec)
     from ..core.errors import InputError

@@ -1,10 +1,6 @@
-"""Chain analysis on the neutral view: residual links, chains, sources and sites (DESIGN.md §2).
-
-Runs once per model; every rewriter (fx, ONNX) applies the resulting `Plan`. Every add of
-the graph ends up either in a link (rewritten or not, with the chain's reason) or in
-`Plan.skipped_adds` with the reason it is not a residual link.
-Cost is about linear in graph size: dependence checks only walk the nodes that lie, in
-topological order, between a link's skip and its branches.
+"""Chain analysis on the neutral view: residual links, chains, sources and sites (docs/design.md §2).
+Runs once per model; every rewriter applies the resulting `Plan`. Every add ends up in a link or
+in `Plan.skipped_adds` with its reason. About linear in graph size.
 """
 
 from __future__ import annotations
@@ -200,13 +196,9 @@ def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
 
 
 def _learned_branch(g: nx.DiGraph, skip_path: list[str], branch: str) -> bool:
-    """Whether the cone of `branch` holds a learned op after the skip: on a path from the skip
-    value (`branch` included) or beside it, in another operand's cone (FiLM / adaLN gating:
-    `y + W(c) * sigmoid(mean(y))`, whose only learned op is W(c)).
-
-    Searched: the ancestors of `branch` after the skip in topological order (never the skip's own
-    cone, so GELU-tanh's `x + 0.044715*x**3` after a linear is no link); depth-attention nodes are
-    barriers as in `_depends_on`.
+    """Whether the cone of `branch` after the skip holds a learned op, on a path from the skip or in
+    another operand's cone (FiLM / adaLN gating). The skip's own cone is never searched (GELU-tanh's
+    internal sum is no link); depth-attention nodes are barriers as in `_depends_on`.
     """
     nodes = g.nodes
     low = nodes[skip_path[-1]]["order"]

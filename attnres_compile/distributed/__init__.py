@@ -1,10 +1,7 @@
 """Training a rewritten model past one process, on torch.distributed's own engines.
-
-The rewrite returns one flat GraphModule; the engines want modules (FSDP2's `fully_shard` per
-block, `torch.utils.checkpoint`), stages (`torch.distributed.pipelining.PipelineStage`) and
-sharding rules (DTensor: `dtensor.py`, registered when this package is imported). This package
-hands them those, plans what crosses each pipeline hop and what each rank's memory holds
-(planner.py); the schedules, collectives and optimizers stay the engines'.
+This package hands FSDP2, checkpointing, pipelining and DTensor the modules, stages and sharding
+rules they want (dtensor.py registers on import) and plans hops and memory (planner.py); the
+schedules, collectives and optimizers stay the engines' (docs/distributed.md).
 """
 
 from .blocks import block_names, called_blocks

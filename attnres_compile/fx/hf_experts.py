@@ -1,10 +1,6 @@
 """HF mixture-of-experts layers traced with transformers' `batched_mm` experts implementation.
-
-transformers 5 runs an MoE layer's experts with `grouped_mm` by default; on CPU (and under
-torch.export) that is the custom op `transformers::grouped_mm_fallback`, which neither torch.onnx
-nor TVM's importer can translate (Mixtral, Qwen3-MoE and DeepSeek-V3 failed every route with it).
-`batched_mm` computes the same selected-experts sums with a gather and torch.bmm, standard ops
-that every route accepts; the `eager` loop is data-dependent and does not export at all.
+The default `grouped_mm` exports as a custom op neither torch.onnx nor TVM can translate;
+`batched_mm` computes the same with gather and bmm, and the `eager` loop does not export at all.
 """
 
 from __future__ import annotations

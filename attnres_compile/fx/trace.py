@@ -41,12 +41,9 @@ class Traced:
 
 def trace(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None, dynamic: str | None = None) -> Traced:
     """A private GraphModule copy of `model` with shape metadata, and how it was obtained.
-
-    nn.Module: torch.export with the input dims of `dynamic` (dynamic_dims.py; default batch and
-    sequence) or the explicit `dynamic_shapes`, retried with static shapes (and a note) when that
-    fails, falling back to torch.fx.symbolic_trace + ShapeProp. ExportedProgram: its `.module()`.
-    GraphModule: a copy, shape-propagated from `example_inputs` if its nodes carry no shapes.
-    Export-traced modules get train()/eval() (mode.py); then the passes of `PREPARE` run.
+    nn.Module: torch.export with `dynamic` dims (or `dynamic_shapes`), retried static with a note,
+    else symbolic_trace + ShapeProp. ExportedProgram: its `.module()`. GraphModule: a copy,
+    shape-propagated if needed. Then the `PREPARE` passes run.
     """
     traced = _trace(model, example_inputs, dynamic_shapes, dynamic)
     for prepare in PREPARE:

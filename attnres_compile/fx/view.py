@@ -1,10 +1,7 @@
 """fx frontend: the neutral view (graph_view.py) of a torch.fx GraphModule.
-
-Handles both export graphs (aten ops, e.g. `aten.add.Tensor`, `aten.add_.Tensor`) and
-symbolic_trace graphs (`operator.add`, `torch.add`, `Tensor.add_`, nn.Dropout modules).
-Shapes and dtypes come from `node.meta["val"]` (torch.export) or `node.meta["tensor_meta"]`
-(ShapeProp). `split_alpha` canonicalises `add(a, b, alpha=k)` into `add(a, mul(b, k))` first,
-so the branch `k * b` is a value of the graph like any other source.
+Handles export graphs (aten ops) and symbolic_trace graphs (`operator.add`, `Tensor.add_`, ...);
+shapes from `meta["val"]` or `meta["tensor_meta"]`. `split_alpha` first rewrites
+`add(a, b, alpha=k)` as `add(a, mul(b, k))`.
 """
 
 from __future__ import annotations

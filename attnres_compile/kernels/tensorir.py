@@ -128,13 +128,9 @@ def _check(count: int, what: str, size: int, dtype: str):
 def _site(rows: tuple, size: int, srcs: list, w, out, eps: float, scale, start=None, norm=None, mixed=None,
           delta=None):
     """Stages of one site: stats per source, softmax, out = scale * (a0 acc0 + sum e_k s_k) / l
-    (`scale` a number, or a float32 argument of the function); with `delta` (base, gate), Delta
-    AttnRes: out = base + gate * that, the gate folded into the row's coefficient (gate 0: out is
-    base + 0, bitwise base).
-    `start` (m0(vr), l0(vr), acc0(vr, vd)) is a phase-1 state to merge with, or None; `norm`
-    (kind, gamma, beta, eps) a LayerNorm ("layer") or RMSNorm ("rms", beta None) over the
-    features applied to that sum before it is stored; `mixed` a buffer that also keeps the sum
-    itself (the fused site + norm pair: both outputs), else the sum is a per-row intermediate."""
+    (`scale` a number or a float32 argument); with `delta` (base, gate), out = base + gate * that.
+    `start` (m0, l0, acc0) is a phase-1 state to merge with, or None; `norm` (kind, gamma, beta, eps)
+    a LayerNorm or RMSNorm applied before storing; `mixed` a buffer that also keeps the sum."""
     stats = [_stats(f"{k}", rows, s, [lambda vr, vd: w[vd]]) for k, s in enumerate(srcs)]
     K = len(srcs)
     e_buf, coef = _alloc("e", *rows, K + 1), _alloc("coef", *rows)

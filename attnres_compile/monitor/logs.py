@@ -1,10 +1,7 @@
 """Writing the per-site stats of watched steps: a CSV log (always available) and TensorBoard (optional).
-
 The CSV has one row per (step, site, source): `step, chain, site, source, weight, weight_max,
-entropy, max_entropy, rms, rows` (the site's columns repeat on its sources' rows), so that a
-spreadsheet or pandas reads it as it is and `read_csv` gives back the monitor's history. It is a
-log: each watched step appends its complete rows and flushes, so a run that stops leaves the
-steps it finished.
+entropy, max_entropy, rms, rows`; `read_csv` gives back the monitor's history. Each watched step
+appends its rows and flushes.
 """
 
 from __future__ import annotations

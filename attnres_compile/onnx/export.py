@@ -1,10 +1,7 @@
 """PyTorch -> ONNX: export a rewritten GraphModule with `torch.onnx.export(dynamo=True)`.
-
-`torch.ops.attnres.depth_attention` is translated (custom_translation_table) into the same
-`attnres.DepthAttention` site node the ONNX rewrite emits, and the passes of `passes.FINALIZE`
-then regroup and define it exactly as the ONNX rewrite does. The exporter's optimizer would merge every all-zero initializer into one
-(pseudo-queries start at zero, like most biases), so it runs with the queries held as graph
-inputs, which it leaves alone, and they are initializers again afterwards.
+The sites are translated into the ONNX rewrite's `attnres.DepthAttention` node and finalized by
+the same passes (`passes.FINALIZE`). The queries are held as graph inputs during export, since
+the exporter's optimizer would merge all-zero initializers, and become initializers afterwards.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """onnxscript's optimizer with its no-op rules made exact (`exact_no_ops`).
-
-onnxscript drops `x + c`, `x - c`, `x * c` and `x / c` where a scalar c is within
-math.isclose(rel_tol=1e-5, abs_tol=1e-8) of 0 or 1. An RMSNorm's `variance + 1e-8` (Helium's
-rms_norm_eps) is then removed, and an all-zero row (a pad token's embedding) reads
-rsqrt(0) * 0 = NaN in onnxruntime and TVM where torch gives 0. Inside `exact_no_ops` those four
-rules match a constant that is exactly 0 or 1; every other rule is onnxscript's own.
+onnxscript drops `x + c`, `x - c`, `x * c`, `x / c` where c is merely close to 0 or 1, which
+removes an RMSNorm's `+ 1e-8` and turns a zero row into NaN. Inside `exact_no_ops` those rules
+match only an exact 0 or 1.
 """
 
 from __future__ import annotations

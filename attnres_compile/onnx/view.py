@@ -45,12 +45,8 @@ CPU_SECONDS, CPU_SECONDS_PER_NODE, CPU_SECONDS_PER_GIB = 30.0, 0.05, 60.0  # eac
 
 def symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """`model` with value_info from onnxruntime's symbolic shape inference, or None where it fails.
-
-    The symbolic one (sympy) keeps one symbol per dim through Shape/Gather/Concat/Reshape
-    arithmetic, so the skip and branch of a residual add in a legacy export have equal shapes
-    where ONNX's own inference invents a fresh `unk__N` after every computed Reshape. It does
-    not know local functions, so it runs on a copy with them inlined (site outputs keep their
-    names).
+    It keeps one symbol per dim through shape arithmetic, so a legacy export's skip and branch get
+    equal shapes. It does not know local functions, so it runs on a copy with them inlined.
     """
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -132,12 +128,9 @@ def _untyped_input(model: onnx.ModelProto) -> bool:
 
 def merge_types(runs: list[dict], names: set[str]) -> dict[str, tuple[int, tuple | None]]:
     """One `value_types` from several inference runs, best first: each dim a size where any run has one,
-    else the first run's symbol (a negative size, which ONNX's inference passes on, counts as one),
-    else unknown (None); the element type from the first run that knows it.
-
-    Equal symbols prove equal sizes only within a run (`unk__3` of two runs are unrelated): a run's
-    symbols that an earlier run also uses get the run's number (`unk__3~2`); the input dims'
-    own names (`names`) mean the same in every run.
+    else the first run's symbol, else None; the element type from the first run that knows it.
+    Symbols are per run, so a later run's symbols an earlier run uses are renamed (`unk__3~2`);
+    the input dims' own names (`names`) mean the same in every run.
     """
     seen: set = set()
     renamed = []

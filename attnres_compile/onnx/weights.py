@@ -102,14 +102,11 @@ def quantize(model: onnx.ModelProto, weights: str, block_size: int = BLOCK, accu
 
 def with_minimum(model: onnx.ModelProto, block_size: int = BLOCK, exclude: tuple[str, ...] = (),
                  accuracy_level: int | None = None) -> int:
-    """Every MatMul with a constant [K, N] weight (K a multiple of `block_size`, not in `exclude`) as 4-bit
-    blocks with a float32 minimum, llama.cpp's Q4_1: per block of `block_size` values along K, d = (max - min)
-    / 15 and w = d * q + min, q in 0..15. onnxruntime's fast MatMulNBits kernels take integer zero points
-    only (a float zero point runs a dequantize-then-GEMM path, 18x slower on a 576 x 1536 GEMV here), so the
-    node is the symmetric MatMulNBits d * (q - 8) plus the minimum's part, sum_blocks (sum of x over the
-    block) * (min + 8 d): `x @ S` (S the [K, K / block] block indicator, once per x) `@ M` ([K / block, N]),
-    added. On weights that lie on such a grid (SmolLM2's GGUF is Q4_1) it is exact. In place; returns how
-    many MatMuls."""
+    """Every MatMul with a constant [K, N] weight (K a multiple of `block_size`, not in `exclude`) as
+    4-bit blocks with a float32 minimum (llama.cpp's Q4_1: d = (max - min) / 15, w = d * q + min).
+    onnxruntime's fast MatMulNBits kernels take integer zero points only, so the node is the
+    symmetric MatMulNBits d * (q - 8) plus the minimum's part, `x @ S @ M` (S the block indicator).
+    In place; returns how many MatMuls."""
     from onnx import helper, numpy_helper
 
     graph = model.graph

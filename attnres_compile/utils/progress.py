@@ -1,11 +1,7 @@
 """Stage lines for the long steps (trace, export, verification, TVM build, tuning) on a terminal.
-
-`with stage("verifying in onnxruntime"):` writes `attnres-compile: verifying in onnxruntime ...`
-and, when the step ends, its elapsed time on the same line (`... 3.2 s`, or `... stopped after
-3.2 s` when it raised). Only inside `on_terminal()` (the CLI's commands) and only when stderr is a
-TTY: API calls, pipes, logs and tests see nothing. No thread: lines are written at the steps'
-boundaries only, so nothing is left running when a step fails. The stream is sys.__stderr__,
-which the CLI keeps on the terminal while it hides library output (cli._quiet)."""
+`with stage("verifying in onnxruntime"):` writes `attnres-compile: verifying in onnxruntime ...`,
+then the elapsed time on the same line. Only inside `on_terminal()` and when stderr is a TTY;
+no thread. The stream is sys.__stderr__, which the CLI keeps while it hides library output."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The framework-neutral graph view that chain analysis runs on.
 
 Frontends (fx, ONNX) emit `ViewNode`s in topological order; `build_view` turns them into a
-networkx DiGraph whose node attributes are the only facts the analysis reads: kind (`Kind`),
-target (readable op name), inputs (tensor inputs, in order), users (consumers, with
-multiplicity), shape (int or symbolic str dims, or None), dtype, order (topological index),
-const (no graph input reaches it), scalar (ADD: one operand a literal), blocker (ADD: why it can
-never be a residual link, else None), learned (a contraction or an op reading a multi-element
-floating constant: a residual branch passes through one, GELU-tanh's internal sums do not) and
-mode_dependent (PASSTHROUGH: identity in eval only, e.g. dropout; sums are not flattened
-through it).
+networkx DiGraph whose node attributes are the only facts the analysis reads:
+kind (`Kind`), target (readable op name), inputs (tensor-valued inputs, in order), users
+(consumers with multiplicity, in graph order), shape (int or symbolic-str dims, or None), dtype,
+order (topological index), const (no graph input reaches it), scalar (ADD: one operand a literal),
+blocker (ADD: why it can never be a residual link, e.g. an in-place add whose operand is read
+again; else None), learned (a contraction, or an op reading a floating constant of more than one
+element: a residual branch passes through one, GELU-tanh's internal sums do not) and
+mode_dependent (PASSTHROUGH: identity in eval only, like dropout; sums are not flattened through it).
 """
 
 from __future__ import annotations

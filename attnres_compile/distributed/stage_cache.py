@@ -1,14 +1,10 @@
 """The rank-local cache of interleaved and V pipeline schedules: a hop leaves out what its receiver's rank already holds.
 
-`seen_before` is the rule (which values each hop may leave out, given which rank holds each
-stage); `split_stages(..., stage_ranks=...)` builds the stages that follow it
-(docs/distributed.md, *The rank-local cache*). The first stage on a rank to hold a value another
-stage there will read writes it to the `StageCache` per micro-batch slot (the stage's forward
-count: every schedule runs a stage's micro-batches in order); the entry is dropped after its last
-read. A reader's gradient goes into a mailbox the writer adds in its own backward. Both are
-autograd Functions anchored on the stage's inputs and outputs, so they also run inside torch's
-`stage_backward_input` (ZBV's input pass, which would skip a `.grad` on a detached leaf).
-The schedules, sends and backward passes stay torch's.
+`seen_before` is the rule; `split_stages(..., stage_ranks=...)` builds stages that follow it
+(docs/distributed.md, *The rank-local cache*). The first stage on a rank to hold a value writes
+it to the `StageCache` per micro-batch slot; readers' gradients go to a mailbox the writer adds
+in its own backward. Both are autograd Functions on the stage's inputs and outputs, so they also
+run inside torch's `stage_backward_input`.
 """
 
 from __future__ import annotations

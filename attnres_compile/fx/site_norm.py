@@ -1,14 +1,10 @@
 """Site + norm fusion in a rewritten GraphModule (ops/site_norm.py; docs/design.md §6, *Site + norm pair*).
 
-`fuse_norms(gm)` replaces each float32 site read by the next sublayer's input norm by one
-`depth_attention_norm` node returning (mixed, normed): the norm's readers get `normed`, the site's
-other readers `mixed`. Recognised norms over the last axis, reading the site directly, through
-same-dtype casts, or through a reshape that keeps the feature size (HF OPT's [batch * seq, D]):
-`aten.layer_norm`, `aten.rms_norm`, and HF's RMSNorm as torch.export writes it
-(`x * rsqrt(mean(x^2, -1, keepdim) + eps)`, optionally cast, then `* weight`, Gemma's
-`1 + weight` too). The pair goes before the norm's last node when every other reader of the site
-comes after it, else right after the site. Like `two_phase`, this runs on a module that is run,
-not in `rewrite`; `unfuse_norms` is the inverse, applied wherever a graph is read.
+`fuse_norms(gm)` replaces a float32 site read by a norm over its last axis (`aten.layer_norm`,
+`aten.rms_norm`, or HF's RMSNorm as torch.export writes it; directly, through same-dtype casts
+or a feature-preserving reshape) by one `depth_attention_norm` node: the norm's readers get
+`normed`, the site's others `mixed`. Run on a module that is run, not in `rewrite`;
+`unfuse_norms` is the inverse, applied wherever a graph is read.
 """
 
 from __future__ import annotations

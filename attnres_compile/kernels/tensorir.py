@@ -1,14 +1,10 @@
-"""TensorIR for the depth-attention kernel family: the fused forward, the Block AttnRes two-phase
-pair (partial, merge) and the fused backward.
+"""TensorIR for the depth-attention kernel family: the fused forward, the two-phase pair and the backward.
 
-Functions are generated per source count and rank; every source is its own [rows.., D] buffer
-(never stacked or reshaped) with symbolic row dims. Each stage writes fresh [rows]/[rows, K]
-intermediates (SSA style), so the schedules (schedule.py) can merge the stages under one row
-loop and load each source once per row. Arithmetic is float32 whatever the storage dtype; the
-softmax is exact, since every logit of the row is known. The schedules key on block names:
-stats_<source>[_<group>] (row reductions: sum(s^2), w.s, g.s), softmax* (per-row scalars), dw
-(the query gradient, a reduction over rows), sum_<block> (a long phase 1's running sums);
-everything else is elementwise over the features.
+Functions are generated per source count and rank; each source is its own [rows.., D] buffer
+with symbolic row dims. Stages write fresh intermediates (SSA style) so the schedules
+(schedule.py) can merge them under one row loop, keyed on block names: stats_* (row
+reductions), softmax* (per-row scalars), dw (the query gradient), sum_<block> (a long phase 1's
+running sums), the rest elementwise. Arithmetic is float32; the softmax is exact, not online.
 """
 
 from __future__ import annotations

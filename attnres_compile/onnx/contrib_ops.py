@@ -1,14 +1,10 @@
 """How the analysis read each onnxruntime contrib op (`com.microsoft`, or any other custom domain) of a file.
 
-Each is read one of three ways, reported per op under `contrib_ops`:
-- **unfused**: Skip(Simplified)LayerNormalization (onnx/unfuse_skip_norm.py); a node kept fused
-  is listed with its reason.
-- **stream root**: EmbedLayerNormalization. Where it returns the embedding sum (output 2) the view
-  reads the normed output as a function of it (onnx/view.py, FUSED_SUMS), so the sum is the
-  chain's root; otherwise (post-norm BERT) the normed output is.
-- **opaque**: any other op is one node. The sublayer ops in SUBLAYER (Attention, MatMulNBits,
-  ...) hide no part of the residual stream; for an op not listed the report says a residual add
-  inside it is not seen.
+Reported per op under `contrib_ops`: **unfused** (Skip(Simplified)LayerNormalization,
+onnx/unfuse_skip_norm.py), **stream root** (EmbedLayerNormalization: its embedding sum, when
+returned, is the chain's root, onnx/view.py FUSED_SUMS), or **opaque** (one node; the sublayer
+ops in SUBLAYER hide no part of the stream, and for other ops the report says a residual add
+inside them is not seen).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Unfusing onnxruntime's fused residual norms: each Skip*LayerNormalization back into Add + norm.
 
-onnxruntime-genai's builder and `onnxruntime.transformers.optimizer` fold every residual add into
-the norm after it, leaving no residual Add for chain analysis to find. `unfuse` rewrites each
-node in place into
-
-    Add(input, bias) -> Add(., skip) -> LayerNormalization(., gamma, beta)      (SkipLayerNormalization)
-    Add(input, bias) -> Add(., skip) -> RMSNormalization / SimplifiedLayerNormalization(., gamma)
-
-with axis -1, the node's epsilon (default 1e-12) and float statistics (stash_type 1). Output 3's
-(`input_skip_bias_sum`) readers read the last Add. The bias goes on `input`, where onnxruntime's
-bias fusion took it from. RMSNormalization needs opset 23, else SimplifiedLayerNormalization
-(onnx/ort_ops.py). `Rule.check` gives the reason a node stays fused; `Unfused` counts per op.
+onnxruntime-genai's builder and onnxruntime's transformer optimizer fold every residual add into
+the next norm, leaving no residual Add for chain analysis. `unfuse` rewrites each node in place
+into Add(input, bias) -> Add(., skip) -> LayerNormalization / RMSNormalization (opset >= 23) or
+SimplifiedLayerNormalization (axis -1, the node's epsilon, default 1e-12, float statistics);
+readers of output 3 (`input_skip_bias_sum`) read the last Add. `Rule.check` gives the reason a
+node stays fused; `Unfused` counts per op.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
     out = scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
-ATTNRES_KERNEL (or `set_kernel`) picks the implementation per call: "auto" (default: the fused
-TVM kernels where they apply, else the eager reference), "tvm" (an unimportable TVM is an
-error) or "eager". The eager reference never stacks the sources and accumulates in float32
-(float64 for float64 storage). Sources of mixed floating dtypes are promoted as `+` would,
-and each source's gradient comes back in its own dtype. The backward is its own op,
-`attnres.depth_attention_backward`, so exported and compiled graphs keep it whole.
+ATTNRES_KERNEL (or `set_kernel`) picks "auto" (fused TVM kernels where they apply, else the eager
+reference), "tvm" (no fallback) or "eager". Accumulation is float32 (float64 for float64); mixed
+source dtypes are promoted as `+` would. The backward is its own op so graphs keep it whole.
 `observe(fn)` hands every forward call's sources, query and output to `fn` (monitor/watch.py).
 """
 

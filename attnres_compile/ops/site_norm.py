@@ -2,14 +2,10 @@
 
     mixed, normed = depth_attention_norm(sources, query, eps, scale, dim, norm_weight, norm_bias,
                                          norm_eps, norm_kind)
-    mixed  = depth_attention(sources, query, eps, scale, dim)
-    normed = LayerNorm(mixed) ("layer") or RMSNorm(mixed) ("rms", no bias) over the feature axis
 
-The norm is computed from the row the site has just written, still in cache. In mode eager the
-outputs equal the unfused ops' bit for bit (RMSNorm in HF Llama's order); the fused kernel
-differs by float32 rounding. The backward recomputes the mixed row from the sources (nothing
-beyond the site's inputs is saved); grad_mixed None means only the norm read the site.
-Registered as ops/depth_attention.py's op is.
+`mixed` is `depth_attention(...)`, `normed` its LayerNorm ("layer") or RMSNorm ("rms", no bias)
+over the feature axis. In mode eager both equal the unfused ops bit for bit; the fused kernel
+differs by float32 rounding. The backward saves nothing beyond the site's inputs.
 """
 
 from __future__ import annotations

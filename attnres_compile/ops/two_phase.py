@@ -1,15 +1,12 @@
 """The two-phase depth-attention ops: a site's softmax over depth split at a shared history.
 
     depth_attention_partial(history, queries[B, D], eps, dim) -> (m, l, acc)
-        for each query q, over the history sources h_j: z_qj = w_q . RMSNorm(h_j),
-        m_q = max_j z_qj, l_q = sum_j exp(z_qj - m_q), acc_q = sum_j exp(z_qj - m_q) h_j
-        (float32 state, float64 for float64 storage; m, l [B, rows..], acc [B, rows.., D])
+        per query q: m_q = max_j z_qj, l_q = sum_j exp(z_qj - m_q), acc_q = sum_j exp(z_qj - m_q) h_j,
+        z_qj = w_q . RMSNorm(h_j); float32 state; m, l [B, rows..], acc [B, rows.., D]
     depth_attention_merge(m, l, acc, index, extra, query, eps, scale, dim)
         = depth_attention(history + extra, query, eps, scale, dim) up to float reassociation
 
-"rows" are the sources' dims but the feature axis, which moves last. Fused TVM kernels where
-they apply, else the eager reference; with a gradient wanted, the reference in differentiable
-ops (m is a shift held constant, so the gradient is exact). docs/design.md §6, *Two-phase*.
+Gradients through the reference are exact (m is a shift held constant); docs/design.md §6.
 """
 
 from __future__ import annotations

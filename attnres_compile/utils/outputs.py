@@ -1,15 +1,11 @@
-"""Every file or folder a command writes goes through here: checked together before any work,
-written into a staging folder beside it, committed so that the destination is either the old
-file untouched or the complete new one.
+"""Every file or folder a command writes goes through here: checked before any work, staged beside
+the destination, committed so that it holds either the old file untouched or the complete new one.
 
-- `check`: an existing output is replaced only with --force, and only if it is a regular file,
-  a symlink, or (for folder outputs) an artifact folder of ours; no output replaces an input
-  except the documented in-place rewrite; no two outputs name the same file.
-- `staged` / `staged_folder`: written into `.NAME.PID.TOKEN.tmp/`, fsynced and renamed into place
-  (the output itself last); an ONNX output's older weights are removed after, under a lock on the
-  folder. Any exception (SIGTERM raised as `Interrupted` too) removes the staging folder; dead
-  processes' ones are removed by the next run. Nothing is committed once SIGNALS records a signal.
-- Write errors (disk full, EIO, read-only, permission) become OutputWriteError (exit 19).
+`check`: an existing output is replaced only with --force, and only a regular file, a symlink or
+an artifact folder of ours; never an input (except the documented in-place rewrite); no two
+outputs name one file. `staged` / `staged_folder`: written into `.NAME.PID.TOKEN.tmp/`, fsynced,
+renamed into place; any exception or recorded signal leaves the destination as it was. Write
+errors become OutputWriteError (exit 19).
 """
 
 from __future__ import annotations

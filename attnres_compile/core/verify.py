@@ -1,13 +1,10 @@
 """Numerical verification: original against rewritten outputs on the same inputs, per output.
 
-Every element must satisfy |got - ref| <= atol + rtol * |ref| with atol = rtol * max|ref|, so
-each output is judged against its own magnitude. rtol follows the mode (preserve: rounding only,
-scaled by the dtype's epsilon; paper: the norms' eps) and the dtype; each row reports `min_rtol`.
-NaN and +-inf must sit at the same positions. fp16/bf16 outputs also pass within twice the
-original's own error against a float64 run (`truth`). Outputs below TINY ("too small") and empty
-ones ("empty") get no pass; integer and bool outputs compare exactly. `verify_module` runs each
-model on a fresh copy of the inputs, restores the caller's buffers and RNG state, and runs once
-more with zero rows (`zero_rows`), where the keys' RMSNorm divides by sqrt(eps).
+Every element must satisfy |got - ref| <= rtol * (max|ref| + |ref|), rtol following the mode and
+dtype (`min_rtol` reported); NaN/inf at the same positions; fp16/bf16 also pass within twice the
+original's error against a float64 `truth`; tiny, empty, integer and bool outputs as the rows
+say. `verify_module` runs each model on fresh input copies, restores the caller's buffers and RNG
+state, and runs once more with zero rows (`zero_rows`).
 """
 
 from __future__ import annotations

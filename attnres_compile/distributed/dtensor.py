@@ -1,13 +1,10 @@
 """DTensor sharding rules for the depth-attention ops, so `torch.ops.attnres.*` take DTensor inputs.
 
-Every op is per row (the softmax runs over the sources, the norms and dots over the feature
-axis), so sources sharded on an axis other than `dim` (or Replicate) with a Replicate query give
-the output sharded as the sources; in the backward the query gradient is Partial(). Other
-placements are redistributed to one row shard or Replicate. A sharded feature axis is refused
-with `ShardingError` naming the fix (shard the sequence axis, or replicate).
-The forward and the two-phase pair use torch's `register_sharding`; the backward needs a
-`register_prop_rule` propagation rule instead, because for a (Tensor[], Tensor) return the
-op-strategy propagator builds no output spec ("output spec does not match with output!").
+The ops are per row, so sources sharded off the feature axis (or Replicate) with a Replicate query
+give output sharded as the sources and a Partial() query gradient; other placements are
+redistributed; a sharded feature axis raises `ShardingError`. The backward uses
+`register_prop_rule` rather than `register_sharding`, because for its (Tensor[], Tensor) return
+the op-strategy propagator builds no output spec.
 """
 
 from __future__ import annotations

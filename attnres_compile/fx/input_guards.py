@@ -1,13 +1,10 @@
 """torch.export's per-call input checks, with each input's checks read once instead of every call.
 
-`ExportedProgram.module(check_guards=False)` (how api.trace takes a program) installs a pre-hook
-that walks every input's fake shape through sympy on every call, a large share of a KV-cache
-decoder's generate(). torch's `check_guards=True` form instead puts a `_guards_fn` node in the
-graph and changes the failure contract. So `install` keeps torch's hook and puts `InputGuards`
-in front of it: a call whose inputs plainly pass (positional plain tensors, the exported count,
-ranks, static dims equal, each dynamic dim consistent and in range, minimums <= 2 not enforced,
-as torch does), checked against facts read once per graph, is accepted; anything else goes to
-torch's hook, so what passes is what torch passes and the errors are torch's own.
+`install` puts `InputGuards` in front of the pre-hook `ExportedProgram.module()` installs (which
+re-walks every input's fake shape through sympy per call): a call whose inputs plainly pass
+(positional plain tensors, count, ranks, static dims, dynamic dims consistent and in range) is
+accepted from facts read once per graph; anything else goes to torch's hook, so what passes and
+the errors are torch's own.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The depth-attention op's fused TVM kernels, called on torch tensors (DLPack, zero-copy).
 
-`forward`, `backward` and the two-phase pair `partial`, `merge` return None where the fused
-kernels do not apply (storage dtypes other than float32/float16/bfloat16, a feature axis other
-than the last, rank-1 sources, devices other than CPU and CUDA, or mode "auto" without a usable
-TVM); the op then runs its eager reference. Calls over more than CHAIN_ABOVE sources run as a
-chain of kernels over at most PARTIAL_CHUNK sources, so the kernels built do not grow with depth.
-Before TVM starts its pool, TVM_NUM_THREADS defaults to the CPU count, TVM_BIND_THREADS and
-TVM_THREAD_POOL_SPIN_COUNT to 0 (spinning workers steal torch's cores); CUDA calls run on
-torch's current stream. docs/design.md, *6. The depth-attention op and its kernels*, says why.
+`forward`, `backward`, `partial`, `merge` return None where the kernels do not apply (other
+dtypes than float32/float16/bfloat16, feature axis not last, rank-1 sources, devices other than
+CPU/CUDA, no usable TVM in mode "auto"); the op then runs its eager reference. Calls over more
+than CHAIN_ABOVE sources run as chains of at most PARTIAL_CHUNK. TVM_NUM_THREADS defaults to the
+CPU count, TVM_BIND_THREADS and TVM_THREAD_POOL_SPIN_COUNT to 0 (docs/design.md §6 says why).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The kernel cache's folders and files, trusted only as far as they are provably this user's own.
 
-A cached kernel is a shared library and loading it runs its code, so nothing another user could
-have written is loaded. The cache folder is created only below an existing base (the parent of
-an absolute ATTNRES_KERNEL_CACHE, $XDG_CACHE_HOME, or $HOME/.cache); every folder is 0700, opened
-without following symlinks, and used only when owned by this user and not group/other-writable.
-An entry is one file (a header with the library's size and SHA-256, then the library), written
-under a temporary name and renamed into place. A read checks type, owner and mode on the open
-descriptor, then size and hash, and hands the loader a private copy of those bytes (`copy`), so
-a later change to the entry cannot reach dlopen. Dead writers' `.tmp-<pid>-...` files are removed.
+A cached kernel is code, so nothing another user could have written is loaded. Folders (below an
+existing base: ATTNRES_KERNEL_CACHE's parent, $XDG_CACHE_HOME or $HOME/.cache) are 0700, opened
+without following symlinks, used only if owned by this user and not group/other-writable. An entry
+is a header (size, SHA-256) plus the library, renamed into place; a read checks the open
+descriptor, size and hash, and hands dlopen a private copy (`copy`).
 """
 
 from __future__ import annotations

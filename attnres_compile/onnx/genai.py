@@ -1,13 +1,10 @@
 """onnxruntime-genai model folders: their config read as data, and what a rewrite to another folder carries.
 
-A rewrite into another folder carries the rest of the genai folder (config, tokenizer files)
-beside the rewritten decoder, with the config's decoder file name changed to the output's, so
-the output is a genai folder whose `og.Generator` gives the original's tokens.
-The config is read as data, never as instructions to load code or write files: og hands
-`session_options` to onnxruntime, where keys can dlopen libraries or write files. `read_config`
-checks it against an allow-list (`SESSION_OPTIONS`, `SESSION_ENTRIES`, `PROVIDERS`) and refuses
-anything else, duplicate keys, library names and paths leaving the folder (UnsafeConfigError,
-exit 21); a config that is a symlink, not JSON or malformed is an InputError (exit 6).
+A rewrite into another folder carries the config and tokenizer files beside the rewritten decoder
+(the config's decoder file name updated), so the output serves the original's tokens. The config
+is read as data only: `read_config` checks it against an allow-list (`SESSION_OPTIONS`,
+`SESSION_ENTRIES`, `PROVIDERS`), since onnxruntime options can load libraries or write files, and
+refuses anything else (UnsafeConfigError, exit 21; malformed: InputError, exit 6).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Site + norm fusion in an AttnRes ONNX graph: the ONNX form of fx/site_norm.py.
 
-A `DepthAttention` site (feature axis -1) read by a norm over the last axis becomes one
-`DepthAttentionNorm` node (onnx/function.py) whose outputs keep the site's and the norm's output
-names. Recognised norms: `LayerNormalization` (axis -1, mean/inv-std outputs unread),
-`SimplifiedLayerNormalization`, and RMSNorm decomposed (Pow, ReduceMean, Add eps, Sqrt, then
-Reciprocal+Mul, Div(1, s)+Mul or Div; then Mul by a [D] weight; float32 casts of a float32 site
-included). The norm's weight and bias must exist where the site is; sites read by two norms and
-other forms stay. The pair is a one-pass site: `onnx_grouping.group_sites`, run after this,
-regroups only the DepthAttention nodes left.
+A `DepthAttention` site (axis -1) read by a norm over the last axis (`LayerNormalization`,
+`SimplifiedLayerNormalization`, or RMSNorm decomposed as exporters write it, float32 casts
+included) becomes one `DepthAttentionNorm` node keeping both output names. The norm's weight and
+bias must exist where the site is; other forms stay. Pairs are one-pass sites, so
+`onnx_grouping.group_sites`, run after this, regroups only the DepthAttention nodes left.
 """
 
 from __future__ import annotations

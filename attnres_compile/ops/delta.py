@@ -2,12 +2,10 @@
 
     out = base + gate * scale * sum_i softmax_i(w . RMSNorm(s_i)) * s_i      over the feature axis `dim`
 
-`base` is the plain sum the original graph held at the site, `gate` the site's float32 [1] gate
-(0 at a conversion: out is `base`, bitwise). A separate op, so that no pass reading
-`depth_attention`'s five arguments drops the delta part unnoticed; implementations and observers
-as depth_attention.py's. At gate 0 the query's gradient is zero, so a conversion trains the gates
-first. The two-phase form `depth_attention_merge_delta(..., base, gate, ...)` is
-`base + gate * depth_attention_merge(...)`.
+`base` is the site's plain sum, `gate` its float32 [1] gate (0 at conversion: out is `base`,
+bitwise, and the query's gradient is zero, so the gates train first). A separate op, so no pass
+reading `depth_attention`'s arguments drops the delta part unnoticed. Two-phase form:
+`depth_attention_merge_delta(..., base, gate, ...) = base + gate * depth_attention_merge(...)`.
 """
 
 from __future__ import annotations

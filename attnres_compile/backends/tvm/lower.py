@@ -1,13 +1,10 @@
 """`LowerDepthAttention`: every placeholder site (sites.py) becomes one call_tir to a fused kernel.
 
-Sources whose feature axis is the last go to the kernel as they are (symbolic row dims, no
-reshape); others (NCHW streams) are permuted to [rows, D] and the result back. Kernels come from
-kernels/tensorir.py with hand schedules (kernels/schedule.py), are added to the module once, and
-are marked `tirx.is_scheduled` and opaque so that dlight, the tuner and FuseOps leave them whole.
-Sites sharing a history are grouped first (onnx_grouping.site_groups); a group whose two-phase
-form wins gets a chain of partial kernels over at most PARTIAL_CHUNK sources at its first site
-and one merge kernel per site (docs/design.md §6). Each site has exactly one site-kernel call
-(names starting with KERNEL_PREFIX, partials with PARTIAL_PREFIX).
+Sources with the feature axis last go in as they are; others are permuted to [rows, D] and back.
+Kernels (kernels/tensorir.py, schedule.py) are added once and marked scheduled and opaque, so
+dlight, the tuner and FuseOps leave them whole. Sites sharing a history may become a chain of
+partials plus one merge per site (docs/design.md §6). Each site has one site-kernel call (names
+start with KERNEL_PREFIX, partials with PARTIAL_PREFIX).
 """
 
 from __future__ import annotations

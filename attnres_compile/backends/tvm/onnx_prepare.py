@@ -1,13 +1,10 @@
 """ONNX models made importable by TVM's frontend: a folding pre-pass and converters for what it gets wrong.
 
-`simplify` fixes the dims the user gave (`--static-shape`), makes weights listed as inputs
-plain initializers, then folds constants and infers shapes with onnxscript's optimizer (local
-functions, the sites among them, kept whole), so that legacy exports' run-time shape arithmetic
-becomes constants TVM's importer does not lose. `ConverterFixes` is a mixin for the graph
-importer that replaces stock converters which fail or give wrong shapes (ConstantOfShape, TopK
-sorted=0, Expand, Reshape of dims, SequenceInsert, Tile, integer Div of a dim, ...) and re-raises
-any converter failure as one CompileError line naming the ONNX op and node; each node's outputs
-are then held to the dims the file names (named_dims.py).
+`simplify` fixes `--static-shape` dims, makes weights listed as inputs initializers, and folds
+constants with onnxscript's optimizer (sites kept whole), so run-time shape arithmetic becomes
+constants. `ConverterFixes` replaces stock converters that fail or give wrong shapes and turns a
+converter failure into one CompileError naming the node; outputs are held to the file's named
+dims (named_dims.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """torch.export programs made convertible by TVM's PyTorch frontend (`from_exported_program`).
 
-`convertible(program)` returns a copy (graph copied, weights shared) with the ops the frontend
-gets wrong replaced by equivalents it handles: non-tensor user inputs dropped (export specialised
-on them), `aten.contiguous` -> `aten.clone(memory_format=contiguous)` and `aten.view` ->
-`aten.reshape` (decomposed, a later view saw other strides and failed), `aten.index` indices
-taken modulo the size (TVM read negative ones out of bounds), `aten.cumsum` of bools/small ints
-given its int64 dtype, `aten.topk(sorted=False)` made sorted (one valid order; the converter
-refuses unsorted), and `aten.cat` without its empty 1-D inputs (HF DynamicCache's
-`torch.tensor([])`, which torch skips and the converter refuses).
+`convertible(program)` returns a copy (graph copied, weights shared) where ops the frontend gets
+wrong are replaced by equivalents: non-tensor user inputs dropped, `contiguous` -> `clone`, `view`
+-> `reshape`, `index` indices taken modulo the size, `cumsum` of bools given its int64 dtype,
+unsorted `topk` sorted, and empty 1-D `cat` inputs dropped (HF DynamicCache's start).
 """
 
 from __future__ import annotations

@@ -23,12 +23,8 @@ from ..utils.pytree_warning import silenced
 
 
 def called_blocks(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = None) -> torch.nn.Module:
-    """`gm` (a rewritten GraphModule) as a module whose blocks are called submodules.
-
-    `example_inputs` (a tuple, or one tensor) are inputs `gm` accepts; dims that are symbolic in
-    `gm` (e.g. a dynamic batch) stay dynamic. The result computes what `gm` computes (checked on
-    the example, bitwise) and has `gm`'s parameter and buffer names; it records `gm`'s mode
-    (dropout and batch norm as in `gm` when called).
+    """`gm` (a rewritten GraphModule) as a module whose blocks are called submodules, computing what
+    `gm` does (checked bitwise on `example_inputs`) with its parameter names, symbolic dims and mode.
     """
     if not isinstance(gm, fx.GraphModule):
         raise ConfigError(f"called_blocks: gm is a {type(gm).__name__}, not a torch.fx.GraphModule: pass the rewritten "

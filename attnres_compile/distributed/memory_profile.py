@@ -84,13 +84,11 @@ class Boundary:
 
 @dataclass
 class Profile:
-    """One micro-batch of the model, measured: `parts[0]` is what runs before the first layer
-    (embedding, mask, rotary tables), `parts[i + 1]` layer i with what follows it up to the next
-    layer (the last one: the final norm, the head and the loss). `params`/`buffers`/`held` per part
-    in bytes (`held`: alive after the forward, until backward); `transient`: the most backward
-    allocates above what the forward left (gradients of parameters excluded) once it is through
-    the last layer's output, `transient_head` before (final norm, head, loss: the last stage's); `links[i]`: the
-    chain's residual links (sublayers) in layer i; `outputs`: bytes of the model's outputs."""
+    """One micro-batch, measured: `parts[0]` is what runs before the first layer, `parts[i + 1]` layer i
+    up to the next (the last: final norm, head and loss). Per part in bytes: `params`, `buffers`,
+    `held` (alive from forward to backward); `transient` / `transient_head`: backward's peak above the
+    forward's leftovers after / before the last layer; `links[i]`: layer i's residual links;
+    `outputs`: the model outputs' bytes."""
 
     layers: list[str]
     params: list[int]

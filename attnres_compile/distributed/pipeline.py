@@ -118,12 +118,10 @@ def split_stages(gm: fx.GraphModule, example_inputs: Any, kwargs: dict | None = 
                  stage_ranks: Sequence[int] | None = None) -> tuple[list[fx.GraphModule], StagePlan]:
     """Stage modules of `gm` (a rewritten GraphModule) and their plan.
 
-    `example_inputs`/`kwargs`: one micro-batch (stages are built at its shapes; non-tensor inputs
-    fixed at its values). Give `num_stages` (blocks spread evenly) or `cuts` (the blocks that begin
-    a stage, e.g. ["blocks.2"]). Stage 0 takes the model's inputs flattened in `plan.inputs` order;
-    the last stage returns the model's output leaves (one tensor alone, else a tuple). A parameter
-    used by two stages (tied weights) is refused. `stage_ranks` (the rank of each stage) enables
-    the rank-local cache (stage_cache.py); stages on one rank must share the process.
+    `example_inputs`/`kwargs`: one micro-batch (stages are built at its shapes). Give `num_stages` or
+    `cuts` (the blocks that begin a stage, e.g. ["blocks.2"]). Stage 0 takes the inputs flattened in
+    `plan.inputs` order; the last returns the model's output leaves (one tensor alone, else a tuple).
+    Tied weights across stages are refused. `stage_ranks` enables the rank-local cache (stage_cache.py).
     """
     _check_split(gm, num_stages, cuts, max_carried)  # before the export, which takes a while
     if stage_ranks is not None and num_stages is not None:

@@ -179,12 +179,8 @@ class DecoderWithPast(nn.Module):
 
 def relax_mask_length(gm) -> None:
     """Let the traced decoder take an attention mask of any length from 1, as its other inputs do.
-
-    torch.export treats the dynamic past and sequence lengths as at least 2 while tracing (0/1
-    specialisation) and does not enforce those minimums when called (an empty past, one new
-    token), but the mask's length, their sum, gets a derived minimum of 4 that it does enforce: a
-    prompt of 1 to 3 tokens (an empty past) was refused. The graph computes any length (its ONNX
-    and .pt2 exports run it), so the mask's minimum becomes the others' unenforced 2."""
+    torch.export gives the mask's length (past + sequence) an enforced derived minimum of 4, which
+    refused 1-3 token prompts; the graph computes any length, so it becomes the others' unenforced 2."""
     import sympy
     from torch.utils._sympy.value_ranges import ValueRanges
 

@@ -66,12 +66,9 @@ def _dim(d) -> int | str:
 
 
 class InputDims:
-    """Names a graph's symbolic dims by the input dim the trace's shape env proves them equal to.
-
-    A chunked scan (Mamba2) pads the sequence to whole chunks and slices it back: its output's
-    dim is `(s53 + Mod(4 - Mod(s53, 4), 4))//4 * ...`, which the export's guards make equal to
-    `s53`; compared as text, the branch and the skip would differ. Dims proven equal to no input
-    dim keep their own text.
+    """Names a graph's symbolic dims by the input dim the trace's shape env proves them equal to, so a
+    padded-then-sliced dim (Mamba2's chunked scan) compares equal to its input dim; others keep their
+    own text.
     """
 
     def __init__(self, gm: fx.GraphModule):

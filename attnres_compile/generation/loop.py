@@ -96,12 +96,9 @@ def warm_up(step: Step, prompt: np.ndarray, empty_past: dict[str, np.ndarray],
 def greedy(step: Step, prompt: np.ndarray, empty_past: dict[str, np.ndarray], max_new_tokens: int,
            eos_token_id: int | Sequence[int] | None = None, attention_mask: np.ndarray | None = None,
            pad_token_id: int | None = None) -> Generated:
-    """Greedy tokens after `prompt` ([batch, length] int64, left-padded where `attention_mask` has 0s):
-    argmax of the last logits, one token a step.
-
-    `empty_past`: every past input with length 0 (the prefill's). A row stops at any of
-    `eos_token_id`; later tokens of a finished row are `pad_token_id` (default: the first
-    end-of-sequence id), and the loop ends when every row has stopped, as HF generate() does.
+    """Greedy tokens after `prompt` ([batch, length] int64, left-padded where `attention_mask` has 0s).
+    `empty_past`: every past input at length 0. A row stops at any of `eos_token_id` and is then
+    padded with `pad_token_id` (default: the first eos id); the loop ends when all rows stopped.
     """
     prompt, mask = _inputs(prompt, attention_mask)
     batch, length = prompt.shape

@@ -167,13 +167,10 @@ class Compiled:
 
 
 def split(graph: fx.Graph, blocks: dict[fx.Node, int], layers: str | None) -> tuple[fx.Graph, list[fx.Graph]]:
-    """(the backbone's graph, one graph per layer) of an outlined graph whose nodes carry layer
-    indices: each layer's nodes move into a graph of their own, called in the backbone's graph as
-    `call_module(<layers>.<i>, (attnres_blocks[k], *inputs))`, its values read back by getitem. A
-    layer's get_attr / call_module targets under `<layers>.<i>.` become relative to the layer; any
-    other attribute it reads is an input. The graph is returned whole (no layer graphs; an unused
-    `attnres_blocks` placeholder first, so the call is the same) without `layers`, without indexed
-    nodes, or where a layer's nodes are not one run in graph order."""
+    """(the backbone's graph, one graph per layer) of an outlined graph whose nodes carry layer indices.
+    Each layer becomes `call_module(<layers>.<i>, (attnres_blocks[k], *inputs))` with targets relative
+    to the layer. The graph is returned whole (with an unused `attnres_blocks` placeholder) without
+    `layers`, without indexed nodes, or where a layer's nodes are not one run in graph order."""
     order = [n for n in graph.nodes if n.op != "get_attr"]
     runs: list[int] = []
     for node in order:

@@ -54,13 +54,10 @@ PARTIAL_CHUNK = 8  # history sources per compiled partial kernel: a longer histo
 
 
 def partial_links(bounds: list[int], length: int) -> list[int]:
-    """Where the links of a partial chain over `length` history sources start, then `length`: the
-    fused kernels (TVM lowering, the eager op) read a long history as a chain of partials over at
-    most PARTIAL_CHUNK sources, each continuing the last one's state, so a few small compiled
-    kernels serve every length. The links of `bounds` (the previous group's chain, over a prefix of
-    this history) are kept: Full's groups grow by their size, so each chain is the one before plus
-    one link of the same length, and two kernels serve them all (GPT-2 Full at 48 sublayers: links
-    of 8 and 7). A history of at most PARTIAL_CHUNK sources is one link."""
+    """Where the links of a partial chain over `length` history sources start, then `length`: links of
+    at most PARTIAL_CHUNK sources, so a few compiled kernels serve every length. The links of `bounds`
+    (the previous group's chain over a prefix) are kept, so Full's growing groups reuse the same two
+    kernels."""
     if length <= PARTIAL_CHUNK:
         return [0, length]
     kept = [b for b in bounds if b <= length]

@@ -225,13 +225,10 @@ def backward_delta(sources: list[torch.Tensor], query: torch.Tensor, gate: torch
 
 def _backward_chunks(sources: list[torch.Tensor], query: torch.Tensor, grad: torch.Tensor, eps: float,
                      scale: float, dim: int, gate: torch.Tensor | None = None):
-    """`backward` over a long source list: the softmax state (m, l, acc) from the partial chain,
-    ubar = g.acc / l per row (the p-weighted mean of u_k = g.s_k), then a backward_chunk kernel
-    per PARTIAL_CHUNK sources (and one for the rest), whose query gradient shares are summed.
-    The kernels are built for scale 1 and given l / scale: their p_k = exp(z_k - m) / l is then
-    scale * p_k, which is all the scale enters, so one kernel serves every scale. With `gate`
-    (Delta AttnRes, float32 [1]) the delta chunks multiply their coefficients by it, and the gate's
-    gradient scale * sum(ubar) is returned third."""
+    """`backward` over a long source list: the softmax state from the partial chain, ubar = g.acc / l
+    per row, then a backward_chunk kernel per PARTIAL_CHUNK sources, their query gradients summed.
+    Kernels are built for scale 1 and given l / scale, so one kernel serves every scale. With `gate`
+    (Delta, float32 [1]) the gate's gradient scale * sum(ubar) is returned third."""
     s0, count = sources[0], len(sources)
     bounds = [*range(0, count, kernel_cache.PARTIAL_CHUNK), count]
     chunks = list(zip(bounds, bounds[1:]))

@@ -46,13 +46,10 @@ def _fuse_rows(sch: s_tir.Schedule) -> None:
 
 
 def _chunk_rows(sch: s_tir.Schedule, chunks: int) -> bool:
-    """The backward's query gradient `dw` is a reduction over rows: give every stage the loops
-    (chunk, step) over rows step * chunks + chunk and rfactor dw over the chunks, so each chunk
-    (a thread, or a CUDA thread block) accumulates its own partial dw and a last stage sums the
-    partials. The chunk count is the constant (inner) split factor: a symbolic one would make
-    the partial's binding non-affine, which the loop primitives refuse. False if no dw. (One dw
-    block only: a second's partial sums would be merged into the row loop past the first's final
-    sum, which merge places before the loop.)"""
+    """Split the rows into a constant number of chunks (a symbolic count would make the binding
+    non-affine) and rfactor the backward's query gradient `dw` over them, so each thread or CUDA
+    block accumulates its own partial and a last stage sums them. False if there is no dw. Handles
+    one dw block only."""
     if "dw" not in [name for name, _ in _stages(sch)]:
         return False
     dw = sch.get_sblock("dw")
@@ -164,14 +161,10 @@ def schedule_cpu(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
 
 
 def schedule_cuda(func: tirx.PrimFunc, target: Target, max_threads: int = 256) -> tirx.PrimFunc:
-    """One thread block per row (the backward: per chunk of rows, looping over its rows); each
-    thread owns `per_thread` contiguous features.
-
-    Thread t holds features [t*per_thread, (t+1)*per_thread) of the row (vector loads, and the
-    sources stay in registers between the stats and the elementwise stages); stats reductions
-    run in-thread then across the block (cross-thread allreduce); per-row scalars are computed
-    redundantly by every thread into registers, after the reduction results are shared through
-    shared memory. The backward's partial query gradients are summed by a second kernel."""
+    """One thread block per row (the backward: per chunk of rows); each thread owns `per_thread`
+    contiguous features, kept in registers from the stats to the elementwise stages. Stats reduce
+    in-thread, then across the block; every thread computes the per-row scalars. The backward's
+    partial query gradients are summed by a second kernel."""
     sch = s_tir.Schedule(func)
     _fuse_rows(sch)
     chunked = _chunk_rows(sch, CUDA_CHUNKS)

@@ -246,13 +246,10 @@ def depth_attention_partial_func(
     rank: int = 2,
     start: bool = False,
 ) -> tirx.PrimFunc:
-    """Phase 1 of Block AttnRes: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows..], l[B, rows..],
-    acc[B, rows.., D])` stores the unnormalised softmax state of each of B queries over the J
-    completed blocks (float32): m the max logit, l = sum_j exp(z_j - m), acc = sum_j exp(z_j - m) b_j.
-    With `start`, `partial(b0, ..., w, m0, l0, acc0, m, l, acc)` continues the state (m0, l0, acc0)
-    of earlier blocks (online softmax): a long history is then a chain of short partials, one
-    compiled kernel for every link of every group's chain. The schedules load each block once per
-    row for all queries."""
+    """Phase 1: `partial(b0, ..., b{J-1}, w[B, D], m[B, rows..], l[B, rows..], acc[B, rows.., D])`
+    stores each of B queries' float32 softmax state over J blocks: m the max logit,
+    l = sum_j exp(z_j - m), acc = sum_j exp(z_j - m) b_j. With `start`, `partial(b0, ..., w, m0, l0,
+    acc0, m, l, acc)` continues an earlier state, so a long history is a chain of short links."""
     _check(num_blocks, "block", feature_size, dtype)
     _check(num_queries, "query", feature_size, dtype)
     J, B, D, rows = num_blocks, num_queries, feature_size, _rows(rank)

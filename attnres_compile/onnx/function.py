@@ -229,12 +229,9 @@ def definition(node: onnx.NodeProto) -> tuple[str, Callable[[int], onnx.Function
 
 
 def attach_functions(model: onnx.ModelProto) -> int:
-    """Give every attnres node of `model.graph` its overload and function definition.
-
-    The attnres functions are (re)generated from the nodes: definitions already in the model
-    under our domain are replaced, so the file holds exactly the bodies this module writes.
-    Also imports the `attnres` domain and raises the IR version to one with overloads.
-    Returns the number of sites (DepthAttention and Merge nodes).
+    """Give every attnres node of `model.graph` its overload and function definition, replacing any
+    attnres definitions already there; imports the domain and raises the IR version to one with
+    overloads. Returns the number of sites (DepthAttention and Merge nodes).
     """
     opset = default_opset(model)
     ours = [n for n in model.graph.node if n.domain == DOMAIN]

@@ -347,12 +347,10 @@ def _vectorize_innermost(sch: s_tir.Schedule, block, lane: int) -> None:
 class RowReduction(_SafeRule):
     """Row reductions in dlight's `Reduction` form (softmax, layer and RMS norms), one row at a time.
 
-    The rows loop in parallel, every stage is computed at the row, and each reduction over a
-    trailing axis that is a static multiple of the vector width (or a half or quarter of it) keeps
-    one partial sum per lane (rfactor), summed across lanes at the end of the row. A stage that
-    would be recomputed per row (a mean over the rows), or an output with no axis beyond the rows
-    (a pooling; vectorising its row loop fails "VectorizeLoop before LiftStorageAlloc"), leaves
-    the operator to the next rule."""
+    Rows in parallel, every stage computed at the row, each reduction over a static multiple of the
+    vector width (or a half or quarter) kept as one partial sum per lane. A stage recomputed per row,
+    or an output with no axis beyond the rows (which TVM cannot vectorise), leaves the operator to
+    the next rule."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:

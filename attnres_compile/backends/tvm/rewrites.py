@@ -269,12 +269,10 @@ def _scores(a: te.Tensor, keys: te.Tensor, scale: float | None) -> te.Tensor:
 class KeysInPlace:
     """`matmul(q, reshape/permute(K) * c)` with the permute swapping K's last two axes -> one operator reading K where it is.
 
-    This is ONNX's scaled dot-product attention (K [batch, heads, past + sequence, head_dim],
-    transposed through a [batch * heads, ...] view and scaled), for which TVM would copy the keys
-    three times per call with symbolic extents. Grouped-query attention (HF's repeat_kv) also reads
-    the cache unrepeated, the queries or probabilities viewed per KV head (`_grouped`). Scores of a
-    static PREFILL_ROWS queries or more keep the copy: there the product is a GEMM whose key loads
-    every query row shares, and the copy is one pass over K."""
+    ONNX's scaled dot-product attention, for which TVM would copy the keys three times per call.
+    Grouped-query attention (HF's repeat_kv) also reads the cache unrepeated (`_grouped`). Scores of
+    PREFILL_ROWS static queries or more keep the copy: there the product is a GEMM, and the copy one
+    pass over K."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return rewrite_functions(mod, _KeysMutator)

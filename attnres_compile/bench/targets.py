@@ -80,13 +80,10 @@ def configs_text(configs: tuple[tuple[int, int], ...]) -> str:
 
 def evaluate(rows: list[dict], compiles: list[dict], tuning: dict, targets: tuple[Target, ...] = TARGETS,
              models: tuple[str, ...] = MODELS) -> list[dict]:
-    """One verdict per target: {"name", "target", "measured" (the worst value, on the deciding
-    clock), "beside" (the worst on the other clock), "floor", "where", "covered", "expected", "met"
-    (True, False, or None: not measured or within noise), "verdict" (MET, NOT MET, WITHIN NOISE, not
-    measured), "band" and "band_where" (the interval the verdict was decided on, and whose), "note"}.
-    `tuning` is the run's TVM tuning setting ({"tune_minutes", "trials"}): the tuned target holds
-    only for a run tuned TUNE_MINUTES minutes. `targets` and `models` (whose configurations each
-    target expects): another benchmark's (bench decode)."""
+    """One verdict per target: {"name", "target", "measured" (worst, deciding clock), "beside" (worst,
+    other clock), "floor", "where", "covered", "expected", "met" (True, False, None), "verdict",
+    "band", "band_where", "note"}. `tuning` ({"tune_minutes", "trials"}): the tuned target holds only
+    for a run tuned TUNE_MINUTES. `targets`/`models`: another benchmark's (bench decode)."""
     return [_verdict(t, rows, compiles, tuning, models) for t in targets]
 
 

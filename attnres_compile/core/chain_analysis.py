@@ -171,12 +171,9 @@ def _value_path(g: nx.DiGraph, node: str) -> list[str]:
 
 
 def _depends_on(g: nx.DiGraph, node: str, skip_path: list[str]) -> bool:
-    """Whether `node` reads the skip value (any node of `skip_path`) through an op that is not an add.
-
-    A branch transforms the skip (norm, matmul, ...); a value reached only as an addend
-    (an attention mask added to every layer's scores) is not a skip. Depth-attention nodes
-    are barriers: in a rewritten graph the branches read the site outputs, never the sums,
-    so block sums and sources never form links again.
+    """Whether `node` reads the skip value (any node of `skip_path`) through an op that is not an add
+    (a value reached only as an addend, like an attention mask, is no skip). Depth-attention nodes are
+    barriers, so a rewritten graph's sums never form links again.
     """
     nodes = g.nodes
     targets = set(skip_path)

@@ -37,13 +37,9 @@ def site_groups(terms: list[list]) -> list[tuple[int, int, int]]:
 
 
 def two_phase_wins(history: int, extras: list[int], itemsize: int, min_history: int | None = None) -> bool:
-    """Whether a group of sites over `history` shared sources (and `extras[i]` own ones each) runs
-    as one partial plus a merge per site rather than one single-pass site each.
-
-    It must move fewer bytes per row (the partial reads the history once and writes a float32
-    state per site, which its merge reads), and the history must be long (`min_history`, default
-    MIN_HISTORY): a short one stays in cache across the sites at inference's sequence lengths,
-    where the pair's extra calls and state cost more than re-reading it (docs/tvm.md)."""
+    """Whether a group of sites over `history` shared sources (and `extras[i]` own ones each) runs as one
+    partial plus a merge per site: it must move fewer bytes per row, and the history must be at least
+    `min_history` long (a short one stays in cache, where the pair's extra calls cost more)."""
     one_pass = sum(history + e + 1 for e in extras) * itemsize
     two_phase = history * itemsize + sum(2 * STATE_BYTES + (e + 1) * itemsize for e in extras)
     return history >= (MIN_HISTORY if min_history is None else min_history) and two_phase < one_pass

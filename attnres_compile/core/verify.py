@@ -65,12 +65,9 @@ def tolerance(scale: str, changes_function: bool) -> Tolerance | None:
 
 
 def compare(expected: Any, actual: Any, tol: Tolerance | None, truth: Any = None) -> list[dict]:
-    """One row per tensor output leaf: errors, the tolerance, `min_rtol` and the verdict.
-
-    `tol=None` reports the errors without a verdict (the rewrite changes the function);
-    `truth`: the original's outputs from a float64 run (same structure), used for fp16/bf16.
-    A row's "verdict" is "pass", "fail", "too small", "empty" or "none"; "ok" is True/False on
-    pass/fail. Integer and bool outputs ("exact") must be equal.
+    """One row per tensor output leaf: errors, the tolerance, `min_rtol` and the verdict ("pass",
+    "fail", "too small", "empty" or "none"; "ok" True/False on pass/fail). `tol=None`: no verdict
+    (the rewrite changes the function). `truth`: a float64 run's outputs, for fp16/bf16.
     """
     exp_leaves, _ = pytree.tree_flatten_with_path(expected)
     act_leaves, _ = pytree.tree_flatten_with_path(actual)

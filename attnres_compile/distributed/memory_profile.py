@@ -28,12 +28,10 @@ from .pipeline import _assign, _blocks, _carried, block_starts
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages alive, counted as torch ops make them (each storage once, until
-    its last reference goes): the allocated bytes a device allocator reports, without its rounding
-    and cache, on any device, CPU included (where torch keeps no such counter). Storages that exist
-    before the mode is entered count only once passed to `track` (parameters, optimizer state).
-    `part` labels the storages made from now on (`by_part` sums the live ones per label); `peak` is
-    the most alive since `reset_peak`, less `discount` (bytes the caller accounts for elsewhere)."""
+    """Bytes of tensor storages alive, counted as torch ops make them (each storage once), on any
+    device, CPU included. Storages from before count once passed to `track`. `part` labels new
+    storages (`by_part` sums the live ones); `peak` is the most alive since `reset_peak`, less
+    `discount`."""
 
     def __init__(self):
         super().__init__()

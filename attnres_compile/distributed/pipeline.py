@@ -31,12 +31,9 @@ MAX_CARRIED = 24  # history tensors one hop may carry before the split is refuse
 
 @dataclass
 class Carried:
-    """One value crossing a hop: `kind` is "history" (a source of a site: a block sum, or a sublayer
-    output in Full), "stream" (a site's output: the hidden state the next sublayer reads), "input"
-    (a model input) or "other" (masks, rotary tables); `made`: the stage that made it (0 for an
-    input); `relayed` when the stage before the hop only passes it on; `cached` when the plan has
-    `stage_ranks` and the receiving stage reads it from its rank's cache instead (see
-    `stage_cache.seen_before`)."""
+    """One value crossing a hop: `kind` "history", "stream", "input" or "other"; `made` the stage that
+    made it (0: an input); `relayed` when the stage before only passes it on; `cached` when the
+    receiving stage reads it from its rank's cache (`stage_cache.seen_before`)."""
 
     name: str
     kind: str

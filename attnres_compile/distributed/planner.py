@@ -316,12 +316,10 @@ def _stage_terms(profile: Profile, k: int, stage_of_layer: list[int], hops: list
 
 def _activations(profile: Profile, parts: list[int], links: int, relayed: list[Carried], size: int,
                  checkpoint: SitePolicy | None) -> tuple[int, int, int]:
-    """(activations, history, backward transient) of one micro-batch in a stage whose parts hold
-    `links` sublayers and which relays `relayed` to the next hop (fresh copies). Without
-    checkpointing: the parts' profiled activations, and one saved source per sublayer. Checkpointed
-    layers keep their inputs: the stream, and the sources a later layer reads (Full: every one;
-    Block: the finished block sums and one partial sum per layer), with `save_sites` the sites'
-    outputs; backward recomputes one layer at a time, its activations on top of the transient."""
+    """(activations, history, backward transient) of one micro-batch in a stage of `links` sublayers
+    relaying `relayed`. Without checkpointing: the profiled activations and one source per sublayer;
+    checkpointed layers keep their inputs (and with `save_sites` the sites' outputs), and backward
+    recomputes one layer at a time on top of the transient."""
     copies = sum(v.bytes for v in relayed if v.kind != "history")
     relayed_history = sum(v.bytes for v in relayed if v.kind == "history")
     if checkpoint is None:

@@ -21,11 +21,9 @@ V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # torch places the
 
 
 def seen_before(plan: Any, stage_ranks: Sequence[int]) -> list[frozenset[str]]:
-    """Per hop of `plan` (hop h: stage h to h + 1), the names of the values it carries that the
-    receiving stage's rank already holds for the same micro-batch.
-
-    A value made by stage m (inputs: stage 0) is on the rank of every stage m … h, so the receiver
-    holds it if its rank ran one of them. A hop between two stages on one rank leaves nothing out.
+    """Per hop h of `plan` (stage h to h + 1), the values it carries that the receiving rank already
+    holds for the micro-batch: one made by stage m is on the rank of every stage m … h. A hop
+    between two stages on one rank leaves nothing out.
     """
     ranks = check_ranks(stage_ranks, len(plan.stages))
     seen = []

@@ -19,11 +19,9 @@ from torch.utils import _pytree as pytree
 
 
 class InputGuards:
-    """A forward pre-hook (with kwargs) in front of torch's `_check_input_constraints_pre_hook`.
-
-    Its checks are read from the module on the first call after each recompile (a graph edit
-    takes effect through `recompile()`). A deep copy starts empty; GraphModule's own deepcopy
-    drops forward pre-hooks, torch's included, so a copied module is checked by neither.
+    """A forward pre-hook (with kwargs) in front of torch's `_check_input_constraints_pre_hook`; its
+    checks are read on the first call after each `recompile()`. GraphModule's deepcopy drops forward
+    pre-hooks, torch's too, so a copied module is checked by neither.
     """
 
     def __init__(self) -> None:

@@ -82,12 +82,9 @@ def _on(tensor: torch.Tensor, dtype: torch.dtype, device: int) -> bool:
 
 
 def lean_copy(graph_module: fx.GraphModule, edit: Callable[[fx.Graph], bool] | None = None) -> Lean | None:
-    """A Lean copy of `graph_module` (a torch.export module: its nodes carry fake values), `edit`
-    applied first to the copied graph (returning False: no copy); None
-    where an input has no traced tensor value, an attribute is not a tensor or a module, or a node
-    calls a submodule other than `ExportedProgram.module()`'s `_guards_fn` (a symbolic_trace
-    graph: its attributes are not all read by get_attr). The `_guards_fn` call stays in the copy
-    (torch's guards of the inputs, every call; empty in a .pt2 written by `rewrite`, pt2.drop_guards)."""
+    """A Lean copy of a torch.export `graph_module`, `edit` applied first (False: no copy); None where an
+    input has no traced value, an attribute is neither tensor nor module, or a node calls a submodule
+    other than `_guards_fn` (which stays in the copy)."""
     if any(node.target != "_guards_fn" for node in graph_module.graph.find_nodes(op="call_module")):
         return None
     graph = _copy(graph_module.graph)

@@ -187,12 +187,9 @@ class _Pair:
 
 def run_sets(original: str | os.PathLike, rewritten: str | os.PathLike | None = None, overrides: dict | None = None,
              seed: int = 0, rtol: float = verify.PRESERVE_RTOL) -> list[dict]:
-    """The original (and the rewritten) model at each shape set (onnx_dims), in this process: per set
-    {"shapes", "feeds", "expected", "actual"} at the first variant the original runs at ("actual":
-    the rewritten's outputs or the first line of its error), else {"refused": [(shapes, error)],
-    "past": past-like dims, "mask": a mask input, "symbolic": whether any dim is}; after a
-    refused default set the small one is not tried. A quantized original's quantize steps are recorded
-    and the rewritten one quantizes with them (`_Pair`; `rtol`: the comparison's tolerance)."""
+    """Both models at each shape set (onnx_dims), in this process: per set {"shapes", "feeds",
+    "expected", "actual"} at the first variant the original runs, else {"refused", "past", "mask",
+    "symbolic"}. A quantized original's quantize steps are fixed in the rewritten one (`_Pair`)."""
     model = onnx.load(str(original), load_external_data=False)
     pair = _Pair(original, model, rewritten, rtol)
     sess = pair.original

@@ -173,11 +173,8 @@ class _OnnxWithoutSave:
 
 @contextlib.contextmanager
 def _no_stray_files():
-    """Keep onnxruntime's symbolic shape inference from writing into the working directory.
-
-    When it cannot infer every shape it saves the model there (`sym_shape_infer_temp.onnx`, its
-    weights in a `<uuid>.data`) before raising, and inferred_types goes on with ONNX's own
-    inference; only that save is dropped.
+    """Keep onnxruntime's symbolic shape inference from saving `sym_shape_infer_temp.onnx` (and its
+    weights) into the working directory when it fails.
     """
     try:
         from onnxruntime.tools import symbolic_shape_infer as ssi

@@ -56,12 +56,10 @@ def check_weights(weights: str | None) -> None:
 
 def quantize(model: onnx.ModelProto, weights: str, block_size: int = BLOCK, accuracy_level: int | None = ACCURACY,
              minimum: bool | None = None, head_bits: int | None = None) -> tuple[onnx.ModelProto, dict]:
-    """`model` (its weights loaded) with every constant-weight MatMul as MatMulNBits; and what was done:
-    {"method", "bits", "block_size", "minimum", "accuracy_level", "quantized" (MatMuls), "kept" (MatMuls left
-    float: activations on both sides), "head_bits", "bytes_before", "bytes_after" (initializers)}. int8:
-    symmetric blocks (llama.cpp's Q8_0); int4: blocks with a float minimum (`with_minimum`, llama.cpp's Q4_1;
-    `minimum=False`: symmetric, Q4_0). The LM head (the MatMul whose output is the graph's logits) gets
-    `head_bits` (default HEAD_BITS)."""
+    """`model` (weights loaded) with every constant-weight MatMul as MatMulNBits, and a summary dict
+    ("method", "bits", "block_size", "minimum", "accuracy_level", "quantized", "kept", "head_bits",
+    "bytes_before", "bytes_after"). int8: Q8_0-like symmetric blocks; int4: `with_minimum` (Q4_1),
+    or symmetric (Q4_0) with `minimum=False`. The LM head gets `head_bits`."""
     import logging
 
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits

@@ -334,11 +334,8 @@ _forward_ad = torch.autograd.forward_ad
 
 class _SiteOverload(type(_OP)):
     """`torch.ops.attnres.depth_attention.default`'s class: the OpOverload, plus one eager shortcut.
-
-    A plain eager inference call (`_shortcut`, a decode step's [B, 1, D] sites) goes straight to
-    `_forward`, the kernel the dispatcher would reach, since the dispatcher's round trip costs more
-    than the fused kernel; every other call (autograd, export, fake tensors, torch.compile, modes,
-    keyword arguments) takes the dispatcher. Identity and `is_attnres_op` hold."""
+    A plain eager inference call (`_shortcut`, e.g. a decode step's sites) goes straight to
+    `_forward`, skipping the dispatcher's round trip; every other call takes the dispatcher."""
 
     def __call__(self, /, *args, **kwargs):
         if not kwargs and len(args) == 5 and _shortcut(*args):

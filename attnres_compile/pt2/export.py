@@ -22,10 +22,8 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
                verify_outputs: bool = True, dynamic: str | None = None, with_past: bool = False,
                rewrite_chains: bool = True) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
-
-    The archive takes the model's own call (non-tensor keyword inputs are constants at their traced
-    values, e.g. `use_cache=False`) and returns a flat tuple of named outputs. `dynamic`,
-    `with_past` and `rewrite_chains` as in `export_onnx`.
+    The archive takes the model's own call (non-tensor keyword inputs constant at their traced
+    values) and returns a flat tuple of named outputs; other arguments as in `export_onnx`.
     """
     config = as_config(config)
     if with_past:

@@ -87,11 +87,9 @@ def _vm_size() -> int:
 def run(fn: Callable[..., Any], *args: Any, what: str, action: str, timeout: float | None,
         memory: int | None = None, consequence: str = "", hint: str = "", cpu: float | None = None,
         **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a forked child; its result. `what` ("onnxruntime"), `action`
-    ("verifying"), `consequence` and `hint` make up the error line. AttnResErrors from `fn` are
-    re-raised, other exceptions become an AttnResError naming them; a signal -> CrashError, more than
-    `timeout` wall or `cpu` CPU seconds (None: no limit) -> TimeLimitError, memory ->
-    MemoryLimitError.
+    """`fn(*args, **kwargs)` in a forked child; its result. `what`, `action`, `consequence` and `hint`
+    make up the error line. AttnResErrors are re-raised; a signal -> CrashError; over `timeout` wall
+    or `cpu` CPU seconds -> TimeLimitError; memory -> MemoryLimitError.
     """
     budget = memory_budget() if memory is None else memory
     for stream in (sys.stdout, sys.stderr):

@@ -175,12 +175,9 @@ class Matmul(_SafeRule):
 
 
 def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
-    """Index a symbolic-row GEMM's register accumulators by the row within its tile (row % rows).
-
-    Under the predicate of the last, partial row tile TVM cannot bound the rows a tile writes and
-    would allocate [every row, tile columns] on the stack. Tiles zero, sum and write out their
-    accumulators within the tile, so they may share them. Where TVM refuses the layout (index
-    dtypes it cannot unify) they stay as they were."""
+    """Index a symbolic-row GEMM's register accumulators by the row within its tile (row % rows), as TVM
+    cannot bound a partial tile's rows and would spill [every row, tile columns] to the stack. Where
+    TVM refuses the layout they stay as they were."""
     try:
         sch.transform_layout(main, ("write", 0), lambda *d: [*d[:-2], d[-2] % rows, d[-1]],
                              assume_injective_transform=True)
@@ -189,13 +186,10 @@ def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
 
 
 class DotProducts(_SafeRule):
-    """A contraction every operand reads along its innermost axis, none of them a weight.
-
-    Attention scores against the keys as stored (q[.., i, k] * K[.., j, k]: rewrites.KeysInPlace):
-    one dot product per output element, its terms in vector lanes (rfactor); the GEMM tile would
-    gather per vector here. Producers and an elementwise epilogue are inlined, except an operand
-    the product would recompute for most of its terms (`_materialised`, e.g. a prefill's rotary
-    embeddings), which is computed once first."""
+    """A contraction every operand reads along its innermost axis, none of them a weight (attention
+    scores against keys as stored, rewrites.KeysInPlace): one dot product per output element, terms
+    in vector lanes. Producers are inlined, except an operand the product would recompute for most of
+    its terms (`_materialised`), which is computed once first."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], func: tirx.PrimFunc,
                  target: Target) -> s_tir.Schedule | None:

@@ -46,12 +46,8 @@ TORCH_DELTA_NAME = "depth_attention_delta.default"
 
 class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
     """The stock importer plus the attnres nodes, each site back to one placeholder over its S_k.
-
-    A DepthAttentionPartial computes nothing here: its outputs become the (unbound) tuple of its
-    history entries, the previous Partial's when it carries them, plus its new ones; each
-    DepthAttentionMerge is the placeholder over those entries and its extras. The lowering
-    (lower.py) regroups placeholders that share a history into its own two-phase kernels, the
-    same way for models that come through torch.export."""
+    A Partial's outputs become the tuple of its history entries; each Merge is the placeholder over
+    those and its extras. The lowering regroups the placeholders itself, as for torch.export models."""
 
     def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
         rest = onnx.GraphProto()
@@ -90,11 +86,8 @@ class _OnnxImporter(ConverterFixes, onnx_frontend.ONNXGraphImporter):
 
 
 def _int_scalar(value, params) -> int | tvm.tirx.PrimExpr | None:
-    """An integer Range bound known at import: a constant or a symbolic shape value, else None.
-
-    The stock Range converter routes symbolic bounds through tensors and names the length a
-    new symbol (range_len_0) unrelated to the input dims, so `tok(idx) + pos(arange(T))` and
-    rotary tables lose their shapes and cannot be legalized; arange over the bound keeps them.
+    """An integer Range bound known at import (a constant or symbolic shape value), else None, so an
+    arange keeps its input-dim shape instead of the stock converter's fresh, unrelated symbol.
     """
     value = onnx_frontend.get_constant(value, params)
     if isinstance(value, tvm.ir.GenericConst):
@@ -210,12 +203,10 @@ def from_exported_program(program) -> tvm.IRModule:
 
 
 def _convert_slice(node, importer) -> relax.Expr:
-    """slice(x, dim, start, end), where torch's shapes show what TVM cannot prove with symbolic
-    bounds: the result is all of x (HF LFM2's `mask[:, -seq_len:]`), or has `end` elements of x
-    from 0 (its causal conv's `conv(x)[..., :seq_len]`), emitted as x itself or as a strided_slice
-    that assumes its end in bounds. The stock converter clips the bounds into extents TVM cannot
-    equal to the dim, the products that follow get unknown shapes, and legalization fails ("emit_te
-    now only supports Tensor that has ShapeExpr shape"). Every other slice goes to the stock converter."""
+    """slice(x, dim, start, end) where torch's shapes show the result is all of x, or x's first `end`
+    elements: emitted as x itself or as a strided_slice with its end assumed in bounds, since the
+    stock converter's clipped extents cannot be proven equal to the dim. Other slices go to the stock
+    converter."""
     x, dim, start, end, step = [*node.args, *[None] * 5][:5]
     dim = 0 if dim is None else dim
     before, after = x.meta.get("val"), node.meta.get("val")

@@ -305,11 +305,9 @@ def _dim_as_tensor(dim, dtype: str) -> relax.Expr:
 
 def _reshape_dims(data, shape, attrs: dict, params) -> list | None:
     """The target dims of a Reshape of symbolic data to a shape with one -1, the -1 solved by cancelling
-    the known dims' factors from the data's (0 copies the data's dim unless allowzero); None when
-    nothing cancels or no known dim is compound. Relax infers the -1 as `prod(data) // prod(known)`,
-    which TVM cannot simplify once a sum is a factor: SDPA's key transpose `[b, h, past + seq, e]` ->
-    `[-1, past + seq, e]` got `b * (past + seq) * h * e // (past * e + seq * e)`, and the floormods of
-    that dim in the fused loops failed LLVM code generation ("Binding of variable rmod ... conflicts")."""
+    the known dims' factors (0 copies the data's dim unless allowzero); None when nothing cancels or no
+    known dim is compound. Relax's `prod(data) // prod(known)` is a quotient TVM cannot simplify once a
+    sum is a factor, and code generation then fails."""
     if not _not_static(data) or not isinstance(data.ty.shape, relax.ShapeExpr):
         return None
     shape = onnx_frontend.get_constant(shape, params)

@@ -86,12 +86,9 @@ def timed_forwards(vm: relax.VirtualMachine, args: Sequence, dev: tvm.runtime.De
 
 def profile(model: Any, inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray], device: str = "cpu",
             repeat: int = 10, warmup: int = 2, clock: str = "cpu") -> dict:
-    """Per-function time of `model`'s forward on `inputs` (by name, or in the model's input order).
-
-    Returns {"clock", "repeat", "forward_ms" (plain forward, median), "instrumented_ms",
-    "overhead_pct", "rows": [{"name", "kind", "calls", "ms", "share"}]}, rows sorted by time;
-    `calls` and `ms` are per forward, `kind` is "depth-attention" for the fused kernels,
-    "builtin" for the VM's own functions and "operator" for the rest."""
+    """Per-function time of `model`'s forward on `inputs`: {"clock", "repeat", "forward_ms",
+    "instrumented_ms", "overhead_pct", "rows": [{"name", "kind", "calls", "ms", "share"}]}, rows by
+    time, per forward; `kind` is "depth-attention", "builtin" or "operator"."""
     vm, dev, names = load_vm(model, device)
     arrays = [inputs[n] for n in names] if names and isinstance(inputs, Mapping) else list(
         inputs.values() if isinstance(inputs, Mapping) else inputs)

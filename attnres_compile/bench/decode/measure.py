@@ -271,13 +271,10 @@ def bench_route(name: str, width: int, sublayers: int, s: Settings, log: Progres
 
 
 def run(args, progress: TextIO) -> dict:
-    """Every model x width x depth x runtime x variant: per-token decode time at 1 thread (CPU time)
-    and at --threads (wall), overhead over the runtime's original (median of per-round ratios, with
-    its interval), the output check; one site's cost; the per-token overhead targets (TARGETS).
-
-    Row fields as bench model's (model.run), per decode call of --steps tokens, plus cpu_token_ms /
-    wall_token_ms (per token) and ops (the traced program's operator calls); variant `hf` (eager
-    only) is HF's own forward with a DynamicCache."""
+    """Every model x width x depth x runtime x variant: per-token decode time, overhead over the
+    runtime's original, the output check, one site's cost and the targets (TARGETS). Row fields as
+    bench model's (model.run) per call of --steps tokens, plus cpu_token_ms / wall_token_ms and ops
+    (operator calls); variant `hf` is HF's own forward with a DynamicCache."""
     s = settings(args)
     log = Progress(progress)
     rows, sites = [], []

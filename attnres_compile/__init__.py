@@ -1,9 +1,7 @@
 """attnres-compile: rewrite the residual connections of traced models into Attention Residuals.
-
-The API (`api.py`) loads on first use, so the command line answers `--help` without torch. The
-torch ops (`ops/`) register when `attnres_compile.ops` is imported, which torch itself does at its
-own import through the package's `torch.backends` entry point: a saved program loads with plain
-`torch.export.load` wherever the package is installed.
+The API (`api.py`) loads on first use, so `--help` needs no torch. The torch ops register when
+`attnres_compile.ops` is imported, which torch does through the package's `torch.backends` entry
+point, so a saved program loads with plain `torch.export.load`.
 """
 
 from .core import __version__

@@ -1,9 +1,6 @@
 """A user's own causal LM in `bench model` and `bench decode` (`--factory module:function`).
-
-The factory is the CLI's (`utils/factory.py`: a function returning (model, example_inputs));
-the benchmarks need an HF causal LM from it: a forward taking `input_ids` / `attention_mask` and
-returning `.logits`, and a config naming its width (`hidden_size`) and depth
-(`num_hidden_layers`, two sublayers each). The model is timed at its own size, one configuration.
+The factory must give an HF causal LM (`input_ids`/`attention_mask` in, `.logits` out) whose
+config names `hidden_size` and `num_hidden_layers`; it is timed at its own size.
 """
 
 from __future__ import annotations

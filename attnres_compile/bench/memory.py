@@ -1,9 +1,7 @@
 """Peak memory of a forward pass: process RSS high-water mark (Linux) or CUDA allocator peak.
-
-On CPU, torch, onnxruntime and TVM allocate through different allocators, so the common measure
-is the process's resident set: `reset_peak()` clears the kernel's high-water mark
-(/proc/self/clear_refs, value 5), and `peak_since_reset()` reads VmHWM. Run each candidate in a
-fresh process (bench/model/measure.py does) so memory freed by an earlier candidate cannot be reused unseen.
+`reset_peak()` clears the kernel's high-water mark (/proc/self/clear_refs) and
+`peak_since_reset()` reads VmHWM. Run each candidate in a fresh process, so freed memory is not
+reused unseen.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Errors with one-line messages that name the problem and what to do about it.
-
-Each class carries the CLI exit code documented in docs/cli.md, so every front door
-(Python API, CLI) reports the same failure the same way. Messages name options in the
-Python API's spelling (`verify_outputs=False`); the CLI prints them in its own (`cli_words`).
+Each class carries its CLI exit code (docs/cli.md). Messages use the Python API's spelling of
+options; the CLI prints its own (`cli_words`).
 """
 
 import re

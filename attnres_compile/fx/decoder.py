@@ -196,10 +196,8 @@ def relax_mask_length(gm) -> None:
 
 def wrap(model: nn.Module, example_inputs=None, past_length: int = 7, seq_length: int = 5):
     """(DecoderWithPast(model), example args, dynamic_shapes) for tracing `model` with a KV cache.
-
-    The example past is the model's own cache of a real prefix (the factory's `input_ids` when
-    given, else random tokens), batch 2, past 7, then 5 new tokens: none is 0 or 1, which
-    torch.export would specialise.
+    The example past is the model's own cache of a real prefix: batch 2, past 7, 5 new tokens (none
+    0 or 1, which torch.export would specialise).
     """
     config = getattr(model, "config", None)
     vocab = int(getattr(config, "vocab_size", 0) or 0)

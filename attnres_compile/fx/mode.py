@@ -1,8 +1,5 @@
-"""train()/eval() for GraphModules from `ExportedProgram.module()`, which refuses both.
-
-An export graph records dropout and batch norm with their mode as an argument
-(`aten.dropout(x, p, train)`, `aten.batch_norm(..., training, ...)`); switching the mode
-rewrites that argument, so fine-tuning a rewritten model gets real dropout back.
+"""train()/eval() for GraphModules from `ExportedProgram.module()`, which refuses both: they rewrite
+the mode argument of the recorded dropout and batch norm ops, so fine-tuning gets real dropout.
 """
 
 from __future__ import annotations

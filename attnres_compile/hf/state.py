@@ -1,8 +1,6 @@
-"""What a converted model holds besides its modules: the conversion and its programs.
-
-`State` (in the backbone's `__dict__`, shared by deep copies) holds the conversion: the AttnRes
-config, the sites, the KV-cache geometry, the backbone's output class, where its layers are, and
-one `Program` (program.py) per parameter dtype. `ModuleState` is the same for a plain nn.Module.
+"""What a converted model holds besides its modules: `State` (in the backbone's `__dict__`, shared by
+deep copies) holds the AttnRes config, sites, KV geometry, output class, layer location and one
+`Program` per parameter dtype; `ModuleState` is the same for a plain nn.Module.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Trace an HF backbone with a KV cache, rewrite it, and keep the result as program data (program.py).
-
-What is traced is `WithPast(backbone)`: `(input_ids, attention_mask, position_ids, *past) ->
-(last_hidden_state, *present)`, decoder.py's decoder-with-past without the head, batch, sequence
-and past length dynamic. Past length 0 is a training forward or a prefill, anything more a decode
-step: one graph serves `Trainer` and `generate()`.
+What is traced is `WithPast(backbone)`, decoder.py's decoder-with-past without the head, with
+dynamic batch, sequence and past: past 0 is a training forward or prefill, so one graph serves
+`Trainer` and `generate()`.
 """
 
 from __future__ import annotations

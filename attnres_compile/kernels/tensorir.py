@@ -343,11 +343,9 @@ def depth_attention_merge_indexed_func(
     delta: bool = False,
 ) -> tirx.PrimFunc:
     """`depth_attention_merge_func` reading one query of a whole partial state, `merge(m[B, rows..],
-    l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, index, scale, out)`: `index` (int64) picks
-    the query and `scale` (float32) is an argument too, so one kernel serves every site of a model
-    with B queries and E extra sources (GPT-2 Full at 48 sublayers: 13 merge kernels, 34 when both
-    were constants), and the lowering passes the partial's outputs as they are, with no slice (a
-    copy) per site. `norm_eps`, `norm`: as in depth_attention_func (`gamma`[, `beta`] after `w`)."""
+    l[B, rows..], acc[B, rows.., D], e0, ..., e{E-1}, w, index, scale, out)`: `index` (int64) and
+    `scale` (float32) are arguments, so one kernel serves every site with B queries and E extras,
+    without a slice per site. `norm_eps`, `norm`: as in depth_attention_func."""
     return _merge((num_queries,), True, num_extra, feature_size, dtype, eps, None, rank, norm_eps, norm, delta)
 
 
@@ -526,15 +524,12 @@ def depth_attention_norm_backward_func(
     grad_mixed: bool = True,
 ) -> tirx.PrimFunc:
     """The fused pair's backward `depth_attention_norm_backward(s0, ..., w, [gamma], [beta], [gm], gn,
-    ds0, ..., dw, [dgamma])`, for the gradients gm of `mixed` (absent: nothing else read it)
-    and gn of `normed`. Per row, from one load of the sources (re-read from cache):
-        the softmax p and h = c sum_k p_k s_k again (the mixed row, never read from memory);
-        the norm's backward, with g = gn * gamma, n = (h - mean) r (RMSNorm: mean 0):
-            gh = gm + r (g - mean(g) - n mean(g n))         (RMSNorm: without the mean(g) term)
-        then depth_attention_backward_func's stages with gh as the upstream gradient;
-    dw and dgamma = sum_rows gn n are reductions over rows, in one block (per-thread partials: the
-    schedules take one such block). dbeta = sum_rows gn is left to the caller (fused.py): a third
-    sum has no reducer of its own in TVM, and a second row-reduction block no schedule."""
+    ds0, ..., dw, [dgamma])` for the gradients gm of `mixed` (absent: nothing else read it) and gn of
+    `normed`. Per row it recomputes p and h = c sum_k p_k s_k, then, with g = gn * gamma and
+    n = (h - mean) r (RMSNorm: mean 0, no mean(g) term),
+        gh = gm + r (g - mean(g) - n mean(g n))
+    and runs depth_attention_backward_func's stages on gh. dw and dgamma = sum_rows gn n share one
+    row-reduction block; dbeta = sum_rows gn is left to the caller (fused.py)."""
     _check(num_sources, "source", feature_size, dtype)
     S, D, rows = num_sources, feature_size, _rows(rank)
     c = float(S) if scale is None else float(scale)

@@ -1,8 +1,5 @@
-"""`inspect_weights`: the depth-attention stats of a saved rewritten model (`inspect --weights`).
-
-Checkpoint format: a `.pt2` torch.export program of the rewritten model (what `attnres-compile
-rewrite -o model.pt2` and `samples/train_tiny_lm.py` write); its stored example inputs are what
-the weights are measured on unless other inputs are given.
+"""`inspect_weights`: the depth-attention stats of a saved rewritten `.pt2` (`inspect --weights`),
+measured on its stored example inputs unless others are given.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The stream of an original (not rewritten) model, site by site: what it has instead of depth weights.
-
-An original model has no depth-attention op to observe, so `ResidualProbe` runs its traced graph
-through an `fx.Interpreter` and records the RMS of each residual sum h_k that `trace_sites` names
-(numbered as `rewrite` numbers the sites), to set beside a rewritten model's (`DepthMonitor`):
-samples/study.py compares the two. The graph is left as it is.
+`ResidualProbe` runs the traced graph through an `fx.Interpreter` and records the RMS of each
+residual sum h_k that `trace_sites` names (numbered as `rewrite` numbers sites); the graph is
+left as it is.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Running per-site sums (weights per source, their maxima, entropy, squares) and the stats read from them.
-
-The sums stay tensors on the device of the data they were fed, so that collecting costs no
-device-host synchronisation; `summary` converts once, when the stats are read. Sums, not means,
-because sums of several calls (micro-batches) and of several processes (an all_reduce) add up.
+Sums stay on the data's device (no host sync while collecting; `summary` converts once), and are
+sums, not means, so micro-batches and processes (all_reduce) add up.
 """
 
 from __future__ import annotations

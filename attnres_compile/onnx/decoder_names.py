@@ -1,9 +1,6 @@
-"""Name an exported decoder-with-past ONNX graph as optimum does: inputs, outputs and their dims.
-
-torch.onnx names inputs after the traced placeholders (`past`, `past_1`, ...) and dims after
-torch's symbols (`s10`, `s43 + s10`); optimum's files, and the tools that read them
-(onnxruntime-genai, our own verification), expect `past_key_values.0.key`, `present.0.key`,
-`batch_size`, `sequence_length`, `past_sequence_length` and their sum.
+"""Name an exported decoder-with-past ONNX graph as optimum does (`past_key_values.0.key`,
+`present.0.key`, `batch_size`, `sequence_length`, `past_sequence_length`), which onnxruntime-genai
+and our verification expect, instead of torch.onnx's placeholder and symbol names.
 """
 
 from __future__ import annotations

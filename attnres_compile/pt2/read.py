@@ -1,9 +1,6 @@
 """.pt2 archives read without running anything stored in them (the trust checks are trust.py's).
-
-`load` checks the archive first (a zip with stored entries under one folder, only the files a
-torch.export program consists of, sizes within the file), reads tensors itself (raw bytes; pickled
-ones only with `weights_only=True`), and hands torch's deserializer a model.json that trust.py
-passed; what torch then built is checked again."""
+`load` checks the zip's layout and sizes, reads tensors itself (pickles only with
+`weights_only=True`), hands torch a model.json that trust.py passed, and checks the result again."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """What a .pt2 may contain: a program is data, never code.
-
-`torch.export.load` evaluates the symbolic shape expressions of model.json with sympy (Python
-`eval`), resolves call targets by name from `torch`, `operator` and `math` (`torch.os.system`
-included) and `exec`s its guard code. Accepted here: expressions and guards made of arithmetic on
-shape symbols, call targets that are torch operators (no file I/O), arithmetic, or a listed operator
-of another library that only computes; anything else is UnsafeArchiveError (exit code 20)."""
+`torch.export.load` evals shape expressions, resolves call targets by name and execs guard code.
+Accepted here: arithmetic on shape symbols, torch operators without file I/O, arithmetic, and
+listed computing-only operators of other libraries; anything else is UnsafeArchiveError (exit 20)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Default CUDA schedules (no tuning): dlight's GPU rules, each schedule kept only if TVM can lower it.
-
-dlight's `Reduction` rule puts a grouped or depthwise convolution's reduction across threads in a
-way `LowerCrossThreadReduction` refuses ("Cross-thread reduction requires all the reduction-related
-loops to be the deepest"), and the whole build failed; `lowerable.Lowerable` rejects that schedule
-so the next rule (`GeneralReduction`, `Fallback`) gets the operator.
+"""Default CUDA schedules (no tuning): dlight's GPU rules, each schedule kept only if TVM can lower it
+(`lowerable.Lowerable`), e.g. a grouped convolution's cross-thread reduction that
+`LowerCrossThreadReduction` refuses passes to the next rule.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Saving and loading a Relax VM library without TVM's log line per constant.
-
-TVM 0.27 writes `Warning: Scope Saving:` for each constant of a VM executable it exports, and
-`Warning: Scope Loaded:` for each one it loads (src/runtime/vm/executable.cc, to file descriptor 2,
-with no level to turn off): hundreds of lines for a model, and they carry nothing. These calls
-hold fd 2 on a scratch file for the save or load and pass every other line on afterwards.
+TVM writes a `Warning: Scope Saving/Loaded:` line per constant straight to fd 2; these calls hold
+fd 2 on a scratch file meanwhile and pass every other line on afterwards.
 """
 
 from __future__ import annotations

@@ -53,10 +53,8 @@ def _check_ids(folder: Path, config: dict, rows: list[list[int]], pad: int, leng
 
 def generate(folder: Path, rows: list[list[int]], max_new_tokens: int,
              ignore_eos: bool = False) -> tuple[Generated, float, list[int], int]:
-    """(Generated, warm-up seconds, eos ids, the pad id used): greedy tokens of og.Generator after each row.
-
-    `tokens` is og's layout (each prompt right-padded, then the new tokens); the warm-up is one
-    untimed generator of one new token (og.Model's sessions allocate on their first run).
+    """(Generated, warm-up seconds, eos ids, the pad id used): og.Generator's greedy tokens after each
+    row, in og's layout (right-padded prompt, then new tokens); warm-up is one untimed 1-token run.
     """
     config = read_config(folder)  # data only, checked before og.Model sees it (onnx/genai.py)
     try:

@@ -1,7 +1,5 @@
-"""Where benchmark results go: JSON with the environment, a text table, PNG plots, all in one folder.
-
-Data first: every benchmark returns a dict of rows; the table and the plots are views of it.
-Files are written to a temporary name and renamed, so an interrupted run leaves no half file.
+"""Where benchmark results go: JSON with the environment, a text table and PNG plots in one folder,
+each written to a temporary name and renamed.
 """
 
 from __future__ import annotations

@@ -73,10 +73,8 @@ def paired_ratio(samples: Sequence[float], baseline: Sequence[float]) -> float:
 def ratio_interval(samples: Sequence[float], baseline: Sequence[float],
                    confidence: float = 0.9) -> tuple[float, float, float]:
     """(low, high, coverage): a distribution-free interval for the median of the per-round ratios
-    samples[i] / baseline[i], from their order statistics. The k-th smallest and k-th largest ratio
-    bound the median with probability 1 - 2 P(Binomial(n, 1/2) < k); k is the largest with that
-    coverage >= `confidence`, or 1 (the whole range) when n rounds are too few to reach it: 5 rounds
-    give [min, max] at 93.8%, 3 rounds only 75%, so `coverage` is returned with the bounds."""
+    samples[i] / baseline[i], from order statistics: k is the largest with coverage
+    1 - 2 P(Binomial(n, 1/2) < k) >= `confidence`, or 1 (the whole range) when n is too small."""
     ratios = sorted(a / b for a, b in zip(samples, baseline, strict=True))
     n = len(ratios)
 

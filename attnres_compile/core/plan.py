@@ -1,7 +1,5 @@
-"""The plan that chain analysis returns and every rewriter applies (DESIGN.md §2).
-
-Names refer to nodes of the neutral view, which are the node/value names of the source
-format, so a rewriter maps a plan back onto its own graph by name.
+"""The plan that chain analysis returns and every rewriter applies (docs/design.md §2). Names are
+the source format's node/value names, so a rewriter maps the plan onto its graph by name.
 """
 
 from __future__ import annotations
@@ -54,10 +52,8 @@ class Chain:
         return [link.result for link in self.links]
 
     def site_terms(self, block_size: int) -> list[list[tuple[int, ...]]]:
-        """For each site k, S_k as source-index groups: (0,) is v_0, a longer tuple is a block sum.
-
-        Sources v_1..v_m are grouped into consecutive blocks of `block_size`; a block is
-        summed over its sources up to site k (block_size 1 gives Full AttnRes).
+        """For each site k, S_k as source-index groups: (0,) is v_0, a longer tuple a block sum of
+        consecutive sources up to site k (block_size 1 gives Full AttnRes).
         """
         terms, seen = [], 0
         for link in self.links:

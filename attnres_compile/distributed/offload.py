@@ -12,10 +12,8 @@ import torch
 
 
 class OffloadHistory(torch.autograd.graph.saved_tensors_hooks):
-    """Context manager: tensors saved for backward inside it live on the host, once each.
-
-    `saves` counts the saved references, `copies` the host copies made, `restores` the copies back
-    to the device (a figure to check: copies equal the distinct tensors saved).
+    """Context manager: tensors saved for backward inside it live on the host, once each; `saves`,
+    `copies` and `restores` count references, host copies and copies back.
     """
 
     def __init__(self, pin_memory: bool = False):

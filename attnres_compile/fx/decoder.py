@@ -150,9 +150,7 @@ def positions(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
 
 class DecoderWithPast(nn.Module):
     """`model` (an HF causal LM) as a flat function of tensors: the past in, logits and the present out.
-
-    Each call builds a plain DynamicCache (every layer keeps every position: a sliding window
-    is applied by the attention mask, as HF's own masks do), so past length 0 is a prefill.
+    Each call builds a plain DynamicCache (sliding windows applied by the mask), so past 0 is a prefill.
     """
 
     def __init__(self, model: nn.Module, geometry: Geometry):

@@ -85,10 +85,8 @@ def _input_names(model: Any, args: tuple) -> list[str]:
 
 
 def export_spec(dims: DynamicDims, model: Any, args: tuple, kwargs: dict) -> tuple | dict | None:
-    """`dynamic_shapes` for torch.export (None when every dim is static).
-
-    A tuple for positional inputs, a dict for keyword-only inputs; both at once become a dict
-    by the forward's parameter names. Named dims must name an input (ConfigError otherwise).
+    """`dynamic_shapes` for torch.export (None when every dim is static): a tuple for positional inputs,
+    a dict for keyword-only ones or both. A named dim must name an input (ConfigError).
     """
     names = _input_names(model, args)
     known = set(names) | set(kwargs)

@@ -181,10 +181,8 @@ def _copy_scope(src: fx.Node, dst: fx.Node) -> None:
 
 
 def _erase_dead(graph: fx.Graph, adds: list[fx.Node]) -> None:
-    """Erase the now-unused residual adds (and the ops between them), then pure ops they leave
-    without users (skip-path casts).
-
-    One pass in reverse graph order suffices: a node's inputs always come before it.
+    """Erase the now-unused residual adds (and the ops between them), then the pure ops they leave
+    without users, in one reverse pass.
     """
     doomed, candidates = set(adds), set(adds)
     for node in reversed(list(graph.nodes)):

@@ -162,10 +162,8 @@ INPLACE_ADDS = {aten.add_.Tensor, operator.iadd, "add_", "__iadd__"}
 
 
 def split_alpha(gm: fx.GraphModule) -> PassResult:
-    """Rewrite every tensor add `add(a, b, alpha=k)` of `gm` (in place too) into `add(a, mul(b, k))`, in place.
-
-    The branch of `h + k * f` is `k * f`: as its own node it is a source like any other, and
-    the chain is not split at that link.
+    """Rewrite every tensor add `add(a, b, alpha=k)` of `gm` into `add(a, mul(b, k))`, in place, so
+    the branch `k * f` is a source like any other.
     """
     changed = False
     for node in list(gm.graph.nodes):

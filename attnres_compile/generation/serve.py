@@ -101,11 +101,8 @@ def _lean_of(lm: nn.Module, last_position: bool) -> fx_lean.Lean | None:
 
 
 def _last_position(graph: fx.Graph) -> bool:
-    """Edit `graph`, a copy of a graph module's, to apply its LM head to the last position alone,
-    as HF's own forward does for generate() (logits_to_keep=1):
-    a prefill of P tokens otherwise multiplies P rows by the vocabulary (SmolLM2, P=128: 3.6 GMAC,
-    a few ms a generated token over 32 tokens). False when the `logits` output is not one linear
-    of the hidden states."""
+    """Edit `graph` (a copy) to apply its LM head to the last position alone, as HF's forward does for
+    generate() (logits_to_keep=1). False when `logits` is not one linear of the hidden states."""
     spec = getattr(graph._codegen, "pytree_info", None)
     spec = spec.out_spec if spec is not None else None
     outputs = graph.output_node().args[0]

@@ -114,9 +114,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes: Any = None) -> onnx.ModelProto:
     """The ONNX model of `module` (a rewritten GraphModule or any module) with its sites as function nodes.
-
-    `contiguous()` calls are recorded as clones first: the exporter's decomposition drops them
-    and then cannot `view` the transposed attention output (T5, Swin).
+    `contiguous()` calls are recorded as clones first, which the exporter's decomposition keeps.
     """
     args, kwargs = dynamic_dims.dense(args, kwargs or {})
     _read_torchlib_once()

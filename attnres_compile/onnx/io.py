@@ -220,10 +220,8 @@ def _typed_field(data_type: int) -> str | None:
 
 
 def check_types(model: onnx.ModelProto, path: Path) -> None:
-    """Known data types everywhere, and embedded raw data of exactly the size shape and type need.
-
-    The checker rejects raw data that is too short, not too long, and lets unknown data
-    types through; both would otherwise fail later, in onnxruntime or in the analysis.
+    """Known data types everywhere, and embedded raw data of exactly the size shape and type need (the
+    checker lets unknown types and over-long data through).
     """
     known = set(TensorProto.DataType.values())
     for tensor in _tensors(model):
@@ -277,10 +275,8 @@ def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 
 
 def _tensors(model: onnx.ModelProto):
-    """Initializers, sparse initializers and attribute tensors of the graph, its subgraphs and its functions.
-
-    An attribute's tensor or graph counts when it is set, whatever the attribute's declared
-    type, as onnx's and onnxruntime's external data loaders see them.
+    """Initializers, sparse initializers and attribute tensors of the graph, its subgraphs and its
+    functions; an attribute's tensor counts when set, whatever its declared type (as the loaders see it).
     """
     def sparse(s: onnx.SparseTensorProto):
         yield s.values
@@ -337,10 +333,8 @@ def subgraph_depth(model: onnx.ModelProto) -> int:
 
 
 def external_location(base: Path, location: str, tensor: str, path: Path) -> Path:
-    """`location` under `base`, refused (before the file is touched) unless it lies inside `base`.
-
-    Absolute locations, `..` and symlinks that lead out of the model's folder are refused, so a
-    model can make the tool read nothing but files beside it.
+    """`location` under `base`, refused before the file is touched unless it lies inside `base` (no
+    absolute path, `..` or symlink leading out).
     """
     if not location or "\0" in location:
         raise ExternalDataError(f"{path}: tensor {tensor!r} has an invalid external data location {location!r}")

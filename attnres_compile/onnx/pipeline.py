@@ -1,7 +1,5 @@
-"""The ONNX side of the API: inspect and rewrite ONNX files, export PyTorch models to AttnRes ONNX.
-
-Same analysis (chain_analysis.py), same report (report.py) and same verdicts as `api.py`;
-verification runs original and rewritten in onnxruntime on the same generated inputs.
+"""The ONNX side of the API: inspect and rewrite ONNX files, export PyTorch models to AttnRes ONNX,
+with api.py's analysis, report and verdicts, verified in onnxruntime.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-""".pt2 archives written so that they load in a fresh process: the program's outputs flattened to a
-tuple of tensors (their names kept in the archive's `extra/attnres.json`), the archive built in
-memory, read back, then written through a staging folder. Non-tensor keyword inputs (`use_cache=False`)
-stay constant inputs of the program (export.py), so plain torch takes the model's own call;
-`bind_constants` (binding them away) is left for callers that want a tensors-only signature."""
+""".pt2 archives written so that they load in a fresh process: outputs flattened to a tuple of
+tensors (names in `extra/attnres.json`), the archive built in memory, read back, then written
+through a staging folder. Non-tensor keyword inputs stay constant inputs of the program
+(`bind_constants` binds them away for a tensors-only signature)."""
 
 from __future__ import annotations
 
@@ -58,10 +57,8 @@ def bind_constants(module: torch.nn.Module, args: tuple, kwargs: dict, like: Any
 
 
 def flatten_outputs(program: torch.export.ExportedProgram) -> list[str]:
-    """Make `program` return a flat tuple of its outputs (in place); their names.
-
-    Only the output spec changes (the graph's output node is already flat), so the program
-    needs none of the output classes (HF ModelOutputs, ...) registered to be read back.
+    """Make `program` return a flat tuple of its outputs (in place, output spec only); their names.
+    The program then needs no output classes (HF ModelOutputs) registered to be read back.
     """
     signature = program.module_call_graph[0].signature
     names = output_names(program)

@@ -180,10 +180,8 @@ class _SiteLowerer(expr_functor.PyExprMutator):
     def partial(self, group: _Group, order: list[int], rows: list, size: int, dtype: str,
                 eps: float) -> list[relax.Expr]:
         """The partial chain of `group`, emitted before its first site: (m, l, acc) for all its queries,
-        shaped [B, *rows(, D)] for the merges: one call per link of the group's chain, each
-        continuing the state of the one before. The links take the sources as they are ([batch, seq,
-        D]: no reshape call per history source and group, ~150 VM calls at GPT-2 Full 48); a link of at
-        most PARTIAL_CHUNK sources schedules in 0.2 s at rank 3 (a 42-block partial took 8.6 s)."""
+        shaped [B, *rows(, D)], one call per link (at most PARTIAL_CHUNK sources, sources as they are),
+        each continuing the state before it."""
         bb = self.builder_
         history = [self.to_rows(self.visit_expr(h), order, rows, size) for h in group.history]
         queries = bb.emit(relax.op.stack([self.float32(self.visit_expr(q)) for q in group.queries], axis=0))

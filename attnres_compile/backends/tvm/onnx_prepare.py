@@ -75,11 +75,8 @@ _constant_folding.register(MERGE, DOMAIN)(_site_output_shape(3))  # lse, acc, co
 
 
 def _initializers_not_inputs(graph: onnx.GraphProto) -> None:
-    """Drop the graph inputs that have an initializer of the same name: models of IR version < 4 (the
-    ONNX model zoo's ResNet, VGG, DenseNet ...) list every weight as an input, which onnxruntime runs
-    as an input with a default but TVM's importer takes for a tensor of unknown type ("The type is
-    not populated", BatchNormalization's "'Type' object has no attribute 'dtype'"). The compiled
-    model binds the weights: they are constants there, and nothing could be folded through inputs."""
+    """Drop graph inputs that have an initializer of the same name (IR < 4 models list every weight as an
+    input, which TVM's importer takes for an untyped tensor); the compiled model binds the weights."""
     weights = {i.name for i in graph.initializer}
     if weights & {i.name for i in graph.input}:
         kept = [i for i in graph.input if i.name not in weights]

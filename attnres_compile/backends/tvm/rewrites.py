@@ -308,11 +308,9 @@ class _ScalarArgsMutator(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="ScalarsIntoTirVars")
 class ScalarsIntoTirVars:
-    """A fused function taking a symbolic scalar (`shape_to_tensor(shape_of(mask))` of a dim nothing
-    else binds) AND a `tir_vars` shape (an input-less op such as `arange(batch)` in the same group)
-    takes the scalar inside the shape instead. TVM 0.27's FuseTIR fails on the pair ("Check failed:
-    (VarRemapGet(source) == nullptr)" in RenewDefs; the dynamic-shape HF Llama's attention-mask
-    indexing); as one shape argument the fused kernel, its parameters and its values are the same."""
+    """A fused function taking both a symbolic scalar and a `tir_vars` shape takes the scalar inside the
+    shape instead: FuseTIR fails on the pair ("VarRemapGet(source) == nullptr"), and the kernel is
+    the same either way."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         changed = {gv: i for gv, func in mod.functions_items() if (i := _scalars_beside_tir_vars(func))}

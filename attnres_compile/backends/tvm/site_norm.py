@@ -100,11 +100,9 @@ def _row_view(b: _Bindings, site: relax.Var) -> relax.Var | None:
 
 
 def _affine(param: relax.Expr, x: relax.Var, b: _Bindings, site: relax.Var) -> relax.Expr | None:
-    """A float32 [D] gamma or beta for x's features (D as far as both shapes are known), as the
-    site's kernel call can take it: the value itself where it exists at the site (a constant, a
-    parameter, a value bound before the site); or, where it is bound later from such values by one
-    operator (Gemma's `1 + weight`, computed at the norm in a .pt2), that call, which the lowering
-    emits before the kernel. None otherwise."""
+    """A float32 [D] gamma or beta for x's features as the kernel call can take it: the value where it
+    exists at the site, or the one-operator call that computes it later from such values (Gemma's
+    `1 + weight`), which the lowering emits before the kernel. None otherwise."""
     if not _f32_tensor(param.ty, 1):
         return None
     value = param if b.before(param, site) else b.value.get(param)

@@ -44,10 +44,8 @@ def delta_call(sources: list[relax.Expr], query: relax.Expr, base: relax.Expr, g
 
 
 def site_call(sources: list[relax.Expr], query: relax.Expr, eps: float, scale: float, axis: int) -> relax.Call:
-    """The placeholder for AttnRes over `sources` (same shape and dtype) with pseudo-query `query`.
-
-    Typed like the first source whose shape is fully known: importers can lose a source's
-    shape (a broadcast add of symbolic dims) while another source keeps it.
+    """The placeholder for AttnRes over `sources` (same shape and dtype) with pseudo-query `query`,
+    typed like the first source whose shape is fully known (an importer may lose one's shape).
     """
     return relax.op.call_pure_packed(
         PACKED_NAME, *sources, query,

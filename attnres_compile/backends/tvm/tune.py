@@ -151,11 +151,9 @@ _HOST_INTRINSICS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm_cpu", "arm6
 
 @contextlib.contextmanager
 def _host_intrinsics_only() -> Iterator[None]:
-    """meta_schedule's TuneContext imports tvm.s_tir.tensor_intrin to register every target's
-    tensor intrinsics, TVMScript parsed at import: 40 s here (CUDA's 29 s of it), 105 s on a
-    loaded machine, per tuned compile. The CPU rules need at most the host architecture's
-    (x86: 0.3 s). That module alone is imported, under a stand-in for the package that is taken
-    back afterwards, so a later import of the package still loads the rest."""
+    """Import only the host architecture's tensor intrinsics, not tvm.s_tir.tensor_intrin's every
+    target (slow TVMScript parsing per tuned compile), under a stand-in package that is taken back
+    afterwards so a later import still loads the rest."""
     name = "tvm.s_tir.tensor_intrin"
     module = _HOST_INTRINSICS.get(platform.machine().lower())
     if name in sys.modules or module is None:

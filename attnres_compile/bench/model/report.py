@@ -55,11 +55,9 @@ DELTA_TARGET = 1.0  # Delta-Block's overhead over the original at most Block's +
 
 
 def delta_lines(rows: list[dict]) -> list[str]:
-    """Per (model, width, sublayers, runtime) run with both: Delta-Block's 1-thread overhead beside
-    Block's (medians over the same interleaved rounds), the difference in points, and the identical
-    copy's overhead (the noise floor), against the target of at most +1 point: MET where the
-    difference plus the copy's |overhead| holds it, NOT MET where the difference less it does not,
-    else WITHIN NOISE."""
+    """Per run with both: Delta-Block's 1-thread overhead beside Block's, their difference in points and
+    the identical copy's overhead, against the +1 point target: MET, NOT MET or WITHIN NOISE by the
+    difference -/+ the copy's |overhead|."""
     out = []
     for r in rows:
         if r["variant"] != "delta-block" or r.get("cpu_overhead_pct") is None:

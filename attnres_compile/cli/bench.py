@@ -1,8 +1,6 @@
 """`attnres-compile bench kernel|model|block|decode|all`: run benchmarks, write JSON + table + PNG to --out.
-
-Each benchmark (attnres_compile.bench: kernel, model, block, decode) exposes `run(args, progress) -> dict`,
-`table(data) -> str` and `plot(data, out_dir) -> list[Path]` (and `settings(args)` where it checks flags);
-this module only parses flags, fixes the thread count before any runtime starts its pool, and writes the files.
+This module only parses flags, fixes the thread count before any runtime starts its pool, and
+writes each benchmark's `run`, `table` and `plot` results.
 """
 
 from __future__ import annotations

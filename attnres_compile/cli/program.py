@@ -1,9 +1,6 @@
 """The `attnres-compile` program: parse, check every output and input before any work, run the command.
-
-Every failure is one stderr line and a documented exit code (docs/cli.md, core/errors.py); every
-path a command writes is checked first and written through a staging folder (utils/outputs.py);
-library log lines, Python and native, are hidden unless --debug; Ctrl-C and SIGTERM leave nothing
-partial."""
+Every failure is one stderr line and a documented exit code (docs/cli.md); outputs are staged
+(utils/outputs.py); library logs are hidden unless --debug; Ctrl-C and SIGTERM leave nothing partial."""
 
 from __future__ import annotations
 
@@ -83,11 +80,9 @@ def _fail(debug: bool, message: str, code: int) -> int:
 
 @contextlib.contextmanager
 def _signals_as_exceptions(received: list[int], debug: bool):
-    """The first Ctrl-C raises KeyboardInterrupt and SIGTERM Interrupted, so that staging folders
-    are removed; later ones are only recorded, so that the cleanup and the error line finish. All
-    are recorded in `received` (outputs.SIGNALS, which stops any commit), because an exception
-    raised inside a library's callback (a weakref finalizer during garbage collection) can be
-    swallowed; Python's "Exception ignored in" report of that is shown only with --debug."""
+    """The first Ctrl-C raises KeyboardInterrupt and SIGTERM Interrupted, so staging folders are removed;
+    later ones are only recorded. All go to `received` (outputs.SIGNALS, which stops any commit),
+    since an exception raised in a library callback can be swallowed."""
     armed = True
 
     def handler(signum, frame):

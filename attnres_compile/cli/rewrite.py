@@ -1,9 +1,7 @@
 """`attnres-compile rewrite`: a model rewritten to AttnRes, verified, and written as .onnx or .pt2.
-
-MODEL: an ONNX file, a factory, or a saved folder (hf/ship.py): an AttnRes checkpoint is exported
-with its trained queries and its own config (no second conversion: its sites are already there);
-a Hugging Face causal LM folder is converted as a factory's model is. `--queries` sets a
-checkpoint's queries into an ONNX file rewritten from its base model (an onnxruntime-genai folder)."""
+MODEL: an ONNX file, a factory, or a saved folder (hf/ship.py: an AttnRes checkpoint keeps its
+queries and config; a plain HF causal LM is converted). `--queries` sets a checkpoint's queries
+into an ONNX file rewritten from its base model."""
 
 from __future__ import annotations
 

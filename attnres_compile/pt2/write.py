@@ -88,11 +88,9 @@ def _plain_spec(spec: pytree.TreeSpec) -> bool:
 
 def to_bytes(program: torch.export.ExportedProgram, constants: dict | None = None,
              extra: dict | None = None) -> tuple[bytes, list[str]]:
-    """The .pt2 archive of `program` with flat outputs, built in memory (its folder is `archive/`)
-    and read back with `load` before it is returned; and the output names. `constants`: the
-    non-tensor keyword inputs bound into it (`bind_constants`), recorded so that `Loaded.module()`
-    accepts them again at their traced values. `extra`: more metadata (a decoder's end-of-sequence
-    ids for `generate`), read back as `Loaded.meta`."""
+    """The .pt2 archive of `program` with flat outputs, built in memory and read back with `load`; and
+    the output names. `constants`: non-tensor keyword inputs bound in, which `Loaded.module()`
+    accepts again; `extra`: more metadata, read back as `Loaded.meta`."""
     in_spec = program.module_call_graph[0].signature.in_spec
     if not _plain_spec(in_spec):
         raise InputError(f"the model's inputs are not tensors in tuples and dicts ({in_spec}); a .pt2 of it would "

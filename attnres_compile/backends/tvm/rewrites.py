@@ -1,9 +1,7 @@
-"""Module rewrites of the pipeline. Before legalization: powers to multiplications, `take` in a
-mode that cannot read out of bounds, sigmoid to exp so that FastMath (which knows exp, tanh, erf
-and softmax) makes it vectorisable, then FastMath; attention scores against the keys as they
-are stored (no transposed, scaled copy of the keys per call; grouped-query K and V unrepeated).
-Between FuseOps and FuseTIR: symbolic scalars moved into the fused function's shape argument.
-After the default schedules: a root block for the functions that lack one."""
+"""Module rewrites of the pipeline. Before legalization: powers to products, out-of-bounds-safe
+`take`, sigmoid via exp then FastMath, attention scores against the keys as stored
+(`KeysInPlace`). Between FuseOps and FuseTIR: symbolic scalars into the shape argument. After the
+default schedules: a root block for functions that lack one."""
 
 from __future__ import annotations
 

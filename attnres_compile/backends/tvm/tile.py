@@ -1,8 +1,5 @@
-"""Tile (ONNX) and repeat (torch) by counts known only as symbolic dims, shared by both importers.
-
-SigLIP's attention-pooling head repeats its probe once per image, `probe.repeat(batch, 1, 1)`:
-TVM's ONNX importer refused the Tile ("cannot handle ShapeExpr inputs": its counts are a shape),
-and its PyTorch frontend passed the symbolic count to `relax.op.tile`, which takes integers only.
+"""Tile (ONNX) and repeat (torch) by counts known only as symbolic dims (SigLIP's per-image probe),
+which both stock TVM converters refuse; shared by both importers.
 """
 
 from __future__ import annotations

@@ -119,10 +119,8 @@ def _last_position(graph: fx.Graph) -> bool:
 
 
 def _holding(cache, present: list[torch.Tensor]):
-    """A DynamicCache holding `present`: `cache` itself, each layer's keys and values replaced (HF's own
-    forward grows the cache it is given in place too), when it is a plain DynamicCache of filled
-    DynamicLayers (every decode step after the first); else a new one (the prefill's, or a cache of
-    another kind), as every step made before: no per-layer lazy initialisation and empty cats per token."""
+    """A DynamicCache holding `present`: `cache` itself updated in place when it is a plain DynamicCache
+    of filled layers (as HF's forward grows it), else a new one."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     layers = cache.layers if type(cache) is DynamicCache else ()

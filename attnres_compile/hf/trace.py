@@ -56,10 +56,8 @@ def example(geometry: Geometry, vocab: int, dtype: torch.dtype, device) -> tuple
 
 def rewrite(backbone: nn.Module, state: State, config: AttnResConfig, dtype: torch.dtype, device, vocab: int,
             takes_positions: bool = True):
-    """(program data, sites, the rewritten GraphModule) of `backbone` traced in `dtype`.
-
-    `backbone` is an unconverted module of the backbone's own class (its module tree is what the
-    outlining checks); its weights are never read by the graph."""
+    """(program data, sites, the rewritten GraphModule) of `backbone` (an unconverted module of the
+    backbone's class, whose weights the graph never reads) traced in `dtype`."""
     args, spec = example(state.geometry, vocab, dtype, device)
     traced = trace(WithPast(backbone, state.cache_param, takes_positions), args, spec)
     gm = traced.graph_module
@@ -87,10 +85,8 @@ def _attr_shape(backbone: nn.Module, sizes: dict, target: str) -> tuple:
 
 
 def retrace(backbone: nn.Module, state: State, dtype: torch.dtype) -> dict:
-    """Program data for a converted `backbone` in a dtype it has no program for: a fresh instance of
-    its own class in `dtype` on the meta device (no weights; PEFT's modules are not in it) traced
-    and rewritten with the conversion's settings, which must find the same sites. The graph's
-    device is the meta device, replaced by the inputs' when it is compiled (program.from_data)."""
+    """Program data for a converted `backbone` in a dtype it has no program for: a fresh meta-device
+    instance of its class in `dtype`, traced and rewritten with the same settings (the same sites)."""
     config = getattr(backbone, "config", None)
     name = base_class(backbone).__name__
     with progress.stage(f"tracing the converted {name} for {dtype_name(dtype)} (once per dtype)"):

@@ -160,10 +160,8 @@ def _affine(value, gamma, beta, vd):
 
 
 def _layer_norm(rows: tuple, size: int, h, out, gamma, beta, eps: float):
-    """out = (h - mean) / sqrt(var + eps) * gamma + beta over the features of each row, with
-    mean and var from one pass (sum and sum of squares), as TVM's own layer_norm computes them;
-    var is clamped at 0, where rounding makes E[h^2] - mean^2 of a near-constant row negative.
-    gamma or beta None: a LayerNorm without that parameter."""
+    """out = (h - mean) / sqrt(var + eps) * gamma + beta per row, mean and var from one pass as TVM's
+    layer_norm computes them, var clamped at 0; gamma or beta None: no such parameter."""
     ss, total = _stats("h", rows, h, [lambda vr, vd: T.float32(1)])
     mean, rstd = _alloc("mean", *rows), _alloc("rstd", *rows)
     with _row_block(rows, "softmax_norm") as vr:

@@ -19,10 +19,8 @@ log = logging.getLogger("attnres_compile.monitor")
 
 
 class CollapseController:
-    """Acts on `find_collapse(stats)` of each watched step (call `update(stats)` after it):
-    each site flagged (a collapsed site; every site reading a dead source) gets its query's
-    steps scaled by `factor` from then on, once; `actions` lists what was done, and each action
-    is logged (logger "attnres_compile.monitor", level WARNING)."""
+    """Acts on `find_collapse(stats)` of each watched step (call `update(stats)`): each flagged site's
+    query steps are scaled by `factor` from then on, once; `actions` lists and logs (WARNING) them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, factor: float = 0.1,
                  min_entropy: float = 0.1, dead_weight: float = 1e-3):

@@ -18,10 +18,9 @@ COLUMNS = ("step", "chain", "site", "source", "weight", "weight_max", "entropy",
 
 
 class CsvLog:
-    """Appends the stats of each watched step to `path`, a new file (header first). A file already
-    there is never truncated unasked: `append=True` continues a log of the same columns (a resumed
-    run), `overwrite=True` starts it anew; otherwise FileExistsError names it. Something there that is
-    not a regular file (a folder, a FIFO, a device) is refused either way (ValueError)."""
+    """Appends the stats of each watched step to `path`. An existing file is continued with
+    `append=True`, restarted with `overwrite=True`, else FileExistsError; a non-regular file is
+    refused (ValueError)."""
 
     def __init__(self, path: str | Path, append: bool = False, overwrite: bool = False):
         self.path = Path(path)

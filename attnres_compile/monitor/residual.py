@@ -54,9 +54,8 @@ class ResidualProbe(fx.Interpreter):
 
 
 def trace_sites(model: Any, example_inputs: Any, config: AttnResConfig | None = None) -> tuple[fx.GraphModule, dict[str, tuple[str, int]]]:
-    """A traced copy of an original `model` and its sites {node name: (chain, k)}, numbered as `rewrite` numbers them.
-
-    The copy holds the model's weights as they are now; trace again after training.
+    """A traced copy of an original `model` (its current weights) and its sites {node name: (chain, k)},
+    numbered as `rewrite` numbers them.
     """
     from ..core.chain_analysis import analyze
     from ..fx.trace import trace

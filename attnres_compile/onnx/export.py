@@ -147,10 +147,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
 
 
 def _constant_dims_as_values(graph: onnx.GraphProto) -> None:
-    """Dims that torch.export specialised but kept as symbols become numbers: the exporter writes
-    such a symbol as a dim_param named after its value (HF Mamba's sequence length: `input_ids`
-    [s72, "8"]), and onnxruntime and our own checks then take it for a free dim and run other
-    lengths, which the graph, built for 8, refuses."""
+    """Dims torch.export specialised but wrote as dim_params named after their value (HF Mamba's
+    `"8"`) become numbers, so checks do not take them for free dims."""
     for value in [*graph.input, *graph.output, *graph.value_info]:
         for dim in value.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param.isdigit():
@@ -158,10 +156,8 @@ def _constant_dims_as_values(graph: onnx.GraphProto) -> None:
 
 
 def _read_torchlib_once() -> None:
-    """torch.onnx builds its op registry anew for every export, and to do so onnxscript re-reads
-    and parses the source of torchlib's ~500 functions (`get_torchlib_ops`: 0.8 s of a 3 s export
-    of the sample GPT). The list is the same for the whole process: it is read once. Where torch's
-    exporter is laid out otherwise, exports stay as they are."""
+    """Read torchlib's op list once per process instead of on every export (onnxscript re-parses its
+    ~500 functions each time); left alone where torch's exporter is laid out otherwise."""
     try:
         from torch.onnx._internal.exporter import _registration
 

@@ -132,10 +132,8 @@ def looks_like_onnx(path: Path) -> bool:
 
 
 def _convert_opset(model: onnx.ModelProto, path: Path, opset: int) -> onnx.ModelProto:
-    """A model older than MIN_OPSET (the ONNX model zoo's are opset 7 to 12) converted to CONVERTED_OPSET
-    by onnx's version converter, before its external data is read; the original opset is kept in the
-    model's metadata (`converted_from`). IR version 8 goes with the new opset; below IR 4 every
-    initializer also had to be a graph input, which tensors the converter adds (Pad's pads) are not."""
+    """A model older than MIN_OPSET converted to CONVERTED_OPSET (IR 8) by onnx's version converter before
+    its external data is read; the original opset is kept in the metadata (`converted_from`)."""
     try:
         converted = onnx.version_converter.convert_version(model, CONVERTED_OPSET)
         converted.ir_version = max(converted.ir_version, 8)

@@ -1,7 +1,5 @@
-"""Trained pseudo-queries set into a rewritten ONNX model: the sites' zero initializers
-(`attnres.chain<i>.site<k>`, and Delta's gates `attnres.chain<i>.gate<k>`, rewrite.py) take the
-values a converted model learned, matched by
-chain and site index and by size; any difference between the two site lists is refused in one line."""
+"""Trained pseudo-queries (and Delta's gates) set into a rewritten ONNX model's zero initializers,
+matched by chain, site index and size; any difference between the site lists is refused."""
 
 from __future__ import annotations
 

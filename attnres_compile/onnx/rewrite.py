@@ -173,10 +173,7 @@ class _Site:
 
 
 def _without_dead(nodes: list[onnx.NodeProto], candidates: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
-    """Drop standard ops among `candidates`' producers (transitively) whose outputs nobody reads.
-
-    One pass in reverse order suffices: a node's inputs are produced before it.
-    """
+    """Drop standard ops among `candidates`' producers (transitively) whose outputs nobody reads."""
     uses = Counter(i for n in nodes for i in [*n.input, *subgraph_reads(n)] if i) + Counter(outputs)
     kept = []
     for node in reversed(nodes):

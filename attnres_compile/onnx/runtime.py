@@ -51,10 +51,8 @@ def session(path: str | os.PathLike) -> ort.InferenceSession:
 
 def reference_session(path: str | os.PathLike, model: onnx.ModelProto | None = None,
                       edit: Callable[[onnx.ModelProto], object] | None = None) -> ort.InferenceSession:
-    """The session verification compares against: the model at `path` (`model`, loaded without its
-    weights, when given; edited in place) with its Sigmoids exact (exact_sigmoid.py) and `edit` applied,
-    made from the edited bytes with external data read from beside `path`; from the file itself when
-    nothing was edited."""
+    """The session verification compares against: the model at `path` (or `model`, edited in place) with
+    exact Sigmoids and `edit` applied, external data read from beside `path`."""
     model = onnx.load(str(path), load_external_data=False) if model is None else model
     if not exact_sigmoids(model) and edit is None:
         return session(path)

@@ -74,10 +74,8 @@ def output_names(program: torch.export.ExportedProgram) -> list[str]:
 
 
 def drop_guards(program: torch.export.ExportedProgram) -> None:
-    """Forget the guards torch.export kept as code, in place. Re-exporting a module that takes the
-    past as `*past` (fx/decoder.py) leaves guards reading inputs by pytree paths that no longer
-    match: `.module()` then fails ("'NoneType' object has no attribute 'size'") and our loader
-    refuses them as code. Our programs' input dims say what they accept; nothing runs the guards."""
+    """Forget the guards torch.export kept as code, in place: after re-exporting a `*past` module they
+    read inputs by stale pytree paths and fail; our programs' input dims say what they accept."""
     if getattr(program, "_guards_code", None):
         program._guards_code = []
 

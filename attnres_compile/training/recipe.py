@@ -20,10 +20,9 @@ def is_query(name: str) -> bool:
 
 def param_groups(model: nn.Module, lr: float, weight_decay: float = 0.0, query_lr: float | None = None,
                  query_lr_scale: float = QUERY_LR_SCALE) -> list[dict]:
-    """Two optimizer parameter groups for `model`: its own weights at `lr` and `weight_decay`, and
-    the pseudo-queries at `query_lr` (default `lr * query_lr_scale`; give `SGD_QUERY_LR_SCALE` for
-    SGD) without weight decay (decay would pull them back to uniform depth weights for no reason).
-    Each group has a "name". Rates, decay and scale are finite numbers, 0 or more (ValueError)."""
+    """Two optimizer parameter groups, each with a "name": the model's weights at `lr` and
+    `weight_decay`, and the pseudo-queries at `query_lr` (default `lr * query_lr_scale`) without weight
+    decay. Rates, decay and scale must be finite and >= 0 (ValueError)."""
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("query_lr", query_lr),
                         ("query_lr_scale", query_lr_scale)):
         if value is None and name == "query_lr":

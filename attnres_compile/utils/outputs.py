@@ -207,10 +207,9 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class Stage:
-    """`path`: where to write the output, inside the staging `folder`; other files written into
-    `folder` are committed beside it (first). `onnx_data`: the output's older weights files
-    (data_files) are removed once it is in place, and so are `orphans` (files only the replaced
-    output read, e.g. optimum's `model.onnx_data`). `written`: the files committed."""
+    """`path`: the output inside the staging `folder`, other files there committed beside it first.
+    `onnx_data` (older weights files) and `orphans` are removed once it is in place; `written`: the
+    files committed."""
 
     out: Path
     folder: Path

@@ -81,10 +81,8 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
 
 
 def plot_weights_over_steps(history: list[dict], path: str | Path, panels: int = 12, title: str | None = None) -> Path:
-    """Depth weights over training steps from a monitor's history (`DepthMonitor.history`,
-    `monitor.read_csv`): the first panel the normalised entropy (entropy / log|S|, 1 = uniform) of
-    every site against the step, then up to `panels - 1` sites (evenly spread over the depth, the
-    lowest-entropy one of the last step among them) with each source's mean weight against the step."""
+    """Depth weights over training steps from a monitor's history: first each site's normalised entropy
+    (1 = uniform), then up to `panels - 1` sites' per-source mean weights, against the step."""
     plt = _pyplot()
     keys = [(s["chain"], s["site"]) for s in history[-1]["sites"] if "weights" in s]
     if not keys:

@@ -1,12 +1,9 @@
 """Memory-budgeted planning of pipeline training for an AttnRes rewrite: which N fits each rank.
 
-Given a model's one-micro-batch profile (memory_profile.py), a stage layout and a torch pipeline
-schedule, `plan_memory` predicts every rank's peak bytes for each Block N whose block boundaries
-fall on the stage cuts, and picks the largest N that fits the budget (Full when it fits). Per
-rank it counts parameters, optimizer state (`OPTIMIZERS`) and gradients, `PipelineStage`'s
-buffers, and per micro-batch in flight along torch's own `pipeline_order` the activations, the
-history and the backward's transients. docs/distributed.md, *Planning for a memory budget*, lists
-the terms. Checkpointing and `offload` terms (`_activations`) are predictions only.
+`plan_memory` predicts every rank's peak bytes, from a one-micro-batch profile (memory_profile.py),
+a stage layout and a torch schedule (along its own `pipeline_order`), for each Block N whose
+boundaries fall on the stage cuts, and picks the largest N that fits (Full when it fits).
+docs/distributed.md, *Planning for a memory budget*, lists the terms.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Compiled depth-attention kernels for the PyTorch op: built on first use, kept in memory and on disk.
 
-A kernel is one tensorir.py function for one (arity, rank, feature size, dtype, eps, scale) and
-target. The disk cache (ATTNRES_KERNEL_CACHE, absolute, else $XDG_CACHE_HOME or ~/.cache under
-attnres-compile/kernels) has a subfolder per TVM version and target; entry names carry a digest
-of the generator's sources, so a new version never loads an old binary. Folders and entries are
-checked before loading (store.py): a bad folder is replaced by a private temporary one, a bad
-entry rebuilt, each with one warning line. Loading needs only TVM's runtime; `import tvm` only
-for a build.
+One kernel per tensorir.py function, (arity, rank, feature size, dtype, eps, scale) and target.
+The disk cache (ATTNRES_KERNEL_CACHE, else $XDG_CACHE_HOME or ~/.cache under
+attnres-compile/kernels) has a folder per TVM version and target, entry names carrying a digest of
+the generator's sources. Entries are checked before loading (store.py): a bad one is rebuilt with
+one warning line. Loading needs only TVM's runtime.
 """
 
 from __future__ import annotations

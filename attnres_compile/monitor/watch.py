@@ -1,12 +1,9 @@
 """`DepthMonitor`: per-site depth-attention statistics collected while the model trains, no second forward.
 
-On a watched step an observer on the op (`op.observe`) receives every forward call's sources,
-query and output and accumulates, under no_grad, per-source weight sums and maxima, entropy and
-the output's sum of squares (and a Delta site's gate). Other steps cost an empty-list test.
-Sites are named from their query parameter (`attnres.chain<i>.site<k>`), so wrapped, FSDP2 and
-DTensor modules are watched alike; checkpointing's recomputed calls are not counted twice. Under
-torch.distributed the sums are all_reduced over `group` as the step ends, so every rank holds
-the global batch's stats.
+On a watched step an observer on the op (`op.observe`) accumulates, from every forward call,
+per-source weight sums and maxima, entropy and output squares (and a Delta site's gate); other
+steps cost an empty-list test. Sites are named from their query parameter, so wrapped, FSDP2 and
+DTensor modules are watched alike; under torch.distributed the sums are all_reduced over `group`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Apply a `Plan` to an ONNX model: one `attnres.DepthAttention` node per site (function.py).
 
-The site node takes over the value name of the site's sum, so every reader reads the AttnRes
-output without rewiring. Block sums are plain shared Adds; a source of another layout is
-reshaped to the site's. Residual Adds and the skip-path ops they leave unread are removed.
-Pseudo-queries are zero float32 initializers `attnres.chain<i>.site<k>` (k from 1), as the fx
-rewrite's state_dict names them. Delta AttnRes keeps the residual Adds under fresh names
-(`attnres/chain<i>/plain<k>`); the `DepthAttentionDelta` node takes over the site's name, and
-gates are float32 [1] initializers `attnres.chain<i>.gate<k>`.
+The site node takes over the value name of the site's sum, so every reader reads it without
+rewiring; residual Adds and skip-path ops left unread are removed. Pseudo-queries are zero float32
+initializers `attnres.chain<i>.site<k>` (k from 1), as the fx rewrite names them. Delta keeps the
+residual Adds under fresh names (`attnres/chain<i>/plain<k>`), with gates `attnres.chain<i>.gate<k>`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Validate the attnres nodes a model already carries, before it counts as rewritten.
 
-A spoofed site, an edited attribute or a user function under our name makes `check_sites`
-refuse the model in one line (CorruptModelError, exit 9) before inspect, rewrite or compile
-trust its sites. It checks every attnres node's kind, place (main graph only), inputs, outputs
-and attribute ranges; that Merges and carried Partials read the outputs of one earlier Partial
-consistently; where types are known, that sources share a float type and the query matches
-their feature size; and that every attnres function is byte for byte the one we write, under
-opset version 1.
+`check_sites` refuses a spoofed or damaged site in one line (CorruptModelError, exit 9): each
+attnres node's kind, place (main graph), inputs, outputs and attribute ranges; Merge/Partial
+wiring; source and query types where known; and every attnres function byte for byte the one we
+write, under opset version 1.
 """
 
 from __future__ import annotations

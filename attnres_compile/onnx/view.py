@@ -1,12 +1,10 @@
 """ONNX frontend: the neutral view (graph_view.py) of an ONNX graph.
 
 One view node per value (node output, graph input, initializer), named by the value. Ops are
-classified structurally, never by name: Add/Sum ADD; Identity, inference Dropout and same-type
-Cast PASSTHROUGH; Reshape keeping the last dim LAYOUT; initializers, Constant, Shape, Size CONST;
-attnres DepthAttention/DepthAttentionMerge DEPTH_ATTENTION; graph inputs INPUT. A fused op
-returning a sum and its norm (FUSED_SUMS) has its normed output read as a function of the sum.
-Shapes come from shape inference (`inferred_types`) over the file's value_info; unknown dims
-get a per-value token that equals no other.
+classified structurally, never by name (Add/Sum ADD, identity-like PASSTHROUGH, last-dim-keeping
+Reshape LAYOUT, constants and shape ops CONST, attnres sites DEPTH_ATTENTION, graph inputs
+INPUT). FUSED_SUMS ops have their normed output read as a function of their sum. Shapes come from
+shape inference (`inferred_types`); unknown dims get tokens that equal no other.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 with time and memory limits, so a native crash, an endless loop or a memory blow-up becomes one
 error line (exit 16 crash, 17 time limit, 18 memory limit) instead of killing or hanging us.
 
-The child is forked from the already-imported process, runs one function, pickles its result (or
-its AttnResError) back through a pipe and never returns into the caller's code (os._exit); it
-dies with its parent (PR_SET_PDEATHSIG). Its output is written to our stderr afterwards (shown
-with --debug). RLIMIT_AS is its size at the fork plus `memory_budget`
-(ATTNRES_COMPILE_MEMORY_LIMIT, else 80% of the memory available now).
+The child runs one function, pickles its result back, never returns into the caller's code and
+dies with its parent. Its output reaches our stderr afterwards (shown with --debug); RLIMIT_AS is
+its size at the fork plus `memory_budget`.
 """
 
 from __future__ import annotations

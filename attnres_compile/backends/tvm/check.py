@@ -1,14 +1,11 @@
 """The compiled model against its source, before the artifact is written (`compile_model`'s
 `verify_outputs`, on by default; `compile --no-verify` skips it).
 
-An ONNX source runs in onnxruntime (an isolated child, Sigmoid computed exactly as in
-onnx/exact_sigmoid.py) on `rewrite`'s generated inputs; a `.pt2` source runs in torch on its
-stored example inputs. The built executable runs on the same inputs and every output must match
-within RTOL of its largest magnitude (scaled for fp16/bf16; integer and bool outputs exactly; an
-empty one is no pass), so a model a TVM frontend silently converted wrong is not deployed.
-The bound grows as RTOL·sqrt(L / DEPTH_FREE) past DEPTH_FREE residual steps L: rounding
-differences enter the stream at every step and add up like a random walk, while a wrong build is
-off by whole percents.
+The source runs in onnxruntime (isolated, exact Sigmoid) or torch on the same inputs as the
+built executable; every output must match within RTOL of its largest magnitude (integer and bool
+outputs exactly), so a model a TVM frontend silently converted wrong is not deployed. The bound
+grows as RTOL·sqrt(L / DEPTH_FREE) past DEPTH_FREE residual steps L, as rounding differences add
+up like a random walk along the stream.
 """
 
 from __future__ import annotations

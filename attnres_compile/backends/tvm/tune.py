@@ -132,9 +132,8 @@ def tune(mod: tvm.IRModule, target: Target, database_dir: str | Path, *, trials:
 
 
 def _builder(cores: int) -> ms.builder.LocalBuilder:
-    """meta_schedule's local builder without its import of every tensor intrinsic in each worker
-    (TVMScript parsing: 15-25 s per batch of trials, minutes on a loaded machine); the CPU
-    schedules here tensorize nothing. The build function is a closure, so the worker receives
+    """meta_schedule's local builder without its slow import of every tensor intrinsic in each worker
+    (the CPU schedules tensorize nothing). The build function is a closure, so the worker receives
     it by value and need not import this package."""
 
     def build_without_intrinsics(mod, target, _params):

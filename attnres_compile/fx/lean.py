@@ -1,11 +1,9 @@
 """A copy of an exported graph module that runs with less per-call overhead, for decode steps.
 
-`lean_copy` computes the same values without torch.export's metadata asserts and same-dtype
-casts, dead nodes, HF's `repeat_kv` copy before CPU SDPA (`enable_gqa=True` instead, bitwise
-equal) and long attribute paths; `Lean.inference` also calls the sites' backend kernel directly.
-Exact while the inputs and attributes have the trace's dtypes and devices, which `Lean.fits`
-checks on every call (else the graph itself runs). Attributes are read on every call; a replaced
-submodule or an edited graph needs a new copy.
+`lean_copy` drops torch.export's metadata asserts, same-dtype casts, dead nodes, HF's `repeat_kv`
+copy before CPU SDPA (`enable_gqa=True`, bitwise equal) and long attribute paths;
+`Lean.inference` calls the sites' kernel directly. Exact while inputs and attributes keep the
+trace's dtypes and devices, which `Lean.fits` checks per call (else the graph itself runs).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A converted model's rewritten graph as data, and the Python that runs it against the live modules.
 
-The graph (one per parameter dtype, made by `outline.outline`) is a JSON list of nodes whose
-targets are torch ops by name (namespaces in OP_NAMESPACES), `operator` functions or
-`torch.sym_*`, with plain-data arguments: reading it runs no code from the file, and `check`
-compares every name it reads with the model. `compiled(device)` splits it by decoder layer and
-compiles one function for the backbone and one per layer, so layers stay called modules (hooks,
-checkpointing, `fully_shard`) and attributes are read through the module tree on every call.
+The graph (per parameter dtype) is JSON: torch ops by name (OP_NAMESPACES), `operator` functions,
+`torch.sym_*`, plain-data arguments; reading it runs no code, and `check` compares every name with
+the model. `compiled(device)` compiles one function for the backbone and one per layer, so layers
+stay called modules and attributes are read through the module tree on every call.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Build the kernels a rewritten model's forward will need in background processes, before it runs.
 
-`forward_specs` reads from the rewritten graph which kernels its sites will look up (fused.py's
-routing), and `start` hands those not yet cached to a few worker processes
-(`python -m attnres_compile.kernels.prebuild`, TVM without torch) that build them in first-use
-order into the checked store (store.py). cache.get, on a miss for a spec a worker holds, waits
-for it and loads it from disk; if the worker failed or was stopped, the kernel is built
-in-process. `stop` ends the workers when the run is over.
+`forward_specs` reads the kernels its sites will look up; `start` hands the uncached ones to a
+few `python -m attnres_compile.kernels.prebuild` workers (TVM without torch) that build them into
+the checked store. cache.get waits for a worker's spec and loads it from disk, or builds it
+in-process if the worker failed; `stop` ends the workers.
 """
 
 from __future__ import annotations

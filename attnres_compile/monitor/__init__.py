@@ -1,11 +1,9 @@
 """Depth-attention observability: what each AttnRes site attends to, while training and afterwards.
 
-`DepthMonitor` (watch.py) collects per-site stats in the training forward through an observer of
-the op; `find_collapse`/`format_stats` (collapse.py) find collapsed sites and dead sources;
-`CollapseController` (controller.py) damps or freezes them; logs.py and plots.py write and draw
-the stats; `ResidualProbe`/`trace_sites`/`record` (residual.py) measure an original model's
-stream; `inspect_weights` (checkpoint.py) reads a saved `.pt2`. docs/monitor.md has the stats'
-format and the whole story.
+`DepthMonitor` (watch.py) collects per-site stats in the training forward; collapse.py finds
+collapsed sites and dead sources and `CollapseController` damps them; logs.py and plots.py write
+and draw the stats; residual.py probes an original model's stream; checkpoint.py reads a saved
+`.pt2`. docs/monitor.md has the stats' format.
 """
 
 from .checkpoint import inspect_weights, load_checkpoint

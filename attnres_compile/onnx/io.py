@@ -1,11 +1,9 @@
 """Reading and writing ONNX files: every failure classified (errors.py), every write atomic.
 
-`load` tells a non-ONNX file from a truncated or damaged one, converts old opsets (noted in the
-metadata), and checks tensors before reading them: external data must lie inside the model's
-folder (no absolute path, `..` or symlink out) and hold exactly the tensor's bytes, as must
-embedded tensors. The checker knows onnxruntime's own default-domain ops (onnx/ort_ops.py).
-`staged` / `save` write the model and its `<name>.data` through outputs.staged, so a failed run
-leaves no partial file and no mismatched model/data pair.
+`load` tells a non-ONNX file from a damaged one, converts old opsets, and checks every tensor's
+data (external data only inside the model's folder, exact sizes) before reading it; the checker
+knows onnxruntime's own default-domain ops (ort_ops.py). `staged` / `save` write model and
+`<name>.data` through outputs.staged, never leaving a partial or mismatched pair.
 """
 
 from __future__ import annotations

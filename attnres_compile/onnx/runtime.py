@@ -1,11 +1,9 @@
 """onnxruntime backend: sessions, inputs built from a model's input signature, original vs rewritten.
 
-Inputs: symbolic dims sized by onnx/dims.py; floats standard normal, mask-like integers ones,
-embedding indices uniform below the table size, other integers zero. `compare_files` runs both
-models in a forked child with time and memory limits (isolate.py), since onnxruntime runs the
-user's graph. Verification runs `reference_session`, the model with Sigmoid computed exactly
-(exact_sigmoid.py), as onnxruntime's own is accurate only to ~1e-7 absolute; `session` runs the
-file as it is.
+Inputs: dims sized by onnx/dims.py; floats standard normal, mask-like integers ones, embedding
+indices below the table size, other integers zero. `compare_files` runs both models in a forked,
+limited child (isolate.py). Verification uses `reference_session` (exact Sigmoid,
+exact_sigmoid.py); `session` runs the file as it is.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each task's default schedule (cpu_rules.py) is measured first on the same runner
 takes its best tuned schedule only where that beat the default. The default schedules are not
 fed to the search (meta_schedule's layout-rewrite postprocessor cannot re-apply to their
 pre-packed weights). Already-scheduled kernels and tasks the database holds are never tuned;
-untunable tasks are listed in untunable.json. Shapes must be static (docs/tvm.md, *Tuning*).
+untunable tasks are listed in untunable.json. Shapes must be static (docs/tvm.md, *Tuning (CPU)*).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 PRESERVE_RTOL = 1e-5   # float32, preserve mode: ~80 ulps of rounding, relative to the output's magnitude
 PAPER_RTOL = 1e-3      # paper mode on PreNorm models differs through the norms' eps only
+TRAINED_RTOL = 1e-4    # an export of trained sites: non-uniform depth weights compound rounding over the layers
 LOW_PRECISION_RTOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}  # 4 ulps (fp16/bf16 differ by ~1 ulp when exact)
 TRUTH_FACTOR = 2.0     # fp16/bf16: the rewrite's error against float64 may be up to twice the original's
 TINY = math.sqrt(torch.finfo(torch.float32).tiny)  # 1.1e-19
@@ -62,6 +63,13 @@ def tolerance(scale: str, changes_function: bool) -> Tolerance | None:
     if scale == "preserve":
         return Tolerance(PRESERVE_RTOL, rounding=True)
     return Tolerance(PAPER_RTOL, rounding=False)
+
+
+def has_trained_sites(module) -> bool:
+    """Whether `module` holds AttnRes parameters (`attnres.*`: queries, Delta's gates) that are not all
+    zero, the exact starting point: its export is then checked at TRAINED_RTOL."""
+    return any((name.startswith("attnres.") or ".attnres." in name) and bool(p.detach().any())
+               for name, p in module.named_parameters())
 
 
 def compare(expected: Any, actual: Any, tol: Tolerance | None, truth: Any = None) -> list[dict]:

@@ -1,6 +1,11 @@
 """Converts SmolLM2-135M to Block(8), plants queries at 0.02 x randn and saves the folder the export was timed on."""
-import time, torch, attnres_compile as ac
+import time
+
+import torch
+
+import attnres_compile as ac
 from samples import smollm2
+
 model, tok = smollm2.load()
 t = time.perf_counter()
 c = ac.convert(model, ac.AttnResConfig(variant="block", num_blocks=8))

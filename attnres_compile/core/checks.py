@@ -62,5 +62,5 @@ def has_work(plan: Plan, config: AttnResConfig) -> bool:
 def plan_notes(plan: Plan) -> list[str]:
     """The report note for a graph that is already rewritten."""
     if plan.existing_sites and not plan.to_rewrite:
-        return [f"already rewritten: {len(plan.existing_sites)} depth_attention sites found and no residual chain left; nothing to do"]
+        return [f"already rewritten: {len(plan.existing_sites)} depth_attention sites found and no residual chain left: the sites are kept as they are, nothing more to rewrite"]
     return []

@@ -68,8 +68,12 @@ def tolerance(scale: str, changes_function: bool) -> Tolerance | None:
 def has_trained_sites(module) -> bool:
     """Whether `module` holds AttnRes parameters (`attnres.*`: queries, Delta's gates) that are not all
     zero, the exact starting point: its export is then checked at TRAINED_RTOL."""
-    return any((name.startswith("attnres.") or ".attnres." in name) and bool(p.detach().any())
-               for name, p in module.named_parameters())
+    return any(is_attnres_param(name) and bool(p.detach().any()) for name, p in module.named_parameters())
+
+
+def is_attnres_param(name: str) -> bool:
+    """Whether parameter `name` (as `named_parameters` gives it) is a rewrite's query or gate (`attnres.*`)."""
+    return name.startswith("attnres.") or ".attnres." in name
 
 
 def compare(expected: Any, actual: Any, tol: Tolerance | None, truth: Any = None) -> list[dict]:

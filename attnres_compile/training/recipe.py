@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-QUERY_PREFIX = "attnres."  # the rewrite's holder of pseudo-queries (fx/rewrite.py HOLDER)
+from ..core.verify import is_attnres_param
+
 QUERY_LR_SCALE = 0.01  # the queries' learning rate relative to the model's, Adam-family optimizers (docs/finetune.md)
 SGD_QUERY_LR_SCALE = 1e-3  # the same for SGD, which steps by the gradient (the queries' is ~150x larger per element)
 WARMUP_STEPS = 20  # steps over which the queries' rate ramps from 0 to its value
@@ -15,7 +16,7 @@ WARMUP_STEPS = 20  # steps over which the queries' rate ramps from 0 to its valu
 
 def is_query(name: str) -> bool:
     """Whether parameter `name` (as `named_parameters` gives it) is an AttnRes pseudo-query."""
-    return name.startswith(QUERY_PREFIX) or f".{QUERY_PREFIX}" in name
+    return is_attnres_param(name)
 
 
 def param_groups(model: nn.Module, lr: float, weight_decay: float = 0.0, query_lr: float | None = None,

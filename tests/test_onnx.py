@@ -7,6 +7,7 @@ the original, at the exported shape and at another one (dims stay dynamic).
 
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -522,14 +523,46 @@ def test_passthrough_and_layout_ops_between_links(tmp_path):
     onnx.checker.check_model(str(out), full_check=True)
 
 
+@pytest.mark.parametrize("route", ["onnx file", "pt2"])
+def test_a_failed_verification_writes_nothing(tmp_path, monkeypatch, capsys, route):
+    """A preserve-mode check that fails ends in exit 7 before the commit on every route (the ONNX
+    file's own check and the torch check before a .pt2 is written): no output, no report."""
+    from attnres_compile.cli import main
+    from attnres_compile.core import verify
+
+    if route == "onnx file":
+        src = tmp_path / "in" / "gpt.onnx"
+        src.parent.mkdir()
+        export_onnx(*models.gpt_factory(), src, verify_outputs=False, rewrite_chains=False)
+        argv, compare = [str(src), "-o", str(tmp_path / "out" / "gpt.onnx")], ort_backend.compare_files
+
+        def wrong(*args, **kwargs):
+            rows, shapes, notes = compare(*args, **kwargs)
+            return [{**rows[0], "ok": False, "verdict": "fail"}, *rows[1:]], shapes, notes
+
+        monkeypatch.setattr(ort_backend, "compare_files", wrong)
+    else:
+        argv, check = ["samples.models:gpt_factory", "-o", str(tmp_path / "out" / "gpt.pt2")], verify.verify_module
+
+        def wrong(*args, **kwargs):
+            rows, notes = check(*args, **kwargs)
+            return [{**rows[0], "ok": False, "verdict": "fail"}, *rows[1:]], notes
+
+        monkeypatch.setattr(verify, "verify_module", wrong)
+    (tmp_path / "out").mkdir()
+    assert main(["rewrite", *argv, "--report", str(tmp_path / "out" / "r.json")]) == 7
+    assert os.listdir(tmp_path / "out") == []
+    assert "verification failed on 1 output(s)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("faulty", ["every file", "the rewritten file"])
 def test_a_failed_onnxruntime_check_is_blamed_on_the_export_where_the_original_fails_it_too(
         tmp_path, monkeypatch, capsys, faulty):
     """After a failed onnxruntime check the original model is exported and checked the same way.
     Where onnxruntime gets that one wrong too (here a runtime that adds 1 to every output; HF
     Helium's ONNX export gives non-finite logits in onnxruntime with or without the rewrite), the
-    failed rows and the CLI's line say the export is at fault; where only the rewritten file is
-    wrong, they do not."""
+    CLI's line says the export is at fault; where only the rewritten file is wrong, it does not.
+    Either way nothing is written, not even the report."""
     from attnres_compile.cli import main
 
     run_file = ort_backend.run_file
@@ -540,10 +573,8 @@ def test_a_failed_onnxruntime_check_is_blamed_on_the_export_where_the_original_f
         return {k: v + 1 for k, v in outputs.items()} if wrong else outputs
 
     monkeypatch.setattr(ort_backend, "run_file", faulty_runtime)
-    report = tmp_path / "report.json"
-    assert main(["rewrite", "samples.models:gpt_factory", "-o", str(tmp_path / "gpt.onnx"), "--report", str(report)]) == 7
-    failed = [r for r in json.loads(report.read_text())["verification"] if r["ok"] is False]
-    assert failed and all(r["output"].startswith("onnxruntime:") for r in failed)
+    out, report = tmp_path / "gpt.onnx", tmp_path / "report.json"
+    assert main(["rewrite", "samples.models:gpt_factory", "-o", str(out), "--report", str(report)]) == 7
+    assert not out.exists() and not report.exists() and os.listdir(tmp_path) == []  # a failed check writes nothing
     blamed = faulty == "every file"
-    assert all(("original_export" in r) == blamed for r in failed)
     assert ("not the rewrite; -o X.pt2 keeps it in PyTorch" in capsys.readouterr().err) == blamed

@@ -13,7 +13,7 @@ import torch
 import attnres_compile as ac
 from attnres_compile.fx.trace import trace
 from attnres_compile.fx.decoder import _cache_param
-from attnres_compile.core.errors import ConfigError
+from attnres_compile.core.errors import ConfigError, VerificationError
 from attnres_compile.core import verify
 from samples import hf_models, hf_zoo, models
 
@@ -151,8 +151,10 @@ def test_zero_rows_catch_the_nan_the_example_inputs_hide(tmp_path):
     from hostile import tiny
 
     onnx.save(tiny(), tmp_path / "m.onnx")
-    (row,) = rewrite_onnx(tmp_path / "m.onnx", tmp_path / "o.onnx", _sneaky(1e-300)).report["verification"]
-    assert row["verdict"] == "fail" and row["zero_rows"]["inputs"] == ["x"] and row["max_abs"] == 0
+    with pytest.raises(VerificationError, match=r"max abs 0.00e\+00 .* with zero rows in x: non-finite values differ.*; "
+                                                 "nothing written"):
+        rewrite_onnx(tmp_path / "m.onnx", tmp_path / "o.onnx", _sneaky(1e-300))
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_rewrite_leaves_the_callers_model_and_rng_alone():

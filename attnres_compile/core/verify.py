@@ -196,6 +196,23 @@ def paper_scale_note(failed: int) -> str:
             "PreNorm models (not an error)")
 
 
+def refuse_failed(rows: list[dict] | None, scale: str) -> None:
+    """VerificationError when a check that must pass failed: raised before anything is committed, so a
+    failed verification writes nothing. Paper scale differs by design (paper_scale_note)."""
+    from .errors import VerificationError
+
+    failed = [r for r in rows or [] if r.get("ok") is False]
+    if not failed or scale == "paper":
+        return
+    message = (f"{scale}-mode verification failed on {len(failed)} output(s), e.g. "
+               f"{' '.join(describe(failed[0]).split()[1:])}")
+    if "original_export" in failed[0]:
+        message += ("; the original model, exported to ONNX the same way, fails that check too "
+                    f"({' '.join(failed[0]['original_export'].split()[2:])}): the ONNX export or onnxruntime "
+                    "computes this model wrongly, not the rewrite; -o X.pt2 keeps it in PyTorch")
+    raise VerificationError(message + "; nothing written")
+
+
 def describe(row: dict) -> str:
     """One line for a row: mark, output, errors, tolerance and the minimum rtol that would pass."""
     edge = _zero_rows_text(row)

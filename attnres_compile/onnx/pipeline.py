@@ -158,6 +158,7 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
                 verification, verified, run_notes = ort_backend.compare_files(
                     path, fp32, tolerance, input_shapes, timeout=verify_timeout,
                     consequence="the rewritten model was not written")
+            verify.refuse_failed(verification, config.scale if new_sites else "preserve")
             notes += run_notes
             extra["verified_shapes"] = [{k: list(v) for k, v in shapes.items()} for shapes in verified]
             if queries is not None:  # verified at zero queries (exact: the rewrite itself), then the trained ones
@@ -246,6 +247,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
         dims = dynamic_dims.parse(dynamic)
         spec = dynamic_dims.export_spec(dims, model, args or (), kwargs) if result.report["dynamic_dims"] else None
         what = f"dynamic {dims.text}"
+    scale = config.scale if rewrite_chains else "preserve"
+    verify.refuse_failed(result.report["verification"], scale)  # before the export: nothing to write
     notes = result.report.data["notes"]
     with onnx_io.staged(output) as stage, _float32_scratch(weights) as scratch:
         fp32 = scratch / Path(output).name if scratch else stage.path
@@ -276,6 +279,7 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
                              "over the layers; the conversion itself was checked exact")
             with progress.stage("verifying in onnxruntime"):
                 rows = _verify_export(model, args, kwargs, fp32, tolerance, verify_timeout)
+            verify.refuse_failed(rows, scale)  # the staged file is discarded
             result.report.data["verification"] = (result.report.data["verification"] or []) + rows
         if weights:
             del proto

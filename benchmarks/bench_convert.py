@@ -65,7 +65,7 @@ def bench_load(work: Path, rounds: int) -> dict:
     import attnres_compile as ac
 
     model, _ = smollm2.load()
-    base = smollm2._cache()
+    base = smollm2.dense_folder()
     copy_dir = work / "base-copy"
     shutil.copytree(base, copy_dir, dirs_exist_ok=True)
     converted = work / "converted"

@@ -121,7 +121,7 @@ def prepare(args) -> None:
     from samples import smollm2
 
     reference(work)
-    dense = smollm2._cache()
+    dense = smollm2.dense_folder()
     f32 = work / "smollm2-F32.gguf"
     if not f32.is_file():
         tree = _converter(args.llama_cpp_src, work)

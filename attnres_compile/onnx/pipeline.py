@@ -103,8 +103,9 @@ def rewrite_onnx(path: str | os.PathLike, output: str | os.PathLike, config: Att
     Weights stay external (`<output>.data`) when the input kept them external, or when large. With
     `verify_outputs`, the staged output and the input run in onnxruntime (an isolated child,
     `verify_timeout` seconds) at the default and all-1 shape sets (onnx/dims.py; `input_shapes`
-    fixes shapes there and in the analysis); preserve mode must match to 1e-5. An output that exists
-    or would replace a file of the input needs `force`. `fuse_norms`: onnx/site_norm.py. `queries`
+    fixes shapes there and in the analysis); preserve mode must match to 1e-5 (else VerificationError,
+    nothing written). An output that exists or would replace a file of the input needs `force`.
+    `fuse_norms`: onnx/site_norm.py. `queries`
     ({"chain<i>.site<k>": array}, `queries_from` naming it in errors) are set after verification
     (onnx/queries.py). `rewrite_chains=False` writes the original through every other pass, to
     compare like with like. `weights` ("int8", "int4") quantizes MatMul weights (onnx/weights.py),
@@ -217,7 +218,8 @@ def export_onnx(model: Any, example_inputs: Any, output: str | os.PathLike, conf
 
     `dynamic` picks the dims that stay symbolic (fx/dynamic_dims.py); if the dynamic trace or export
     fails, both fall back to static shapes with a note. `verify_outputs` adds "onnxruntime:<output>"
-    rows: the file against the original PyTorch model. `with_past`: an HF causal LM's decoder with
+    rows: the file against the original PyTorch model (a failed preserve-mode row: VerificationError,
+    nothing written). `with_past`: an HF causal LM's decoder with
     its KV cache, named as optimum names a decoder-with-past file. `fuse_norms`, `rewrite_chains`
     and `weights` as in `rewrite_onnx` (`eval_ids` defaults to the example's input_ids).
     """

@@ -24,7 +24,8 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
                rewrite_chains: bool = True) -> ExportResult:
     """Rewrite a PyTorch model (fx path) and write it to `output` as a .pt2 archive, atomically.
     The archive takes the model's own call (non-tensor keyword inputs constant at their traced
-    values) and returns a flat tuple of named outputs; other arguments as in `export_onnx`.
+    values) and returns a flat tuple of named outputs; a failed preserve-mode check writes nothing;
+    other arguments as in `export_onnx`.
     """
     config = as_config(config)
     if with_past:

@@ -13,6 +13,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +178,37 @@ def test_a_signal_while_the_handlers_are_restored_is_one_line(monkeypatch, capsy
     assert cli.main(["inspect", "m.onnx"]) == 143
     assert capsys.readouterr().err == "attnres-compile: error: terminated (SIGTERM); no partial output was left\n"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_caller_that_blocked_signals_gets_its_mask_back(monkeypatch):
+    """`main` unblocks SIGINT/SIGTERM for the command and puts the caller's mask back before its
+    handlers: a SIGTERM after the command waits for a caller that had blocked it (CI's fixed-seed
+    fuzz sample: a forked run signalled just after the handlers were restored died of it, with its
+    output complete, before the harness blocked signals again)."""
+    from attnres_compile.cli import program as cli
+
+    real, calls = signal.signal, []
+
+    def signal_after_restore(sig, handler):
+        previous = real(sig, handler)
+        calls.append(sig)
+        if len(calls) == 4:  # two installs, two restores: the command is over (to this thread: the
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # process's others may not block it)
+        return previous
+
+    seen = []  # the caller's own handler: had the signal been delivered, it would be here
+    handler = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(cli.signal, "signal", signal_after_restore)
+    monkeypatch.setattr(cli, "_main", lambda argv, received, debug: 0)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        assert cli.main(["inspect", "m.onnx"]) == 0
+        assert not seen and signal.SIGTERM in signal.sigpending()
+        assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    finally:
+        signal.sigtimedwait({signal.SIGTERM}, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        real(signal.SIGTERM, handler)
 
 
 def _layernorm_empty_bias() -> onnx.ModelProto:

@@ -101,12 +101,13 @@ def _signals_as_exceptions(received: list[int], debug: bool):
         yield
         return
     previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a caller may have blocked them
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a caller may have blocked them
         yield
     finally:  # disarmed first: a signal while the handlers are put back is recorded (main reports it), not raised
         armed = False
         sys.unraisablehook = previous_hook
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the caller's mask first: what it blocked waits for it
         for s, h in previous.items():
             signal.signal(s, h)
 

@@ -28,11 +28,12 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
     other arguments as in `export_onnx`.
     """
     config = as_config(config)
+    scale = config.scale if rewrite_chains else "preserve"  # the mode its verification is judged in
     if with_past:
         wrapper, args, spec = decoder_with_past(model, example_inputs, None, dynamic)
         result = rewrite(wrapper, args, config, verify_outputs=verify_outputs, dynamic_shapes=spec,
                          rewrite_chains=rewrite_chains)
-        verify.refuse_failed(result.report["verification"], config.scale if rewrite_chains else "preserve")
+        verify.refuse_failed(result.report["verification"], scale)
         with progress.stage(f"exporting {Path(output).name}"):
             program = dynamic_dims.export_program(result.graph_module, args, {}, (*spec[:3], *spec[3]),
                                                   "dynamic batch, sequence and past length", result.report.data["notes"])
@@ -42,7 +43,7 @@ def export_pt2(model: Any, example_inputs: Any, output: str | os.PathLike, confi
         return ExportResult(result.report, stage.written)
     result = rewrite(model, example_inputs, config, verify_outputs=verify_outputs, dynamic=dynamic,
                      rewrite_chains=rewrite_chains)
-    verify.refuse_failed(result.report["verification"], config.scale if rewrite_chains else "preserve")
+    verify.refuse_failed(result.report["verification"], scale)
     args, kwargs = split_inputs(example_inputs)
     dims = dynamic_dims.parse(dynamic)
     spec = dynamic_dims.export_spec(dims, model, args, kwargs) if result.report["dynamic_dims"] else None

@@ -289,6 +289,19 @@ def test_any_module_converts_with_its_example():
     assert all(g is not None for g in grads.values()) and any("attnres" in n for n in grads)
 
 
+def test_a_mixture_of_experts_converts():
+    """Mixtral's experts run transformers' grouped_mm custom op by default, which the graph data may
+    not name: the trace switches them to batched_mm (fx/hf_experts.py), as the ONNX route does."""
+    from samples.hf_decoders import mixtral_factory
+
+    model, inputs = mixtral_factory()
+    converted = ac.convert(model, CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(input_ids=inputs["input_ids"], use_cache=False).logits,
+                                   model(input_ids=inputs["input_ids"], use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    assert model.get_experts_implementation() == converted.get_experts_implementation()  # switched back
+
+
 def test_trained_queries_reach_pt2(tmp_path, capsys):
     """A converted model with planted queries exported with `ac.export_pt2`: the archive generates the model's own
     greedy tokens, which differ from the untrained conversion's (the ONNX route: tests/test_readme.py's loop)."""

@@ -49,11 +49,15 @@ def convert(model: nn.Module, config=None, example_inputs: Any = None) -> nn.Mod
         raise InputError(f"{type(model).__name__} is converted already")
     if not is_causal_lm(model):
         return _convert_module(model, config, example_inputs)
-    lm = copy.deepcopy(model)
-    backbone = lm.get_decoder()
-    state, gm = _state(backbone, config, example_inputs)
-    attach(lm, state, queries=True)
-    _check(model, lm, gm, config, example_inputs)
+    state, gm = _state(model.get_decoder(), config, example_inputs)
+    device = next(model.parameters()).device
+    workers = prebuild.start(prebuild.forward_specs(gm, device)) if fused_kernels() else []  # built meanwhile
+    try:
+        lm = copy.deepcopy(model)
+        attach(lm, state, queries=True)
+        _check(model, lm, config, example_inputs)
+    finally:
+        prebuild.stop(workers)
     return lm
 
 
@@ -97,15 +101,14 @@ def _state(backbone: nn.Module, config, example_inputs) -> tuple[State, Any]:
     return state, gm
 
 
-def _check(original: nn.Module, converted: nn.Module, gm, config, example_inputs) -> None:
+def _check(original: nn.Module, converted: nn.Module, config, example_inputs) -> None:
     """Original against converted logits on a few tokens (verify.compare, preserve tolerance), both in
-    eval mode; the op's kernels build in worker processes meanwhile (kernels/prebuild.py)."""
+    eval mode."""
     tol = verify.tolerance(config.scale, False)
     if tol is None or config.scale != "preserve":
         return
     ids = _ids(original.config, example_inputs).to(next(original.parameters()).device)
     modes = [(m, m.training) for m in (original, converted)]
-    workers = prebuild.start(prebuild.forward_specs(gm)) if fused_kernels() else []
     try:
         for m, _ in modes:
             m.train(False)
@@ -113,7 +116,6 @@ def _check(original: nn.Module, converted: nn.Module, gm, config, example_inputs
             want = original(input_ids=ids, use_cache=False).logits
             got = converted(input_ids=ids, use_cache=False).logits
     finally:
-        prebuild.stop(workers)
         for m, mode in modes:
             m.train(mode)
     rows = verify.compare(want, got, tol)

@@ -1,7 +1,8 @@
 """Trace an HF backbone with a KV cache, rewrite it, and keep the result as program data (program.py).
 What is traced is `WithPast(backbone)`, decoder.py's decoder-with-past without the head, with
 dynamic batch, sequence and past: past 0 is a training forward or prefill, so one graph serves
-`Trainer` and `generate()`.
+`Trainer` and `generate()`. A backbone whose layers are alike is traced as three layers and the
+graph grown to its depth (replicate.py): the trace's cost no longer grows with the depth.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..fx.view import view_from_fx
 from ..utils import progress
 from . import outline as outlining
 from . import program as prog
+from . import replicate
 from .classes import base_class
 from .state import Geometry, State, dtype_name
 
@@ -34,6 +36,11 @@ class WithPast(nn.Module):
         self.model = backbone
         self._cache = cache_param
         self._positions = takes_positions
+
+    @property
+    def wraps(self) -> nn.Module:
+        """The backbone (hf_experts switches its MoE experts to traceable ops while tracing)."""
+        return self.model
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         extra = {"position_ids": position_ids} if self._positions else {}
@@ -58,8 +65,7 @@ def rewrite(backbone: nn.Module, state: State, config: AttnResConfig, dtype: tor
             takes_positions: bool = True):
     """(program data, sites, the rewritten GraphModule) of `backbone` (an unconverted module of the
     backbone's class, whose weights the graph never reads) traced in `dtype`."""
-    args, spec = example(state.geometry, vocab, dtype, device)
-    traced = trace(WithPast(backbone, state.cache_param, takes_positions), args, spec)
+    traced, device = _trace(backbone, state, dtype, device, vocab, takes_positions)
     gm = traced.graph_module
     plan = analyze(view_from_fx(gm), config)
     if not has_work(plan, config):  # it raises where there is no chain; False: rewritten already
@@ -75,6 +81,26 @@ def rewrite(backbone: nn.Module, state: State, config: AttnResConfig, dtype: tor
     extra = {"dtype": dtype_name(dtype), "device": str(torch.device(device)), "layers": state.layers,
              "leaves": leaves, "attrs": attrs, "modules": modules}
     return prog.to_data(graph, blocks, extra), sites, gm
+
+
+def _trace(backbone: nn.Module, state: State, dtype: torch.dtype, device, vocab: int, takes_positions: bool):
+    """(the WithPast trace, the device it was traced on): of a meta-device `SHALLOW`-layer copy,
+    grown to the backbone's depth, where replicate.py finds the layers alike; else of the backbone."""
+    layers = backbone.get_submodule(state.layers) if state.layers else None
+    geometry = state.geometry
+    if (layers is not None and len(layers) > replicate.SHALLOW and len(set(geometry.heads)) == 1
+            and len(set(geometry.head_dims)) == 1):
+        with torch.device("meta"):  # no weights allocated: the trace reads shapes and dtypes only
+            shallow = base_class(backbone)(replicate.shallow_config(backbone.config)).to(dtype).train(False)
+        if replicate.same_layers(layers, shallow.get_submodule(state.layers)[replicate.TEMPLATE]):
+            short = Geometry(replicate.SHALLOW, geometry.heads[:replicate.SHALLOW],
+                             geometry.head_dims[:replicate.SHALLOW])
+            args, spec = example(short, vocab, dtype, "meta")
+            traced = trace(WithPast(shallow, state.cache_param, takes_positions), args, spec)
+            if replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers), 3, 1):
+                return traced, "meta"
+    args, spec = example(geometry, vocab, dtype, device)
+    return trace(WithPast(backbone, state.cache_param, takes_positions), args, spec), device
 
 
 def _attr_shape(backbone: nn.Module, sizes: dict, target: str) -> tuple:

@@ -23,9 +23,10 @@ MIN_SPECS = 8  # fewer missing kernels (~0.25 s of CPU each) are built in-proces
 # suite's many small rewrites would each pay it)
 
 
-def forward_specs(gm) -> list[kernel_cache.Spec]:
+def forward_specs(gm, runs_on=None) -> list[kernel_cache.Spec]:
     """The CPU kernels the forward of GraphModule `gm` looks up, in first-use order (duplicates
-    dropped), from its depth_attention nodes' source shapes (a symbolic dim at its example size)."""
+    dropped), from its depth_attention nodes' source shapes (a symbolic dim at its example size).
+    `runs_on`: the device a graph traced on the meta device (a converted decoder's) will run on."""
     import torch
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
@@ -38,7 +39,8 @@ def forward_specs(gm) -> list[kernel_cache.Spec]:
             continue
         sources, _, eps, scale, dim = node.args
         val = getattr(sources[0], "meta", {}).get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype not in fused._DTYPES or val.device.type != "cpu" \
+        device = torch.device(runs_on) if isinstance(val, torch.Tensor) and val.is_meta and runs_on else None
+        if not isinstance(val, torch.Tensor) or val.dtype not in fused._DTYPES or (device or val.device).type != "cpu" \
                 or val.dim() < 2 or dim not in (-1, val.dim() - 1):
             continue  # no shape (a symbolic_trace graph) or no fused kernel: built on first use, if any
         like = torch.empty((), dtype=val.dtype).expand(*(optimization_hint(n, 1) for n in val.shape))  # no storage

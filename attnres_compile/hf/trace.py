@@ -89,18 +89,31 @@ def _trace(backbone: nn.Module, state: State, dtype: torch.dtype, device, vocab:
     layers = backbone.get_submodule(state.layers) if state.layers else None
     geometry = state.geometry
     if (layers is not None and len(layers) > replicate.SHALLOW and len(set(geometry.heads)) == 1
-            and len(set(geometry.head_dims)) == 1):
-        with torch.device("meta"):  # no weights allocated: the trace reads shapes and dtypes only
-            shallow = base_class(backbone)(replicate.shallow_config(backbone.config)).to(dtype).train(False)
-        if replicate.same_layers(layers, shallow.get_submodule(state.layers)[replicate.TEMPLATE]):
-            short = Geometry(replicate.SHALLOW, geometry.heads[:replicate.SHALLOW],
-                             geometry.head_dims[:replicate.SHALLOW])
-            args, spec = example(short, vocab, dtype, "meta")
-            traced = trace(WithPast(shallow, state.cache_param, takes_positions), args, spec)
-            if replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers), 3, 1):
-                return traced, "meta"
+            and len(set(geometry.head_dims)) == 1
+            and getattr(backbone.config, "num_hidden_layers", None) == len(layers)):
+        traced = _shallow(backbone, state, dtype, vocab, takes_positions)
+        if traced is not None and replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers), 3, 1):
+            return traced, "meta"
     args, spec = example(geometry, vocab, dtype, device)
     return trace(WithPast(backbone, state.cache_param, takes_positions), args, spec), device
+
+
+def _shallow(backbone: nn.Module, state: State, dtype: torch.dtype, vocab: int, takes_positions: bool):
+    """The WithPast trace of a meta-device SHALLOW-layer instance of the backbone's class, or None where
+    its layers are not like the backbone's or it cannot be built or traced (the caller traces whole)."""
+    try:
+        with torch.device("meta"):  # no weights allocated: the trace reads shapes and dtypes only
+            shallow = base_class(backbone)(replicate.shallow_config(backbone.config)).to(dtype).train(False)
+        layers = shallow.get_submodule(state.layers)
+        if len(layers) != replicate.SHALLOW or not replicate.same_layers(backbone.get_submodule(state.layers),
+                                                                         layers[replicate.TEMPLATE]):
+            return None
+        short = Geometry(replicate.SHALLOW, state.geometry.heads[:replicate.SHALLOW],
+                         state.geometry.head_dims[:replicate.SHALLOW])
+        args, spec = example(short, vocab, dtype, "meta")
+        return trace(WithPast(shallow, state.cache_param, takes_positions), args, spec)
+    except Exception:  # noqa: BLE001 - a class built from more than its config, a trace that needs real weights:
+        return None    # the whole model is traced, as without the shortcut
 
 
 def _attr_shape(backbone: nn.Module, sizes: dict, target: str) -> tuple:

@@ -302,6 +302,20 @@ def test_a_mixture_of_experts_converts():
     assert model.get_experts_implementation() == converted.get_experts_implementation()  # switched back
 
 
+def test_opt_converts_and_generates():
+    """OPT: its MLP reads [batch x tokens, width] (the sites' sources are brought to one layout by an
+    aten.reshape_as the graph data can name) and its positions module takes the mask and position ids
+    (not outlined as a one-input module: the traced input came in through the second)."""
+    from samples.hf_decoders import decoder
+
+    model, inputs = decoder(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=64, word_embed_proj_dim=32, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)
+    converted = ac.convert(model, CONFIG)
+    ids = inputs["input_ids"][:1, :6]
+    assert torch.equal(converted.generate(ids, max_new_tokens=8, do_sample=False),
+                       model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
 def test_trained_queries_reach_pt2(tmp_path, capsys):
     """A converted model with planted queries exported with `ac.export_pt2`: the archive generates the model's own
     greedy tokens, which differ from the untrained conversion's (the ONNX route: tests/test_readme.py's loop)."""

@@ -327,7 +327,8 @@ class Flattened(Layers):
 
 
 class FlattenedFull(nn.Module):
-    """The second site's earlier sources brought to its layout with reshape_as its branch."""
+    """The second site's earlier sources brought to its layout with aten.reshape_as its branch (an op
+    the converted model's graph data can name, where a method call is not)."""
 
     def __init__(self, before: Flattened):
         super().__init__()
@@ -338,7 +339,8 @@ class FlattenedFull(nn.Module):
         b0 = self.f[0](x)
         h = SITE([x, b0], q(self, 0, 1), EPS, 2.0, -1)
         b1 = self.f[1](h.view(-1, D))
-        return SITE([x.reshape_as(b1), b0.reshape_as(b1), b1], q(self, 0, 2), EPS, 3.0, -1)
+        reshape_as = torch.ops.aten.reshape_as.default
+        return SITE([reshape_as(x, b1), reshape_as(b0, b1), b1], q(self, 0, 2), EPS, 3.0, -1)
 
 
 def test_rewrite_sites_skip_that_changes_layout():

@@ -160,7 +160,7 @@ def _in_layout(graph: fx.Graph, src: fx.Node, layout, cache) -> fx.Node:
     if tensor_meta(src, dims)[0] == shape:
         cache[key] = src
     else:
-        cache[key] = graph.call_method("reshape_as", (src, ref))
+        cache[key] = graph.call_function(torch.ops.aten.reshape_as.default, (src, ref))  # data-encodable (hf/program.py)
         _copy_meta(site, cache[key])
     return cache[key]
 

@@ -38,7 +38,9 @@ def _one_argument(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in params if p.default is p.empty and p.kind in positional) == 1
+    # one positional parameter in all: with optional ones beside it (OPT's positions take the mask and
+    # the position ids) the traced input may have come in through another
+    return sum(1 for p in params if p.kind in positional) == 1
 
 
 def _innermost(node: fx.Node) -> tuple[str, str] | None:

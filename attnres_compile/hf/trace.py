@@ -66,6 +66,9 @@ def rewrite(backbone: nn.Module, state: State, config: AttnResConfig, dtype: tor
     """(program data, sites, the rewritten GraphModule) of `backbone` (an unconverted module of the
     backbone's class, whose weights the graph never reads) traced in `dtype`."""
     traced, device = _trace(backbone, state, dtype, device, vocab, takes_positions)
+    if traced.source != "torch.export":  # symbolic_trace's method calls have no data form (program.py)
+        raise TraceError(f"{type(backbone).__name__} with its KV cache: {traced.notes[-1]}; convert needs torch.export "
+                         "to trace it: report this with the model")
     gm = traced.graph_module
     plan = analyze(view_from_fx(gm), config)
     if not has_work(plan, config):  # it raises where there is no chain; False: rewritten already

@@ -13,11 +13,12 @@ trained on one thread in its own worker process, so a seed fixes every loss:
   query-LR sweep             the conversion arms' pseudo-query LR, chosen on the dev half of the held-out
                              text (every reported loss is on the other half) with its own seed
 
-`--parts scratch` runs only the from-scratch arms (no conversion, no sweep). Writes results.json, summary.md (generated from the results) and PNGs to --out; progress on stderr.
+`--parts scratch` runs only the from-scratch arms (no conversion, no sweep). Writes results.json, summary.md
+(generated from the results) and PNGs to --out; progress on stderr.
 
     nice python -m samples.study --out benchmarks/runs/study-chargpt             # the default budget
     python -m samples.study --tiny --out /tmp/study                               # seconds (the test)
-    nice python -m samples.study --sizes 16 --parts scratch --out benchmarks/runs/study-chargpt-delta
+    nice python -m samples.study --sizes 16 --parts scratch --out benchmarks/runs/study-chargpt-delta  # from scratch only
     python -m samples.study --report-only --out benchmarks/runs/study-chargpt     # summary and plots again from results.json
 """
 
@@ -465,7 +466,8 @@ def run_study(args, out: Path, kernel: dict) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     log = lambda msg: print(f"[{_clock(t0)}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     train_ids, heldout, vocab = load_text()
-    log(f"study: sizes {args.sizes} x {args.seeds} seeds, dim {args.dim}, {args.steps} + {args.ft_steps} steps of "
+    steps = f"{args.steps} + {args.ft_steps}" if "convert" in args.parts else str(args.steps)
+    log(f"study: sizes {args.sizes} x {args.seeds} seeds, dim {args.dim}, {steps} steps of "
         f"{args.batch}x{args.seq} chars, {args.workers} workers x 1 thread, {kernel['implementation']}; measuring per-step cost")
     cfg = cfg_of(args)
     cost = {}

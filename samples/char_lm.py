@@ -95,12 +95,17 @@ def evaluate(model, batches, monitor: DepthMonitor | ResidualProbe | None = None
     return sum(losses) / len(losses), None if monitor is None else monitor.stats()
 
 
-def attnres(model: nn.Module, example: torch.Tensor, variant: str, scale: str, blocks: int) -> torch.fx.GraphModule:
-    """`model` rewritten to AttnRes (Block with `blocks` blocks); a preserve rewrite must pass verification
-    (paper scale changes the function through the LayerNorm eps when the stream is small, as it is at init)."""
-    config = AttnResConfig(variant=variant, num_blocks=blocks if variant == "block" else None, scale=scale)
+def attnres(model: nn.Module, example: torch.Tensor, variant: str, form: str, blocks: int) -> torch.fx.GraphModule:
+    """`model` rewritten to AttnRes: variant "full", "block", "delta" or "delta-block" (Block and Delta-Block with
+    `blocks` blocks); form "preserve" (exact at init: c_k = |S_k|, Delta's gates 0) or "paper" (the published start:
+    c_k = 1, Delta's gates 1). A preserve rewrite must pass verification (paper changes the function: Full and Block
+    through the LayerNorm eps when the stream is small, as it is at init; Delta through its gates)."""
+    kind = variant.split("-")[0]
+    delta = kind == "delta"
+    config = AttnResConfig(variant=kind, num_blocks=blocks if variant.endswith("block") else None,
+                           scale="preserve" if delta else form, init=form if delta and form == "paper" else "exact")
     result = rewrite(model.eval(), (example,), config)  # rewrite works on its own copy
     bad = [r for r in result.report["verification"] or [] if r.get("ok") is False]
-    if bad and scale == "preserve":
-        raise AssertionError(f"{variant}/{scale} rewrite failed verification: {bad}")
+    if bad and form == "preserve":
+        raise AssertionError(f"{variant}/{form} rewrite failed verification: {bad}")
     return result.graph_module

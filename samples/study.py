@@ -3,19 +3,22 @@
 The character-level PreNorm GPT of samples/char_lm.py at several depths; every arm of every seed is
 trained on one thread in its own worker process, so a seed fixes every loss:
 
-  from scratch, S steps      baseline; full, block (AttnRes, paper scale, rewritten from the same init)
+  from scratch, S steps      baseline; full, block (AttnRes, paper scale), delta-block, delta (Delta AttnRes, paper
+                             init: gates 1), each rewritten from the baseline's init
   conversion, C more steps   the baseline trained S steps, then fine-tuned as it is (continue) or rewritten
                              with preserve / paper scale (Full, Block) and fine-tuned: fresh Adam (or
                              --ft-adam carry), a new warmup + cosine schedule, the same batches for all arms
   equal compute              baseline and continue again for round(r x steps) steps, r = the measured
-                             per-step CPU-time ratio (time.process_time, 1 thread) of Full / Block to the baseline
+                             per-step CPU-time ratio (time.process_time, 1 thread) of each AttnRes arm to the baseline
   query-LR sweep             the conversion arms' pseudo-query LR, chosen on the dev half of the held-out
                              text (every reported loss is on the other half) with its own seed
 
-Writes results.json, summary.md (generated from the results) and PNGs to --out; progress on stderr.
+`--parts scratch` runs only the from-scratch arms (no conversion, no sweep). Writes results.json, summary.md
+(generated from the results) and PNGs to --out; progress on stderr.
 
     nice python -m samples.study --out benchmarks/runs/study-chargpt             # the default budget
     python -m samples.study --tiny --out /tmp/study                               # seconds (the test)
+    nice python -m samples.study --sizes 16 --parts scratch --out benchmarks/runs/study-chargpt-delta  # from scratch only
     python -m samples.study --report-only --out benchmarks/runs/study-chargpt     # summary and plots again from results.json
 """
 
@@ -42,10 +45,12 @@ import torch
 from attnres_compile.ops import depth_attention as op
 from attnres_compile.monitor import DepthMonitor, ResidualProbe, find_collapse, trace_sites
 from samples.char_lm import attnres, build_model, evaluate, load_text, lr_factor, make_opt, train_step, windows
+from samples.study_arms import FROM_SCRATCH
 
-SCRATCH = ("baseline", "full", "block")
+SCRATCH = ("baseline", *FROM_SCRATCH)
 CONVERT = ("continue", "full-preserve", "block-preserve", "full-paper", "block-paper")
-VARIANTS = ("full", "block")
+VARIANTS = ("full", "block")  # the conversion's
+PARTS = ("scratch", "convert")
 CONVERT_TOL = 1e-5  # |loss after the preserve rewrite - loss before| on the validation half
 CALIBRATION = {"rounds": 3, "steps": 4, "warmup": 2}  # per-step cost: alternating rounds, median
 TINY = dict(sizes="1,2", dim=16, heads=2, batch=4, seq=16, steps=6, ft_steps=4, warmup=2, ft_warmup=1, eval_every=3,
@@ -55,6 +60,8 @@ TINY = dict(sizes="1,2", dim=16, heads=2, batch=4, seq=16, steps=6, ft_steps=4, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m samples.study", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/study")
+    p.add_argument("--parts", default="scratch,convert",
+                   help="comma-separated parts to run: scratch (the from-scratch arms), convert (conversion, its sweep)")
     p.add_argument("--sizes", default="8,16", help="comma-separated layer counts (each layer is 2 sublayers)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -89,9 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = list(argv)
     try:
         args.sizes = sorted({int(s) for s in args.sizes.split(",") if s})
+        parts = args.parts.split(",")
+        args.parts = [part for part in PARTS if part in parts]
         args.sweep_lrs = [float(s) for s in args.sweep_lrs.split(",") if s]
     except ValueError as exc:
         p.error(f"--sizes and --sweep-lrs take comma-separated numbers ({exc})")
+    if set(parts) - set(PARTS) or "scratch" not in parts:
+        p.error(f"--parts takes a comma-separated subset of {PARTS} that holds scratch (conversion starts from its baseline)")
     if not args.sizes or min(args.sizes) < 1:
         p.error("--sizes needs at least one layer count >= 1")
     if args.query_lr is None and not [lr for lr in args.sweep_lrs if lr > 0]:
@@ -136,8 +147,8 @@ _TEMPLATES: dict = {}
 
 def template(cfg: dict, layers: int, variant: str | None, scale: str | None):
     """(GraphModule, monitor sites) of one structure, made once per process: the baseline traced with
-    torch.export (sites from `trace_sites`), or that graph rewritten to AttnRes. Runs load their weights into
-    a copy; a rewrite changes no weight."""
+    torch.export (sites from `trace_sites`), or that graph rewritten to AttnRes (`scale`: char_lm.attnres's form).
+    Runs load their weights into a copy; a rewrite changes no weight."""
     key = (layers, variant, scale)
     if key not in _TEMPLATES:
         example = train_batch(0, 0, 0, cfg["batch"], cfg["seq"])[0]
@@ -151,15 +162,13 @@ def template(cfg: dict, layers: int, variant: str | None, scale: str | None):
 
 
 def instantiate(cfg: dict, layers: int, variant: str | None, scale: str | None, state: dict):
-    """A trainable copy of the template holding `state` (original weights); pseudo-queries zero (uniform weights)."""
+    """A trainable copy of the template holding `state` (original weights); the AttnRes parameters keep the
+    rewrite's start (pseudo-queries zero: uniform weights; Delta's gates 0 or 1 by the form)."""
     gm, sites = template(cfg, layers, variant, scale)
     gm = copy.deepcopy(gm)
     missing, unexpected = gm.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("attnres.") for k in missing):
         raise AssertionError(f"state does not fit the {variant or 'baseline'} graph: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        for k in missing:
-            gm.get_parameter(k).zero_()
     return gm, sites
 
 
@@ -211,6 +220,9 @@ def run_arm(spec: dict) -> dict:
     rec["final"], _ = evaluate(gm, full)
     rec["final_depth"] = _site_summary(stats, final=True)
     rec["collapse"] = find_collapse(stats) if "entropy" in rec["final_depth"] else []
+    gates = [p.item() for n, p in gm.named_parameters() if n.startswith("attnres.") and ".gate" in n]
+    if gates:  # Delta's
+        rec["gates"] = gates
     rec.update(cpu_s=cpu, wall_s=wall, cpu_ms_per_step=1e3 * cpu / steps, wall_ms_per_step=1e3 * wall / steps)
     if spec["keep_state"]:
         rec["state"] = {k: v.detach().clone() for k, v in gm.state_dict().items()}
@@ -221,16 +233,18 @@ def run_arm(spec: dict) -> dict:
 # ---------------------------------------------------------------- per-step cost
 
 def calibrate(cfg: dict, layers: int) -> dict:
-    """Per-step CPU and wall ms (1 thread) of the baseline, an identical copy of it (the noise control), Full and
-    Block, timed in alternating rounds on the same batches; median over rounds."""
+    """Per-step CPU and wall ms (1 thread) of the baseline, an identical copy of it (the noise control) and each
+    AttnRes arm from scratch, timed in alternating rounds on the same batches; median over rounds. Also which
+    depth-attention implementation one training step of each arm ran (`implementation_calls`)."""
     torch.set_num_threads(1)
     vocab = len(load_text()[2])
     state = build_model(0, vocab, layers, cfg["dim"], cfg["heads"], cfg["seq"]).state_dict()
-    arms = {"baseline": (None, None), "baseline-copy": (None, None), "full": ("full", "paper"), "block": ("block", "paper")}
+    arms = {"baseline": (None, None), "baseline-copy": (None, None), **{v: (v, "paper") for v in FROM_SCRATCH}}
     models = {a: instantiate(cfg, layers, v, s, state)[0] for a, (v, s) in arms.items()}
     opts = {a: make_opt(m, 1e-4) for a, m in models.items()}
     batches = [train_batch(0, 0, i, cfg["batch"], cfg["seq"]) for i in range(CALIBRATION["steps"])]
     times = {a: {"cpu": [], "wall": []} for a in arms}
+    calls = {}
     for rnd in range(-1, CALIBRATION["rounds"]):
         for a in arms:
             todo = batches[:CALIBRATION["warmup"]] if rnd < 0 else batches
@@ -240,21 +254,52 @@ def calibrate(cfg: dict, layers: int) -> dict:
             if rnd >= 0:
                 times[a]["cpu"].append(1e3 * (time.process_time() - c0) / len(todo))
                 times[a]["wall"].append(1e3 * (time.perf_counter() - w0) / len(todo))
-    ms = {a: {"cpu_ms": float(np.median(t["cpu"])), "wall_ms": float(np.median(t["wall"]))} for a, t in times.items()}
+            else:  # after the warmup (kernels built): one more step, counted
+                with implementation_calls() as calls[a]:
+                    train_step(models[a], opts[a], *batches[0], 1.0)
+    ms = {a: {"cpu_ms": float(np.median(t["cpu"])), "wall_ms": float(np.median(t["wall"])), "calls": calls[a]}
+          for a, t in times.items()}
     base = ms["baseline"]["cpu_ms"]
-    return {"per_step": ms, "ratio": {a: ms[a]["cpu_ms"] / base for a in ("baseline-copy", *VARIANTS)}}
+    return {"per_step": ms, "ratio": {a: ms[a]["cpu_ms"] / base for a in ("baseline-copy", *FROM_SCRATCH)}}
+
+
+@contextmanager
+def implementation_calls():
+    """Yields {"fused": n, "eager": m}, filled on exit: the fused TVM kernel launches and the eager reference calls
+    (forward, backward, merge of depth_attention and Delta) made meanwhile in this process."""
+    from attnres_compile.kernels import fused
+    from attnres_compile.ops import delta, two_phase
+
+    counts = {"fused": 0, "eager": 0}
+    patched = [(fused, "_run", "fused")] + [(m, f, "eager") for m in (op, delta, two_phase) for f in
+                                            ("forward_reference", "backward_reference", "partial_reference", "merge_reference")
+                                            if hasattr(m, f)]
+    saved = [(m, f, getattr(m, f)) for m, f, _ in patched]
+
+    def counting(fn, kind):
+        def call(*args, **kwargs):
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+        return call
+    for (m, f, kind), (_, _, fn) in zip(patched, saved):
+        setattr(m, f, counting(fn, kind))
+    try:
+        yield counts
+    finally:
+        for m, f, fn in saved:
+            setattr(m, f, fn)
 
 
 def used_ratios(args, cost: dict) -> dict:
-    """{layers: {variant: ratio}}: measured, rounded to 0.05 (so small timing noise rarely changes a step
-    count), or read from --ratios-from."""
+    """{layers: {arm: ratio}} of the AttnRes arms from scratch: measured, rounded to 0.05 (so small timing noise
+    rarely changes a step count), or read from --ratios-from."""
     if args.ratios_from:
         pinned = json.loads(Path(args.ratios_from).read_text())["cost"]
-        missing = [L for L in args.sizes if str(L) not in pinned]
+        missing = [L for L in args.sizes if str(L) not in pinned or set(FROM_SCRATCH) - set(pinned[str(L)]["ratio_used"])]
         if missing:
-            sys.exit(f"--ratios-from {args.ratios_from} has no ratios for sizes {missing}; measure them (drop the flag)")
+            sys.exit(f"--ratios-from {args.ratios_from} has no ratios of {FROM_SCRATCH} for sizes {missing}; measure them (drop the flag)")
         return {L: pinned[str(L)]["ratio_used"] for L in args.sizes}
-    return {L: {v: max(0.05, round(cost[L]["ratio"][v] * 20) / 20) for v in VARIANTS} for L in args.sizes}
+    return {L: {v: max(0.05, round(cost[L]["ratio"][v] * 20) / 20) for v in FROM_SCRATCH} for L in args.sizes}
 
 
 # ---------------------------------------------------------------- the task graph
@@ -294,7 +339,8 @@ def tasks_for(args, ratios: dict) -> list[Task]:
 
     tasks = []
     sweep_keys = []
-    if args.query_lr is None:
+    convert = "convert" in args.parts
+    if convert and args.query_lr is None:
         L0, s0 = args.sizes[0], args.sweep_seed
         pre = ("sweep", "pretrain")
         tasks.append(Task(pre, [], lambda res: spec("sweep-pretrain", L0, s0, "scratch", keep_state=True, part="dev")))
@@ -303,20 +349,21 @@ def tasks_for(args, ratios: dict) -> list[Task]:
         for seed in range(args.seeds):
             tasks.append(Task(("run", L, seed, "baseline"), [],
                               lambda res, L=L, seed=seed: spec("baseline", L, seed, "scratch", keep_state=True)))
-    if args.query_lr is None:
-        for key in sweep_keys:
-            qlr = key[2] if len(key) == 3 else None
-            tasks.append(Task(key, [pre], conversion(pre, key[1], args.sizes[0], args.sweep_seed, "dev", qlr)))
+    for key in sweep_keys:
+        qlr = key[2] if len(key) == 3 else None
+        tasks.append(Task(key, [pre], conversion(pre, key[1], args.sizes[0], args.sweep_seed, "dev", qlr)))
     for L in sorted(args.sizes, reverse=True):
         for seed in range(args.seeds):
             base = ("run", L, seed, "baseline")
-            for v in VARIANTS:
+            for v in FROM_SCRATCH:
                 tasks.append(Task(("run", L, seed, v), [], lambda res, L=L, seed=seed, v=v: spec(v, L, seed, "scratch", v, "paper")))
                 steps = round(args.steps * ratios[L][v])
                 if steps != args.steps:
                     name = f"baseline@{v}-cost"
                     tasks.append(Task(("run", L, seed, name), [],
                                       lambda res, L=L, seed=seed, n=name, s=steps: spec(n, L, seed, "scratch", steps=s)))
+            if not convert:
+                continue
             for name in CONVERT:
                 deps = [base] + (sweep_keys if name != "continue" else [])
                 tasks.append(Task(("run", L, seed, name), deps, conversion(base, name, L, seed, "val")))
@@ -419,7 +466,8 @@ def run_study(args, out: Path, kernel: dict) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     log = lambda msg: print(f"[{_clock(t0)}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     train_ids, heldout, vocab = load_text()
-    log(f"study: sizes {args.sizes} x {args.seeds} seeds, dim {args.dim}, {args.steps} + {args.ft_steps} steps of "
+    steps = f"{args.steps} + {args.ft_steps}" if "convert" in args.parts else str(args.steps)
+    log(f"study: sizes {args.sizes} x {args.seeds} seeds, dim {args.dim}, {steps} steps of "
         f"{args.batch}x{args.seq} chars, {args.workers} workers x 1 thread, {kernel['implementation']}; measuring per-step cost")
     cfg = cfg_of(args)
     cost = {}
@@ -447,13 +495,15 @@ def run_study(args, out: Path, kernel: dict) -> dict:
 
 
 def assemble(args, done: dict, cost: dict, kernel: dict, vocab: int, n_train: int, n_heldout: int) -> dict:
-    """The JSON-able results: config, environment, cost, sweep and runs[layers][seed][arm] (weights dropped)."""
+    """The JSON-able results: config, environment, cost, sweep and runs[layers][seed][arm] (weights dropped; no
+    sweep and no query LR without the conversion part)."""
     for rec in done.values():
         rec.pop("state", None)
         rec.pop("adam", None)
     config = {k: v for k, v in vars(args).items() if k not in ("argv", "report_only")}
     sweep = None
-    if args.query_lr is None:
+    convert = "convert" in args.parts
+    if convert and args.query_lr is None:
         sweep = {"layers": args.sizes[0], "seed": args.sweep_seed, "part": "dev", "continue": done[("sweep", "continue")]["final"],
                  "runs": [{"variant": v, "query_lr": lr, "final": done[("sweep", f"{v}-preserve", lr)]["final"],
                            "curve": done[("sweep", f"{v}-preserve", lr)]["curve"]}
@@ -466,7 +516,8 @@ def assemble(args, done: dict, cost: dict, kernel: dict, vocab: int, n_train: in
     return {"command": "python -m samples.study " + " ".join(args.argv), "config": config, "environment": environment(args, kernel),
             "data": {"train_chars": n_train, "heldout_chars": n_heldout, "vocab": vocab,
                      "split": "held-out = last 10% of the text; dev = its first half (query-LR sweep), val = its second half (all reported losses)"},
-            "query_lr": chosen_query_lr(args, done), "cost": {str(L): c for L, c in cost.items()}, "sweep": sweep, "runs": runs}
+            "query_lr": chosen_query_lr(args, done) if convert else None, "cost": {str(L): c for L, c in cost.items()},
+            "sweep": sweep, "runs": runs}
 
 
 def _clock(t0: float) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from samples.study_arms import ATTNRES_ARMS, CONVERTED, LABEL
+from samples.study_arms import ATTNRES_ARMS, CONVERTED, FROM_SCRATCH, LABEL
 
 DPI = 90
 
@@ -50,11 +50,17 @@ def _band(ax, steps, values, label, **kw) -> None:
         ax.fill_between(steps, mean - std, mean + std, alpha=0.2, color=ax.lines[-1].get_color())
 
 
+def _ran(arms, results: dict, L: str) -> list[str]:
+    """The `arms` that ran at size L (a run of `--parts scratch` has no conversion arms)."""
+    return [a for a in arms if a in results["analysis"][L]["arms"]]
+
+
 def plot_all(results: dict, out: Path) -> None:
     plt = _pyplot()
     sizes = list(results["analysis"])
     _curves_scratch(plt, results, sizes, out / "curves_scratch.png")
-    _curves_convert(plt, results, sizes, out / "curves_convert.png")
+    if _ran(CONVERTED, results, sizes[0]):
+        _curves_convert(plt, results, sizes, out / "curves_convert.png")
     _entropy(plt, results, sizes, out / "entropy.png")
     _magnitude(plt, results, sizes, out / "magnitude.png")
     for L in sizes:
@@ -65,7 +71,7 @@ def _curves_scratch(plt, results, sizes, path) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.4), squeeze=False)
     for ax, L in zip(axes[0], sizes):
         runs = results["runs"][L]
-        for arm in ("baseline", "full", "block"):
+        for arm in ("baseline", *_ran(FROM_SCRATCH, results, L)):
             curves = [runs[s][arm]["curve"] for s in _seeds(runs)]
             _band(ax, [p[0] for p in curves[0]], [[p[1] for p in c] for c in curves], LABEL[arm])
         _style(ax, title=f"{L} layers, from scratch", xlabel="step", ylabel="val loss (curve batches)")
@@ -87,10 +93,11 @@ def _curves_convert(plt, results, sizes, path) -> None:
 
 
 def _entropy(plt, results, sizes, path) -> None:
-    fig, axes = plt.subplots(2, len(sizes), figsize=(4.5 * len(sizes), 6), squeeze=False)
+    rows = 2 if _ran(CONVERTED, results, sizes[0]) else 1
+    fig, axes = plt.subplots(rows, len(sizes), figsize=(4.5 * len(sizes), 3 * rows), squeeze=False)
     for col, L in enumerate(sizes):
         runs = results["runs"][L]
-        for row, arms, title in ((0, ("full", "block"), "from scratch"), (1, CONVERTED, "after conversion")):
+        for row, arms, title in ((0, _ran(FROM_SCRATCH, results, L), "from scratch"), (1, CONVERTED, "after conversion"))[:rows]:
             ax = axes[row][col]
             for arm in arms:
                 depth = [runs[s][arm]["depth"] for s in _seeds(runs)]
@@ -104,7 +111,7 @@ def _magnitude(plt, results, sizes, path) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.4), squeeze=False)
     for ax, L in zip(axes[0], sizes):
         mech = results["analysis"][L]["mechanism"]
-        for arm in ("baseline", "full", "block", "continue", "full-preserve", "full-paper"):
+        for arm in _ran(("baseline", *FROM_SCRATCH, "continue", "full-preserve", "full-paper"), results, L):
             rms = mech[arm]["rms"]
             ax.plot(range(1, len(rms) + 1), rms, marker="o", ms=2, label=LABEL[arm], ls="--" if arm in CONVERTED else "-")
         _style(ax, title=f"{L} layers: stream RMS at each site", xlabel="site (sublayer depth)", ylabel="RMS (mean over seeds)",

@@ -48,12 +48,13 @@ def _convert(model, config, allow: bool):
 
 def check(name: str, layers: int) -> dict:
     import attnres_compile as ac
+    from attnres_compile.hf import conversion
 
     config_cls, model_cls, extra = MODELS[name]
-    depth = {"n_layer": layers} if "n_layer" in extra else {"num_hidden_layers": layers}
-    model, _ = tiny_decoder(config_cls, model_cls, **IDS, **{**extra, **depth})
+    extra = {k: v for k, v in extra.items() if k != "n_layer"}  # BLOOM's: its config takes num_hidden_layers too
+    model, _ = tiny_decoder(config_cls, model_cls, **IDS, **extra, num_hidden_layers=layers)
+    row = {"model": name, "layers": len(model.get_decoder().get_submodule(conversion.layers_path(model.get_decoder())))}
     config = ac.AttnResConfig(variant="block", num_blocks=2)
-    row = {"model": name, "layers": layers}
     try:
         fast, row["grown"], row["convert_s"] = _convert(model, config, True)
         ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ from ..core.chain_analysis import analyze
 from ..core.checks import has_work
 from ..core.config import AttnResConfig
 from ..core.errors import TraceError
-from ..fx.decoder import fresh_cache, positions
+from ..fx.decoder import INPUTS, fresh_cache, positions
 from ..fx.rewrite import RewriteSites
 from ..fx.trace import trace
 from ..fx.view import view_from_fx
@@ -95,7 +95,8 @@ def _trace(backbone: nn.Module, state: State, dtype: torch.dtype, device, vocab:
             and len(set(geometry.head_dims)) == 1
             and getattr(backbone.config, "num_hidden_layers", None) == len(layers)):
         traced = _shallow(backbone, state, dtype, vocab, takes_positions)
-        if traced is not None and replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers), 3, 1):
+        if traced is not None and replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers),
+                                                   len(INPUTS), 1):  # WithPast's shared inputs; its hidden state
             return traced, "meta"
     args, spec = example(geometry, vocab, dtype, device)
     return trace(WithPast(backbone, state.cache_param, takes_positions), args, spec), device

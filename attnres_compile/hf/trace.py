@@ -94,7 +94,7 @@ def _trace(backbone: nn.Module, state: State, dtype: torch.dtype, device, vocab:
     if (layers is not None and len(layers) > replicate.SHALLOW and len(set(geometry.heads)) == 1
             and len(set(geometry.head_dims)) == 1
             and getattr(backbone.config, "num_hidden_layers", None) == len(layers)):
-        traced = _shallow(backbone, state, dtype, vocab, takes_positions)
+        traced = _shallow(backbone, layers, state, dtype, vocab, takes_positions)
         if traced is not None and replicate.deepen(traced.graph_module, f"model.{state.layers}.", len(layers),
                                                    len(INPUTS), 1):  # WithPast's shared inputs; its hidden state
             return traced, "meta"
@@ -102,15 +102,16 @@ def _trace(backbone: nn.Module, state: State, dtype: torch.dtype, device, vocab:
     return trace(WithPast(backbone, state.cache_param, takes_positions), args, spec), device
 
 
-def _shallow(backbone: nn.Module, state: State, dtype: torch.dtype, vocab: int, takes_positions: bool):
+def _shallow(backbone: nn.Module, layers: nn.ModuleList, state: State, dtype: torch.dtype, vocab: int,
+             takes_positions: bool):
     """The WithPast trace of a meta-device SHALLOW-layer instance of the backbone's class, or None where
-    its layers are not like the backbone's or it cannot be built or traced (the caller traces whole)."""
+    its layers are not like the backbone's `layers` or it cannot be built or traced (the caller traces whole)."""
     try:
         with torch.device("meta"):  # no weights allocated: the trace reads shapes and dtypes only
             shallow = base_class(backbone)(replicate.shallow_config(backbone.config)).to(dtype).train(False)
-        layers = shallow.get_submodule(state.layers)
-        if len(layers) != replicate.SHALLOW or not replicate.same_layers(backbone.get_submodule(state.layers),
-                                                                         layers[replicate.TEMPLATE]):
+        short_layers = shallow.get_submodule(state.layers)
+        if len(short_layers) != replicate.SHALLOW or not replicate.same_layers(layers,
+                                                                               short_layers[replicate.TEMPLATE]):
             return None
         short = Geometry(replicate.SHALLOW, state.geometry.heads[:replicate.SHALLOW],
                          state.geometry.head_dims[:replicate.SHALLOW])

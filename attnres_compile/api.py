@@ -11,7 +11,7 @@ from .fx.two_phase import two_phase
 from .hf import convert, load
 from .hf import ship as _ship
 from .onnx import pipeline as _onnx_pipeline
-from .onnx.pipeline import export_onnx, inspect_onnx
+from .onnx.pipeline import inspect_onnx
 from .pt2.export import export_pt2
 
 __all__ = ["ExportResult", "Report", "RewriteResult", "convert", "export_onnx", "export_pt2", "fuse_norms", "inspect",
@@ -35,3 +35,29 @@ def rewrite_onnx(path, output, config=None, verify_outputs: bool = True, input_s
                                        force=force, verify_timeout=verify_timeout, fuse_norms=fuse_norms,
                                        queries=found, queries_from=where, rewrite_chains=rewrite_chains,
                                        weights=weights, eval_ids=eval_ids)
+
+
+def export_onnx(model, example_inputs, output, config=None, verify_outputs: bool = True,
+                verify_timeout: float | None = None, dynamic: str | None = None, with_past: bool = False,
+                fuse_norms: bool = False, rewrite_chains: bool = True, weights: str | None = None, eval_ids=None):
+    """Rewrite a PyTorch model and export it to AttnRes ONNX at `output` (onnx/pipeline.py).
+    With `with_past`, an HF causal LM whose layers are alike (a converted one with its trained
+    queries) is exported as three layers and grown to its depth (hf/export.py), else traced whole."""
+    reason = None
+    if with_past and not fuse_norms and rewrite_chains and dynamic is None:
+        from .hf.export import export_onnx_grown
+
+        if weights and eval_ids is None:
+            eval_ids = _onnx_pipeline.example_ids(example_inputs)
+        if not (weights and verify_outputs and eval_ids is None):  # else export_onnx says what is missing
+            grown = export_onnx_grown(model, output, config, verify_outputs, verify_timeout, weights, eval_ids)
+            if grown is not None and not isinstance(grown, str):
+                return grown
+            reason = grown
+    result = _onnx_pipeline.export_onnx(model, example_inputs, output, config, verify_outputs=verify_outputs,
+                                        verify_timeout=verify_timeout, dynamic=dynamic, with_past=with_past,
+                                        fuse_norms=fuse_norms, rewrite_chains=rewrite_chains, weights=weights,
+                                        eval_ids=eval_ids)
+    if reason:
+        result.report.data["notes"].append(f"exported whole, not grown from three layers: {reason}")
+    return result

@@ -4,7 +4,8 @@
 the queries fails here):
 
 - `rewrite CKPT -o X.onnx --with-past` (a saved AttnRes checkpoint: its queries, no second
-  conversion) -> `generate X.onnx`, then `compile X.onnx` (TVM) -> `generate ARTIFACT`;
+  conversion; four alike layers, so exported as three and grown) -> `generate X.onnx`, then
+  `compile X.onnx` (TVM) -> `generate ARTIFACT`;
 - `rewrite CKPT -o X.pt2 --with-past` -> `generate X.pt2`, and plain `torch.export.load` of it in a
   fresh process gives the trained model's logits;
 - onnxruntime-genai: the base model's folder (onnxruntime-genai's builder) rewritten with
@@ -66,7 +67,7 @@ def _tokenizer(folder: Path, vocab: int) -> None:
 def shipped(tmp_path_factory):
     """{folder, base, ckpt, genai (the builder's child, running), trained, want, untrained}."""
     folder = tmp_path_factory.mktemp("ship")
-    config = tf.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = tf.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1,
                             eos_token_id=2)
     torch.manual_seed(0)
@@ -114,7 +115,9 @@ def test_onnx_and_tvm_serve_the_trained_checkpoint(shipped, capsys):
     onnx_file, artifact = shipped["folder"] / "m.onnx", shipped["folder"] / "art"
     capsys.readouterr()
     assert main(["rewrite", str(shipped["ckpt"]), "-o", str(onnx_file), "--with-past"]) == 0  # verified
-    assert "sites are trained (non-zero queries): the file is checked against it at rtol 0.0001" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sites are trained (non-zero queries): the file is checked against it at rtol 0.0001" in out
+    assert "exported as 3 layers and grown to 4" in out
     assert _tokens(onnx_file, capsys) == shipped["want"]
     assert main(["compile", str(onnx_file), "-o", str(artifact), "--no-verify"]) == 0
     assert _tokens(artifact, capsys) == shipped["want"]
@@ -157,7 +160,7 @@ def test_genai_folder_rewritten_with_the_checkpoints_queries(shipped, capsys):
 
     model = onnx.load(str(out / "model.onnx"))
     _, found = ship.queries(shipped["ckpt"])
-    for bad in ({**found, "chain0.site5": found["chain0.site1"]}, {**found, "chain0.site1": np.zeros(32, np.float32)}):
+    for bad in ({**found, "chain0.site99": found["chain0.site1"]}, {**found, "chain0.site1": np.zeros(32, np.float32)}):
         with pytest.raises(InputError, match="queries do not fit this model") as caught:
             onnx_queries.check(model, bad, "ckpt")
         assert len(str(caught.value).splitlines()) == 1
@@ -209,7 +212,9 @@ def test_delta_checkpoint_ships_its_gates(shipped, capsys):
         assert torch.equal(reloaded(prompt).logits, converted(prompt).logits)
     want = converted.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(PROMPT):].tolist()
     assert want != shipped["untrained"]
+    capsys.readouterr()
     assert main(["rewrite", str(folder / "ckpt"), "-o", str(folder / "m.onnx"), "--with-past", "--no-verify"]) == 0
+    assert "grown to 4" in capsys.readouterr().out
     assert _tokens(folder / "m.onnx", capsys) == want
     builder = shipped["builder"]
     if builder is None:

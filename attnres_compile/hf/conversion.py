@@ -28,6 +28,7 @@ from . import outline as outlining
 from . import program as prog
 from . import trace as tracing
 from .checkpoint import attach
+from .replicate import layers_path
 from .runtime import Module
 from .state import Geometry, ModuleState, Program, State, dtype_name, holder, parameter_dtype
 
@@ -59,12 +60,6 @@ def convert(model: nn.Module, config=None, example_inputs: Any = None) -> nn.Mod
     finally:
         prebuild.stop(workers)
     return lm
-
-
-def layers_path(backbone: nn.Module) -> str | None:
-    """The backbone's decoder layers: its longest ModuleList child (`layers`, `h`, ...)."""
-    lists = [(len(m), name) for name, m in backbone.named_children() if isinstance(m, nn.ModuleList) and len(m)]
-    return max(lists)[1] if lists else None
 
 
 def _ids(model_config, example_inputs) -> torch.Tensor:

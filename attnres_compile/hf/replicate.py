@@ -17,9 +17,10 @@ from __future__ import annotations
 import copy
 import re
 
-import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+from .classes import base_class
 
 SHALLOW = 3   # layers traced: the first, the template (1) and its shifted copy (2)
 TEMPLATE = 1
@@ -39,6 +40,57 @@ def shallow_config(config, depth: int = SHALLOW):
         if isinstance(value, (list, tuple)) and len(value) == layers and not name.startswith("_"):
             setattr(short, name, type(value)(value[:depth]))
     return short
+
+
+def layers_path(backbone: nn.Module) -> str | None:
+    """The backbone's decoder layers: its longest ModuleList child (`layers`, `h`, ...)."""
+    lists = [(len(m), name) for name, m in backbone.named_children() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists)[1] if lists else None
+
+
+def shallow_view(lm: nn.Module) -> tuple[nn.Module, str] | str | None:
+    """(`lm` seen with its first SHALLOW layers, the layers' module prefix in it); None where it has
+    SHALLOW layers or fewer, or why its layers are not all alike. The view shares every module and
+    tensor with `lm` (nothing is copied) and computes the user's original function: a converted
+    model's modules are seen as their own classes, without the depth-attention parameters.
+    onnx/replicate.py grows its export."""
+    backbone = lm.get_decoder()
+    path = next((name for name, m in lm.named_modules() if m is backbone), None)
+    name = layers_path(backbone)
+    config = getattr(backbone, "config", None)
+    if path is None or name is None or config is None or len(backbone.get_submodule(name)) <= SHALLOW:
+        return None
+    layers = backbone.get_submodule(name)
+    if getattr(config, "num_hidden_layers", None) != len(layers) or not _uniform(config, len(layers)):
+        return "its config sets the layers apart (per-layer settings that differ)"
+    if not same_layers(layers, layers[TEMPLATE]):
+        return "its layers are not all alike (their modules, shapes or settings differ)"
+    short = shallow_config(config)
+    top = _view(lm, config, short)
+    parent = top
+    for part in path.split(".") if path else []:
+        parent._modules[part] = _view(parent._modules[part], config, short)
+        parent = parent._modules[part]
+    parent._modules.pop("attnres", None)
+    parent._modules[name] = nn.ModuleList([_view(layer, config, short) for layer in list(layers)[:SHALLOW]])
+    return top, f"{path}.{name}." if path else f"{name}."
+
+
+def _view(module: nn.Module, config, short) -> nn.Module:
+    """`module` as an instance of its user's class with its own dict of children (so that a child can be
+    swapped in the view alone); a `config` attribute that is the model's config becomes `short`."""
+    view = object.__new__(base_class(module))
+    view.__dict__.update(module.__dict__)
+    view.__dict__["_modules"] = dict(module._modules)
+    if module.__dict__.get("config") is config:
+        view.__dict__["config"] = short
+    return view
+
+
+def _uniform(config, layers: int) -> bool:
+    """Whether every per-layer list of `config` (layer_types, ...) holds one value."""
+    return all(len(set(map(repr, value))) <= 1 for key, value in vars(config).items()
+               if isinstance(value, (list, tuple)) and len(value) == layers and not key.startswith("_"))
 
 
 def same_layers(layers: nn.ModuleList, template: nn.Module) -> bool:

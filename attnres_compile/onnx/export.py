@@ -10,6 +10,7 @@ import contextlib
 import functools
 import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -112,9 +113,12 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes: Any = None) -> onnx.ModelProto:
+def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes: Any = None,
+           grow: Callable[[ir.Graph], bool] | None = None) -> onnx.ModelProto:
     """The ONNX model of `module` (a rewritten GraphModule or any module) with its sites as function nodes.
     `contiguous()` calls are recorded as clones first, which the exporter's decomposition keeps.
+    `grow(graph)` changes the exporter's graph before the optimizer runs (onnx/replicate.py); where
+    it returns False, NotGrown is raised.
     """
     args, kwargs = dynamic_dims.dense(args, kwargs or {})
     _read_torchlib_once()
@@ -133,6 +137,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
             raise TraceError(f"torch.onnx cannot export the model ({first_line(_root_cause(exc), 200)}); "
                              "write a .pt2 instead (-o X.pt2)") from exc
         graph = program.model.graph
+        if grow is not None and not grow(graph):
+            raise NotGrown
         queries = [v for name, v in graph.initializers.items() if name.startswith(f"{PREFIX}.")]
         graph.inputs.extend(queries)
         with our_rules():
@@ -144,6 +150,10 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dyn
     _constant_dims_as_values(model.graph)
     passes.run(model, [p() for p in passes.FINALIZE])
     return model
+
+
+class NotGrown(Exception):
+    """`export`'s `grow` left the graph as it was: the caller exports the whole model."""
 
 
 def _constant_dims_as_values(graph: onnx.GraphProto) -> None:

@@ -80,8 +80,8 @@ def _worker(rank: int, folder: str) -> None:
 def test_fsdp2_bf16_mixed_precision_matches_one_process(tmp_path):
     import torch.multiprocessing as mp
 
-    config = tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1)
+    config = tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=1)  # 4: traced as 3 and grown, bf16 too
     torch.manual_seed(0)
     ac.convert(tf.LlamaForCausalLM(config).eval(), ac.AttnResConfig(variant="block", num_blocks=2)).save_pretrained(
         tmp_path / "ckpt")
@@ -92,9 +92,11 @@ def test_fsdp2_bf16_mixed_precision_matches_one_process(tmp_path):
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["graphs"] == ["bfloat16", "float32"] and got["params"] == ["torch.float32"]  # bf16 compute, fp32 master
     assert got["losses"] == pytest.approx(losses, rel=1e-2)
-    assert got["queries"].keys() == queries.keys() and len(queries) == 4
+    assert got["queries"].keys() == queries.keys() and len(queries) == 8
     moved = max(abs(v) for q in queries.values() for v in q)
     error = max(abs(a - b) for name, q in queries.items() for a, b in zip(got["queries"][name], q))
     print(f"queries moved up to {moved:.3e}; FSDP2 bf16 vs one process: max abs difference {error:.3e}; losses "
           f"{got['losses']} vs {losses}")
-    assert moved > 0.05 and error <= 0.02 * moved  # SGD: an update is its gradient, bf16 rounding and all
+    # SGD: an update is its gradient, bf16 rounding and all: 3.7% of the movement at 4 layers (the same to the
+    # bit when the conversion traces the model whole), under 2% at 2 layers
+    assert moved > 0.05 and error <= 0.05 * moved

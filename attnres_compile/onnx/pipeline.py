@@ -18,7 +18,7 @@ from ..core import verify
 from ..core.chain_analysis import analyze
 from ..core.checks import as_config, has_work, plan_notes, split_inputs
 from ..core.config import AttnResConfig
-from ..core.errors import AttnResError, ConfigError, ModelRunError, first_line
+from ..core.errors import AttnResError, ConfigError, ModelRunError, TraceError, first_line
 from ..core.report import ExportResult, Report, build
 from ..fx.pipeline import NOT_REWRITTEN, rewrite
 from ..utils import outputs, progress, pytree_warning
@@ -306,6 +306,7 @@ def export_grown(decoder, shallow, prefix: str, output: str | os.PathLike, confi
     returned: the caller then exports the whole model.
     """
     from ..fx import decoder as fx_decoder
+    from ..fx import hf_experts
     from . import decoder_names as onnx_decoder_names
     from . import dims as onnx_dims
     from .export import NotGrown, export
@@ -318,11 +319,14 @@ def export_grown(decoder, shallow, prefix: str, output: str | os.PathLike, confi
                **dict(wrapper.named_buffers(remove_duplicate=False))}
     lead = len(fx_decoder.INPUTS)
     try:
-        with progress.stage(f"exporting {small.geometry.layers} of {geometry.layers} layers to ONNX"):
+        with progress.stage(f"exporting {small.geometry.layers} of {geometry.layers} layers to ONNX"), \
+                hf_experts.export_friendly(wrapper):  # the view's layers are the model's: its settings hold
             proto = export(small, small_args, None, small_spec,
                            grow=lambda graph: deepen(graph, prefix, geometry.layers, lead, 1, tensors.__getitem__))
     except NotGrown:
         return "its last exported layer is not the one before it shifted by a layer"
+    except TraceError as exc:
+        return f"its first layers did not export ({first_line(exc, 160)})"
     onnx_decoder_names.name(proto, geometry.input_names(), geometry.output_names())
     entry = proto.metadata_props.add()  # what `generate` stops a row at
     entry.key, entry.value = fx_decoder.GENERATION, json.dumps(fx_decoder.generation_ids(wrapper.wraps))

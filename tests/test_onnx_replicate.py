@@ -104,3 +104,27 @@ def test_layers_set_apart_have_no_shallow_view():
     assert isinstance(replicate.shallow_view(_llama()), tuple)
     gpt2 = _gpt2(scale_attn_by_inverse_layer_idx=True)  # its attention modules differ by layer
     assert "not all alike" in replicate.shallow_view(gpt2)
+
+
+def test_a_failed_three_layer_export_falls_back_to_the_whole_model(tmp_path, monkeypatch):
+    """The three-layer export raising (an exporter that cannot take the view) costs time, never the
+    file: export_onnx exports the whole model, verifies it, and its report says why."""
+    import attnres_compile as ac
+    from attnres_compile.core.errors import TraceError
+    from attnres_compile.onnx import export as onnx_export
+
+    real = onnx_export.export
+
+    def refuse_the_view(*args, grow=None, **kwargs):
+        if grow is not None:
+            raise TraceError("torch.onnx cannot export the model (planted)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_export, "export", refuse_the_view)
+    torch.manual_seed(0)
+    result = ac.export_onnx(_llama(), None, tmp_path / "m.onnx", ac.AttnResConfig(variant="block", num_blocks=2),
+                            with_past=True)
+    notes = result.report.data["notes"]
+    assert "exported whole, not grown from three layers: its first layers did not export (TraceError: torch.onnx cannot " \
+           "export the model (planted))" in notes, notes
+    assert (tmp_path / "m.onnx").is_file() and all(row.get("ok") for row in result.report.data["verification"])

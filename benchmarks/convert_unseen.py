@@ -12,9 +12,6 @@ tokens with the KV cache against the whole trace's, and with zero queries agains
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's samples/, run from anywhere
-from benchmarks.unseen_decoders import IDS, MODELS  # noqa: E402
+from benchmarks.unseen_decoders import IDS, MODELS, in_fresh_processes  # noqa: E402
 from samples.hf_decoders import decoder as tiny_decoder  # noqa: E402
 
 
@@ -81,23 +78,7 @@ def check(name: str, layers: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="*", default=list(MODELS))
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    rows = []
-    for name in args.names:
-        code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); " \
-               f"from benchmarks.convert_unseen import check; print(json.dumps(check({name!r}, {args.layers})))"
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)  # a fresh process each
-        row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
-            {"model": name, "error": done.stderr.strip().splitlines()[-1][:200]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True)
-                                              .stdout.strip(), "rows": rows}, indent=1) + "\n")
+    in_fresh_processes("convert_unseen", __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -13,9 +13,6 @@ the verification, the tokens.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's samples/, run from anywhere
-from benchmarks.unseen_decoders import IDS, MODELS  # noqa: E402
+from benchmarks.unseen_decoders import IDS, MODELS, in_fresh_processes  # noqa: E402
 from samples.hf_decoders import decoder as tiny_decoder  # noqa: E402
 
 TOKENS = 12
@@ -77,23 +74,7 @@ def check(name: str, layers: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="*", default=list(MODELS))
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    rows = []
-    for name in args.names:
-        code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); " \
-               f"from benchmarks.export_unseen import check; print(json.dumps(check({name!r}, {args.layers})))"
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)  # a fresh process each
-        row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
-            {"model": name, "error": (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1][:200]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True)
-                                              .stdout.strip(), "rows": rows}, indent=1) + "\n")
+    in_fresh_processes("export_unseen", __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -121,6 +121,31 @@ def check(name: str, tokens: int, routes: list[str], folder: Path) -> list[dict]
     return rows
 
 
+def in_fresh_processes(module: str, description: str) -> list[dict]:
+    """The command line of a per-model script (`[NAME ...] [--layers 6] [--out FILE]`):
+    `benchmarks.<module>.check(name, layers)` for each name, each in a fresh process, one JSON line
+    printed per model (a crash is the model's row); the rows, with uptime, written to --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("names", nargs="*", default=list(MODELS))
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    names, layers, out = args.names, args.layers, args.out
+    rows = []
+    for name in names:
+        code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); " \
+               f"from benchmarks.{module} import check; print(json.dumps(check({name!r}, {layers})))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
+            {"model": name, "error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if out:
+        Path(out).write_text(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True)
+                                         .stdout.strip(), "rows": rows}, indent=1) + "\n")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"models (default all): {', '.join(MODELS)}")

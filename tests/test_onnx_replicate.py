@@ -32,6 +32,14 @@ def _llama(**extra):
                                               num_attention_heads=4, num_key_value_heads=2, **extra)).eval()
 
 
+def _mistral():
+    """Sliding-window attention: torch.export writes the past length + sequence length sum in a
+    different operand order in different layers (onnx/replicate.COMMUTATIVE)."""
+    return tf.MistralForCausalLM(tf.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                                  num_hidden_layers=DEPTH, num_attention_heads=4,
+                                                  num_key_value_heads=2, sliding_window=8)).eval()
+
+
 def _gpt2(**extra):
     return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=64, n_layer=DEPTH, n_head=4, n_positions=64,
                                             **extra)).eval()
@@ -46,7 +54,7 @@ def _run(model: onnx.ModelProto, args) -> list[np.ndarray]:
     return session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _mistral], ids=["llama", "gpt2", "mistral"])
 def test_a_grown_export_is_the_whole_export(make):
     torch.manual_seed(0)
     model = make()

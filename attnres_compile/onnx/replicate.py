@@ -23,6 +23,9 @@ from onnx_ir.tensor_adapters import TorchTensor
 SHALLOW = 3   # layers exported: the first, the template and its shifted copy
 TEMPLATE = 1
 SCOPES = "pkg.torch.onnx.name_scopes"  # torch.onnx's record of a node's module path
+# ops whose two operands may come in either order: torch.export writes a sum of sizes (past length +
+# sequence length) in the order of its symbols, which differ by layer (Mistral's sliding-window mask)
+COMMUTATIVE = {("", "Add"), ("", "Mul"), ("", "And"), ("", "Or"), ("", "Equal")}
 _SCOPED = ("namespace", SCOPES, "pkg.torch.onnx.class_hierarchy")
 
 
@@ -138,7 +141,7 @@ def _recipe(layout: _Layout) -> list[list[tuple]]:
         for value in a.outputs if a.inputs else ():  # read only by its layer, the next one and the cache outputs
             if any(layout.layer.get(user) not in (t, t + 1) for user, _ in value.uses()):
                 raise _Mismatch
-        recipe.append([_source(layout, x, y, outputs) for x, y in zip(a.inputs, b.inputs)])
+        recipe.append(_either_order(a, b, lambda x, y: _source(layout, x, y, outputs)))
     _check_ends(layout, outputs)
     return recipe
 
@@ -181,20 +184,30 @@ def _derived(layout: _Layout, x: ir.Value, y: ir.Value, depth: int = 0) -> tuple
             or (a.domain, a.op_type, a.overload, len(a.inputs), len(a.outputs)) != (
                 b.domain, b.op_type, b.overload, len(b.inputs), len(b.outputs)) or not _same_attributes(a, b)):
         raise _Mismatch
-    steps = []
-    for u, v in zip(a.inputs, b.inputs):
+    def step(u: ir.Value | None, v: ir.Value | None) -> tuple | None:
         iu, iv = layout.inputs.get(u), layout.inputs.get(v)
         if u is None or v is None:
             if u is not v:
                 raise _Mismatch
-            steps.append(None)
-        elif u is v and not iu and not layout.weight(u):
-            steps.append(("shared", u))
-        elif iu and iv and iu == (TEMPLATE, iv[1]) and iv[0] == TEMPLATE + 1:
-            steps.append(("input", iu[1]))
-        else:
-            steps.append(("derived", _derived(layout, u, v, depth + 1)))
-    return a, x.index(), steps
+            return None
+        if u is v and not iu and not layout.weight(u):
+            return ("shared", u)
+        if iu and iv and iu == (TEMPLATE, iv[1]) and iv[0] == TEMPLATE + 1:
+            return ("input", iu[1])
+        return ("derived", _derived(layout, u, v, depth + 1))
+
+    return a, x.index(), _either_order(a, b, step)
+
+
+def _either_order(a: ir.Node, b: ir.Node, step: Callable) -> list:
+    """`step` over the inputs of `a` and `b` pairwise; for a commutative op whose operands do not
+    pair in order, over `b`'s swapped (the copy keeps `a`'s order: the same value)."""
+    try:
+        return [step(x, y) for x, y in zip(a.inputs, b.inputs)]
+    except _Mismatch:
+        if (a.domain, a.op_type) not in COMMUTATIVE or len(a.inputs) != 2:
+            raise
+        return [step(x, y) for x, y in zip(a.inputs, reversed(b.inputs))]
 
 
 def _constant(value: ir.Value | None) -> bool:

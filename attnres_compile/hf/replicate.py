@@ -20,15 +20,10 @@ import re
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..core.replicate import SHALLOW, TEMPLATE, Mismatch, layer_span
 from .classes import base_class
 
-SHALLOW = 3   # layers traced: the first, the template (1) and its shifted copy (2)
-TEMPLATE = 1
 _SIMPLE = (bool, int, float, str, type(None))
-
-
-class _Mismatch(Exception):
-    """The shifted layer differs from the template: the model is traced whole."""
 
 
 def shallow_config(config, depth: int = SHALLOW):
@@ -136,7 +131,7 @@ def deepen(gm: fx.GraphModule, prefix: str, depth: int, lead_inputs: int, lead_o
     try:
         layout = _Layout(gm.graph, prefix, lead_inputs, lead_outputs)
         new = _grow(layout, depth)
-    except _Mismatch:
+    except Mismatch:
         return False
     holder = gm.get_submodule(prefix.rstrip("."))
     for i in range(SHALLOW, depth):  # meta tensors: the copies cost nothing
@@ -159,14 +154,14 @@ class _Layout:
         inputs = graph.find_nodes(op="placeholder")
         per, extra = divmod(len(inputs) - lead_inputs, SHALLOW)
         if extra or per < 0:
-            raise _Mismatch
+            raise Mismatch
         self.per_input = per
         self.inputs = {node: (i // per, i % per) for i, node in enumerate(inputs[lead_inputs:])} if per else {}
         self.input_of = {key: node for node, key in self.inputs.items()}
         self.output = next(iter(graph.find_nodes(op="output")))
         flat = self.output.args[0]
         if not isinstance(flat, (tuple, list)) or (len(flat) - lead_outputs) % SHALLOW:
-            raise _Mismatch
+            raise Mismatch
         self.lead_outputs = lead_outputs
         self.per_output = (len(flat) - lead_outputs) // SHALLOW
         self.layer: dict[fx.Node, int] = {}
@@ -193,17 +188,7 @@ class _Layout:
         return None
 
     def _cut(self, calls: list[fx.Node]) -> None:
-        tags = [self._tag(n) for n in calls]
-        tagged = [i for i, t in enumerate(tags) if t is not None]
-        if not tagged:
-            raise _Mismatch
-        first, last = tagged[0], tagged[-1]
-        following = None
-        for i in range(last, first - 1, -1):  # an untagged call between layers joins the next layer
-            following = tags[i] if tags[i] is not None else following
-            tags[i] = following
-        if any(a > b for a, b in zip(tags[first:last], tags[first + 1:last + 1])):
-            raise _Mismatch  # the layers interleave
+        first, last, tags = layer_span([self._tag(n) for n in calls])
         for i, node in enumerate(calls):
             if node.op == "call_module" and node.target == "_guards_fn":
                 continue  # torch.export's input checks: the outline drops them
@@ -218,26 +203,26 @@ class _Layout:
 
 def _walk(a, b, leaf):
     """`a`'s argument structure with each Node pair (x from a, y from b) replaced by leaf(x, y);
-    _Mismatch where the structures or the plain values differ."""
+    Mismatch where the structures or the plain values differ."""
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-            raise _Mismatch
+            raise Mismatch
         return leaf(a, b)
     if type(a) is not type(b):
-        raise _Mismatch
+        raise Mismatch
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
-            raise _Mismatch
+            raise Mismatch
         items = [_walk(x, y, leaf) for x, y in zip(a, b)]
         return type(a)(items) if not hasattr(a, "_fields") else type(a)(*items)
     if isinstance(a, dict):
         if a.keys() != b.keys():
-            raise _Mismatch
+            raise Mismatch
         return {k: _walk(a[k], b[k], leaf) for k in a}
     if isinstance(a, slice):
         return slice(*(_walk(x, y, leaf) for x, y in ((a.start, b.start), (a.stop, b.stop), (a.step, b.step))))
     if a != b and not (isinstance(a, float) and a != a and b != b):
-        raise _Mismatch
+        raise Mismatch
     return a
 
 
@@ -248,10 +233,10 @@ def _grow(layout: _Layout, depth: int) -> fx.Graph:
     template, shifted = layout.layers[t], layout.layers[t + 1]
     if len(template) != len(shifted) or any(
             a.op != b.op or a.target != b.target for a, b in zip(template, shifted)):
-        raise _Mismatch
+        raise Mismatch
     for node in template:  # read only by its layer, the next one and the cache outputs
         if any(u is not layout.output and layout.layer.get(u) not in (t, t + 1) for u in node.users):
-            raise _Mismatch
+            raise Mismatch
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, fx.Node] = {}
@@ -260,7 +245,7 @@ def _grow(layout: _Layout, depth: int) -> fx.Graph:
 
     def copied(x: fx.Node) -> fx.Node:
         if x not in env:
-            raise _Mismatch
+            raise Mismatch
         return env[x]
 
     def attr(i: int, rest: str, like: fx.Node) -> fx.Node:
@@ -292,7 +277,7 @@ def _grow(layout: _Layout, depth: int) -> fx.Graph:
                 return inputs[(i, kx[1])]
             if x is y and x.op == "get_attr":
                 return copied(x)
-            raise _Mismatch
+            raise Mismatch
         return leaf
 
     for node in layout.graph.find_nodes(op="get_attr"):
@@ -329,7 +314,7 @@ def _grow(layout: _Layout, depth: int) -> fx.Graph:
         if layout.layer.get(x) == SHALLOW - 1:
             return grown[-1][layout.pos[x]]
         if x in layout.layer or layout.inputs.get(x, (0,))[0] > t:
-            raise _Mismatch  # the postlude reads a layer other than the last
+            raise Mismatch  # the postlude reads a layer other than the last
         return copied(x)
 
     for node in layout.postlude:
@@ -340,7 +325,7 @@ def _grow(layout: _Layout, depth: int) -> fx.Graph:
     theirs = [flat[lead + (t + 1) * per + k] for k in range(per)]
     if any(layout.layer.get(x) != t or layout.layer.get(y) != t + 1 or layout.pos[x] != layout.pos[y]
            for x, y in zip(mine, theirs)):
-        raise _Mismatch
+        raise Mismatch
     outs = [after(x) if isinstance(x, fx.Node) else x for x in flat[:lead]]
     outs += [copied(x) for x in flat[lead:lead + (t + 1) * per]]
     for layer in grown:

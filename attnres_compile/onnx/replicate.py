@@ -20,17 +20,13 @@ import onnx_ir as ir
 import torch
 from onnx_ir.tensor_adapters import TorchTensor
 
-SHALLOW = 3   # layers exported: the first, the template and its shifted copy
-TEMPLATE = 1
+from ..core.replicate import SHALLOW, TEMPLATE, Mismatch, layer_span
+
 SCOPES = "pkg.torch.onnx.name_scopes"  # torch.onnx's record of a node's module path
 # ops whose two operands may come in either order: torch.export writes a sum of sizes (past length +
 # sequence length) in the order of its symbols, which differ by layer (Mistral's sliding-window mask)
 COMMUTATIVE = {("", "Add"), ("", "Mul"), ("", "And"), ("", "Or"), ("", "Equal")}
 _SCOPED = ("namespace", SCOPES, "pkg.torch.onnx.class_hierarchy")
-
-
-class _Mismatch(Exception):
-    """The shifted layer differs from the template: the model is exported whole."""
 
 
 def deepen(graph: ir.Graph, prefix: str, depth: int, lead_inputs: int, lead_outputs: int,
@@ -43,7 +39,7 @@ def deepen(graph: ir.Graph, prefix: str, depth: int, lead_inputs: int, lead_outp
         layout = _Layout(graph, prefix, lead_inputs, lead_outputs)
         recipe = _recipe(layout)
         weights = _weights(layout, recipe, depth, tensors)
-    except _Mismatch:
+    except Mismatch:
         return False
     _Grower(layout, recipe, weights).grow(depth)
     return True
@@ -61,7 +57,7 @@ class _Layout:
         outputs = list(graph.outputs)
         per_out, extra_out = divmod(len(outputs) - lead_outputs, SHALLOW)
         if extra or per < 0 or extra_out or per_out < 0:
-            raise _Mismatch
+            raise Mismatch
         self.per_input, self.per_output, self.lead_outputs = per, per_out, lead_outputs
         self.inputs = {v: (i // per, i % per) for i, v in enumerate(inputs[lead_inputs:])} if per else {}
         self.layer: dict[ir.Node, int] = {}
@@ -87,19 +83,12 @@ class _Layout:
         return int(found[-1]) if found else None
 
     def _cut(self, nodes: list[ir.Node]) -> None:
-        tags = [self._tag(n) for n in nodes]
-        tagged = [i for i, t in enumerate(tags) if t is not None]
-        if not tagged or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in nodes
-                                 for a in n.attributes.values()):
-            raise _Mismatch  # If/Loop bodies read outer values: not copied
-        first, last = tagged[0], tagged[-1]
-        following = None
-        for i in range(last, first - 1, -1):  # an untagged node between layers joins the next layer
-            following = tags[i] if tags[i] is not None else following
-            tags[i] = following
-        if any(a > b for a, b in zip(tags[first:last], tags[first + 1:last + 1])) or set(tags[first:last + 1]) != {
-                *range(SHALLOW)}:
-            raise _Mismatch  # the layers interleave, or one is missing
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in nodes
+               for a in n.attributes.values()):
+            raise Mismatch  # If/Loop bodies read outer values: not copied
+        first, last, tags = layer_span([self._tag(n) for n in nodes])
+        if set(tags[first:last + 1]) != {*range(SHALLOW)}:
+            raise Mismatch  # a layer is missing
         for i, node in enumerate(nodes):
             if first <= i <= last:
                 self.layer[node] = tags[i]
@@ -126,21 +115,21 @@ def _same_attributes(a: ir.Node, b: ir.Node) -> bool:
 
 def _recipe(layout: _Layout) -> list[list[tuple]]:
     """For each template node, where each input of a copy comes from: ("shared", value), ("own", pos,
-    index), ("prev", from_end, index), ("weight", rest), ("input", k) or None; _Mismatch where the
+    index), ("prev", from_end, index), ("weight", rest), ("input", k) or None; Mismatch where the
     shifted layer does not say."""
     t = TEMPLATE
     template, shifted = layout.layers[t], layout.layers[t + 1]
     if len(template) != len(shifted):
-        raise _Mismatch
+        raise Mismatch
     outputs = set(layout.graph.outputs)
     recipe = []
     for a, b in zip(template, shifted):
         if (a.domain, a.op_type, a.overload, len(a.inputs), len(a.outputs)) != (
                 b.domain, b.op_type, b.overload, len(b.inputs), len(b.outputs)) or not _same_attributes(a, b):
-            raise _Mismatch
+            raise Mismatch
         for value in a.outputs if a.inputs else ():  # read only by its layer, the next one and the cache outputs
             if any(layout.layer.get(user) not in (t, t + 1) for user, _ in value.uses()):
-                raise _Mismatch
+                raise Mismatch
         recipe.append(_either_order(a, b, lambda x, y: _source(layout, x, y, outputs)))
     _check_ends(layout, outputs)
     return recipe
@@ -151,14 +140,14 @@ def _source(layout: _Layout, x: ir.Value | None, y: ir.Value | None, outputs: se
     t = TEMPLATE
     if x is None or y is None:
         if x is not y:
-            raise _Mismatch
+            raise Mismatch
         return None
     wx, wy = layout.where(x), layout.where(y)
     if x is y and _constant(x):
         return ("shared", x)  # the exporter writes a constant once and reuses it in later layers
     if x is y:
         if (wx and wx[0] in (t, t + 1)) or x in layout.inputs or layout.weight(x):
-            raise _Mismatch
+            raise Mismatch
         return ("shared", x)
     if wx and wy and wx[0] == t and wy[0] == t + 1 and wx[1:] == wy[1:]:
         return ("own", wx[1], wx[2])
@@ -183,12 +172,12 @@ def _derived(layout: _Layout, x: ir.Value, y: ir.Value, depth: int = 0) -> tuple
     if (a is None or b is None or a in layout.layer or b in layout.layer or depth > 8 or x.index() != y.index()
             or (a.domain, a.op_type, a.overload, len(a.inputs), len(a.outputs)) != (
                 b.domain, b.op_type, b.overload, len(b.inputs), len(b.outputs)) or not _same_attributes(a, b)):
-        raise _Mismatch
+        raise Mismatch
     def step(u: ir.Value | None, v: ir.Value | None) -> tuple | None:
         iu, iv = layout.inputs.get(u), layout.inputs.get(v)
         if u is None or v is None:
             if u is not v:
-                raise _Mismatch
+                raise Mismatch
             return None
         if u is v and not iu and not layout.weight(u):
             return ("shared", u)
@@ -204,7 +193,7 @@ def _either_order(a: ir.Node, b: ir.Node, step: Callable) -> list:
     pair in order, over `b`'s swapped (the copy keeps `a`'s order: the same value)."""
     try:
         return [step(x, y) for x, y in zip(a.inputs, b.inputs)]
-    except _Mismatch:
+    except Mismatch:
         if (a.domain, a.op_type) not in COMMUTATIVE or len(a.inputs) != 2:
             raise
         return [step(x, y) for x, y in zip(a.inputs, reversed(b.inputs))]
@@ -225,19 +214,19 @@ def _check_ends(layout: _Layout, outputs: set) -> None:
             w = layout.where(x)
             own_input = x in layout.inputs and layout.inputs[x][0] != 0
             if (w and w[0] != last and not _constant(x)) or own_input or layout.weight(x):
-                raise _Mismatch
+                raise Mismatch
     flat = list(layout.graph.outputs)
     lead, per = layout.lead_outputs, layout.per_output
     for x in flat[:lead]:
         w = layout.where(x)
         if (w and w[0] != last and not _constant(x)) or x in layout.inputs:
-            raise _Mismatch
+            raise Mismatch
     for k in range(per):
         mine, theirs = layout.where(flat[lead + TEMPLATE * per + k]), layout.where(flat[lead + (TEMPLATE + 1) * per + k])
         if not mine or not theirs or mine[0] != TEMPLATE or theirs[0] != TEMPLATE + 1 or mine[1:] != theirs[1:]:
-            raise _Mismatch
+            raise Mismatch
     if any(flat.count(v) > 1 for v in flat) or outputs & set(layout.inputs):
-        raise _Mismatch
+        raise Mismatch
 
 
 def _weights(layout: _Layout, recipe: list[list[tuple]], depth: int,
@@ -255,12 +244,12 @@ def _weights(layout: _Layout, recipe: list[list[tuple]], depth: int,
                 try:
                     tensor = TorchTensor(tensors(name), name=name)
                 except KeyError:
-                    raise _Mismatch from None
+                    raise Mismatch from None
                 if tensor.dtype != like.dtype or tuple(tensor.shape) != tuple(like.shape):
-                    raise _Mismatch
+                    raise Mismatch
                 found[name] = ir.Value(name=name, shape=_shape(like), type=like.type, const_value=tensor)
     if set(found) & set(layout.graph.initializers):
-        raise _Mismatch
+        raise Mismatch
     return found
 
 

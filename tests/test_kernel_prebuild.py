@@ -1,14 +1,17 @@
 """Background kernel builds of a cold rewrite (kernels/prebuild.py): the kernels predicted from the
 rewritten graph are exactly those its forward looks up, a verified rewrite finds them all in the
 disk cache (one stderr line, none per kernel), and a worker that fails leaves the in-process build
-to do the work as before (its line per kernel), with the same verdict."""
+to do the work as before (its line per kernel), with the same verdict. A cold `convert` of a deep
+enough decoder starts its builder before the trace (it imports TVM meanwhile); a warm one starts none."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
+import transformers as tf
 
 import attnres_compile as ac
 from attnres_compile.kernels import cache as kernel_cache
@@ -17,15 +20,20 @@ from samples.models import GPT, _tokens
 
 
 @pytest.fixture
-def cold(tmp_path, monkeypatch):
+def cold_cache(tmp_path, monkeypatch):
     """An empty kernel cache and no kernel in memory."""
     monkeypatch.setenv("ATTNRES_KERNEL_CACHE", str(tmp_path / "kc"))
     monkeypatch.setattr(kernel_cache, "_MEMORY", {})
     monkeypatch.setattr(kernel_cache, "_FOLDERS", {})
     monkeypatch.setattr(fused, "_KERNELS", {})
-    monkeypatch.setattr(prebuild, "MIN_SPECS", 1)  # the small model's 6 kernels go to the workers too
     if not fused.available():
         pytest.skip("TVM is not usable here")
+
+
+@pytest.fixture
+def cold(cold_cache, monkeypatch):
+    """cold_cache, with the small model's 6 kernels going to the workers too."""
+    monkeypatch.setattr(prebuild, "MIN_SPECS", 1)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16), (1024, 576)])
@@ -68,3 +76,59 @@ def test_a_failing_worker_leaves_the_build_in_process(cold, capsys, monkeypatch)
     specs = prebuild.forward_specs(gm)
     assert "background process" in lines[0] and len(lines) == 1 + len(specs), lines
     assert set(kernel_cache._MEMORY) == set(specs) and not kernel_cache.PENDING
+
+
+def _convert(layers: int, capsys, events: list, monkeypatch):
+    """A tiny Llama of `layers` layers converted; `events` records each worker start and the trace."""
+    from attnres_compile.hf import trace
+
+    started, traced = prebuild.Worker.__init__, trace.rewrite
+    monkeypatch.setattr(prebuild.Worker, "__init__", lambda self, *a: events.append("worker") or started(self, *a))
+    monkeypatch.setattr(trace, "rewrite", lambda *a, **k: events.append("trace") or traced(*a, **k))
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=layers, num_attention_heads=2,
+                                               num_key_value_heads=1)).eval()
+    converted = ac.convert(model, ac.AttnResConfig(variant="full"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("attnres-compile: compiling")]
+    return converted, lines
+
+
+def test_a_cold_conversion_starts_its_builder_before_the_trace(cold_cache, capsys, monkeypatch):
+    """4 layers (8 sublayers): one builder per core beyond the trace's, started before it, takes every
+    kernel; the forward finds them all on disk. Converted again, warm: no worker, no line."""
+    events: list[str] = []
+    converted, lines = _convert(4, capsys, events, monkeypatch)
+    assert events.index("worker") < events.index("trace"), events
+    assert len(lines) == 1 and "background process" in lines[0], lines
+    assert all(kernel_cache.cached(s) for s in kernel_cache._MEMORY) and not kernel_cache.PENDING
+    folder = os.environ["ATTNRES_KERNEL_CACHE"]
+    monkeypatch.undo()  # the wrappers and the cold cache's memory: the same folder, now warm
+    monkeypatch.setenv("ATTNRES_KERNEL_CACHE", folder)
+    monkeypatch.setattr(kernel_cache, "_FOLDERS", {})
+    monkeypatch.setattr(kernel_cache, "_MEMORY", {})
+    monkeypatch.setattr(fused, "_KERNELS", {})
+    events.clear()
+    _, lines = _convert(4, capsys, events, monkeypatch)
+    assert events == ["trace"] and not lines, (events, lines)
+
+
+def test_a_shallow_conversion_starts_no_early_builder(cold_cache, capsys, monkeypatch):
+    """2 layers: too few kernels to repay a worker's TVM import before the trace."""
+    events: list[str] = []
+    _convert(2, capsys, events, monkeypatch)
+    assert "worker" not in events[:events.index("trace")], events
+
+
+@pytest.mark.parametrize(("missing", "early", "late", "head"), [(8, 1, 0, 8), (3, 1, 0, 3), (25, 1, 1, 16),
+                                                                  (30, 0, 2, 0), (7, 0, 1, 0)])
+def test_late_workers_take_the_tail_less_their_import(missing, early, late, head, monkeypatch):
+    """On 2 cores: an early worker keeps what one more would not repay; a late one takes the tail, six
+    fewer specs (its import) than the early one."""
+    monkeypatch.setattr(prebuild.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert prebuild._late_workers(missing, early) == (late, head)
+
+
+def test_an_early_worker_with_nothing_to_build_ends(cold_cache):
+    worker = prebuild.Worker()
+    assert prebuild.start([], [worker]) == [] and worker.proc.poll() is not None

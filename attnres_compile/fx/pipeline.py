@@ -14,7 +14,7 @@ from ..core.checks import as_config, has_work, plan_notes
 from ..core.config import AttnResConfig
 from ..core.report import Report, build
 from ..kernels import prebuild
-from ..ops.depth_attention import fused_kernels
+from ..ops.depth_attention import kernels_expected
 from ..utils import progress
 from .rewrite import RewriteSites
 from .decoder import relax_mask_length
@@ -101,7 +101,7 @@ def _verify(model: Any, traced: Traced, config: AttnResConfig, plan, check: bool
     changes = check and any(c.changes_function for c in plan.to_rewrite)
     scale = config.scale if check else "preserve"  # nothing rewritten: the trace must be exact
     # the rewritten run's kernels build in the background meanwhile (kernels/prebuild.py)
-    workers = prebuild.start(prebuild.forward_specs(gm)) if fused_kernels() else []
+    workers = prebuild.start(prebuild.forward_specs(gm)) if kernels_expected() else []
     try:
         with progress.stage("verifying in torch"):
             verification, notes = verify.verify_module(original, gm, traced.args, traced.kwargs,

@@ -22,7 +22,7 @@ from ..fx.rewrite import RewriteSites
 from ..fx.trace import trace
 from ..fx.view import view_from_fx
 from ..kernels import prebuild
-from ..ops.depth_attention import fused_kernels
+from ..ops.depth_attention import kernels_expected
 from . import classes
 from . import outline as outlining
 from . import program as prog
@@ -50,16 +50,30 @@ def convert(model: nn.Module, config=None, example_inputs: Any = None) -> nn.Mod
         raise InputError(f"{type(model).__name__} is converted already")
     if not is_causal_lm(model):
         return _convert_module(model, config, example_inputs)
-    state, gm = _state(model.get_decoder(), config, example_inputs)
     device = next(model.parameters()).device
-    workers = prebuild.start(prebuild.forward_specs(gm, device)) if fused_kernels() else []  # built meanwhile
+    kernels = kernels_expected()  # TVM's runtime loads on the check's first call, while its kernels build
+    workers = _early_workers(model.get_decoder()) if kernels and device.type == "cpu" else []
     try:
+        state, gm = _state(model.get_decoder(), config, example_inputs)
+        if kernels:  # built meanwhile
+            workers = prebuild.start(prebuild.forward_specs(gm, device), workers)
         lm = copy.deepcopy(model)
         attach(lm, state, queries=True)
         _check(model, lm, config, example_inputs)
     finally:
         prebuild.stop(workers)
     return lm
+
+
+def _early_workers(backbone: nn.Module) -> list:
+    """Kernel builders that import TVM while `backbone` is traced (kernels/prebuild.early)."""
+    from ..kernels import fused
+
+    path, size = layers_path(backbone), getattr(backbone.config, "hidden_size", None)
+    dtype = fused._DTYPES.get(parameter_dtype(backbone))
+    if path is None or not isinstance(size, int) or dtype is None:
+        return []
+    return prebuild.early(len(backbone.get_submodule(path)), size, dtype)
 
 
 def _ids(model_config, example_inputs) -> torch.Tensor:

@@ -3,11 +3,13 @@
 `forward_specs` reads the kernels its sites will look up; `start` hands the uncached ones to a
 few `python -m attnres_compile.kernels.prebuild` workers (TVM without torch) that build them into
 the checked store. cache.get waits for a worker's spec and loads it from disk, or builds it
-in-process if the worker failed; `stop` ends the workers.
+in-process if the worker failed; `stop` ends the workers. `early` starts workers before a long
+trace, on the cores the trace leaves idle: they import TVM meanwhile and take the specs once known.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ from . import cache as kernel_cache
 
 MAX_WORKERS = 4  # each imports TVM (~1.3 s of CPU): more pay that without a core to run on
 SPECS_PER_WORKER = 4  # fewer specs than this per worker do not repay the worker's import
+IMPORT_SPECS = 6  # kernel builds (~0.25 s of CPU each) as long as a worker's TVM import
 MIN_SPECS = 8  # fewer missing kernels (~0.25 s of CPU each) are built in-process on first use, as
 # before: a worker's start would cost more CPU than it takes off the rewrite's path (and a test
 # suite's many small rewrites would each pay it)
@@ -62,14 +65,20 @@ def _forward_keys(fused, count: int, like, scale: float) -> list[tuple[str, int,
 
 
 class Worker:
-    """One build process: specs in on stdin (JSON lines), each built spec's entry name out on stdout."""
+    """One build process: specs in on stdin (JSON lines), each built spec's entry name out on stdout.
+    Started without specs, it imports TVM and waits for `give`."""
 
-    def __init__(self, specs: list[kernel_cache.Spec]):
+    def __init__(self, specs: list[kernel_cache.Spec] | None = None):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
                                                                           os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, text=True)
         self.done: set[str] = set()
+        if specs is not None:
+            self.give(specs)
+
+    def give(self, specs: list[kernel_cache.Spec]) -> None:
+        """Hand the worker its specs (once; it ends after building them)."""
         try:
             self.proc.stdin.write("".join(json.dumps(list(s)) + "\n" for s in specs))
             self.proc.stdin.close()
@@ -90,25 +99,68 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        with contextlib.suppress(OSError):  # an early worker never given its specs: stdin still open
+            self.proc.stdin.close()
         self.proc.stdout.close()
 
 
-def start(specs: list[kernel_cache.Spec]) -> list[Worker]:
-    """Start building the `specs` that are neither loaded nor cached; returns the workers (none if
-    fewer than MIN_SPECS are missing or the cache folder is the private one, which a worker cannot share)."""
+def early(layers: int, size: int, dtype: str) -> list[Worker]:
+    """Workers started before a trace whose forward will look up kernels of feature size `size` in
+    `dtype` on the CPU, one per core beyond the trace's: none for fewer than MIN_SPECS sublayers (two a
+    layer), when the cache folder is the private one, or when it holds kernels of this size and dtype
+    already (a warm cache: the few missing, if any, are built as `start` decides)."""
+    probe = kernel_cache.Spec("forward", 2, 3, size, dtype, 0.0, 1.0, "cpu", 1)
+    if 2 * layers < MIN_SPECS or not kernel_cache._folder(probe).keep:
+        return []
+    machine = kernel_cache.path(probe).parent
+    pattern = f"*_d{size}_{dtype}_*_{kernel_cache._source_digest()}.kernel"
+    if any(machine.parent.glob(f"{machine.name.rsplit('-t', 1)[0]}-t*/{pattern}")):
+        return []
+    count = min(MAX_WORKERS, len(os.sched_getaffinity(0)) - 1)
+    return [Worker() for _ in range(count)]
+
+
+def start(specs: list[kernel_cache.Spec], early: list[Worker] | None = None) -> list[Worker]:
+    """Start building the `specs` that are neither loaded nor cached; returns the workers. `early`
+    workers (TVM imported already) take them, however few, the first in first-use order; more start
+    for the rest only where each would have SPECS_PER_WORKER after its import. Without early ones,
+    none start if fewer than MIN_SPECS are missing. None start, and `early` ones end, where the cache
+    folder is the private one, which a worker cannot share, or nothing is missing."""
+    early = early or []
     missing = [s for s in specs if s not in kernel_cache._MEMORY and not kernel_cache.cached(s)]
-    if len(missing) < max(MIN_SPECS, 1) or not kernel_cache._folder(missing[0]).keep:
+    if len(missing) < (1 if early else max(MIN_SPECS, 1)) or not kernel_cache._folder(missing[0]).keep:
+        stop(early)
         return []
     folder = kernel_cache._folder(missing[0])
-    count = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)), len(missing) // SPECS_PER_WORKER))
-    workers = [Worker(missing[i::count]) for i in range(count)]
-    for i, spec in enumerate(missing):
-        kernel_cache.PENDING[spec] = workers[i % count]
+    late, head = _late_workers(len(missing), len(early))
+    workers = [*early, *(Worker() for _ in range(late))]
+    _deal(missing[:head], early)
+    _deal(missing[head:], workers[len(early):])
     counts = sorted({s.count for s in missing})
     print(f"attnres-compile: compiling {len(missing)} fused depth-attention kernels ({_span(counts)} sources or "
-          f"blocks, D={missing[0].size}, {missing[0].dtype}, cpu) in {count} background process"
-          f"{'es' if count > 1 else ''}; cached in {folder.path}", file=sys.stderr, flush=True)
+          f"blocks, D={missing[0].size}, {missing[0].dtype}, cpu) in {len(workers)} background process"
+          f"{'es' if len(workers) > 1 else ''}; cached in {folder.path}", file=sys.stderr, flush=True)
     return workers
+
+
+def _late_workers(missing: int, early: int) -> tuple[int, int]:
+    """(workers to start now, how many of the `missing` specs in first-use order the `early` ones take).
+    A late worker's specs wait for its import (IMPORT_SPECS builds' worth): it takes that many fewer."""
+    cores = min(MAX_WORKERS, len(os.sched_getaffinity(0)))
+    if not early:
+        return max(1, min(cores, missing // SPECS_PER_WORKER)), 0
+    late = 0
+    while early + late < cores and (missing - early * IMPORT_SPECS) / (early + late + 1) >= SPECS_PER_WORKER:
+        late += 1
+    return late, missing - late * ((missing - early * IMPORT_SPECS) // (early + late) if late else 0)
+
+
+def _deal(specs: list[kernel_cache.Spec], workers: list[Worker]) -> None:
+    """Hand `specs` to `workers` in turn (first-use order kept within each), recorded as pending."""
+    for i, worker in enumerate(workers):
+        worker.give(specs[i::len(workers)])
+    for i, spec in enumerate(specs):
+        kernel_cache.PENDING[spec] = workers[i % len(workers)]
 
 
 def _span(counts: list[int]) -> str:
@@ -127,6 +179,7 @@ def main() -> None:
     """The worker: build each spec read from stdin into the disk cache, print its entry name when stored.
     It runs without torch (a CPU kernel's build needs none of it)."""
     sys.modules["torch"] = None
+    from . import schedule  # noqa: F401  (TVM, before the specs come: an early worker imports it during the trace)
     for line in sys.stdin:
         spec = kernel_cache.Spec(*json.loads(line))
         if kernel_cache.build_to_disk(spec):

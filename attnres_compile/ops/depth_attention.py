@@ -186,6 +186,17 @@ def fused_kernels():
     return _fused if _fused is not None else _resolve()
 
 
+def kernels_expected() -> bool:
+    """Whether calls may use the fused kernels (mode auto or tvm, TVM installed), answered without
+    loading TVM's runtime as fused_kernels() does (~0.7 s): for work started before the first call,
+    such as building the kernels, so that the runtime loads while they build."""
+    if _fused is not None:
+        return _fused is not False
+    from ..kernels.cache import installed
+
+    return _mode in ("auto", "tvm") and installed()
+
+
 def _forward(sources, query, eps, scale, dim):
     """The CPU and CUDA kernel: every real forward call (plain or under autograd, fused or eager,
     compiled or not, through the dispatcher or `_SiteOverload`) reaches it once, so it is where

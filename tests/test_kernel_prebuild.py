@@ -113,11 +113,17 @@ def test_a_cold_conversion_starts_its_builder_before_the_trace(cold_cache, capsy
     assert events == ["trace"] and not lines, (events, lines)
 
 
-def test_a_shallow_conversion_starts_no_early_builder(cold_cache, capsys, monkeypatch):
-    """2 layers: too few kernels to repay a worker's TVM import before the trace."""
-    events: list[str] = []
-    _convert(2, capsys, events, monkeypatch)
-    assert "worker" not in events[:events.index("trace")], events
+def test_no_early_builder_for_a_shallow_decoder_or_a_warm_width(cold_cache, tmp_path):
+    """3 layers (6 sublayers): too few kernels to repay a worker's TVM import before the trace; a cache
+    holding a kernel of this width and dtype (another thread count's folder counts) is taken as warm."""
+    assert prebuild.early(3, 32, "float32") == []
+    probe = kernel_cache.path(kernel_cache.Spec("forward", 5, 3, 48, "float32", 1e-6, 5.0, "cpu", 2))
+    probe.parent.mkdir(parents=True)
+    probe.write_bytes(b"")
+    assert prebuild.early(8, 48, "float32") == []
+    workers = prebuild.early(8, 40, "float32")
+    assert len(workers) == len(os.sched_getaffinity(0)) - 1
+    prebuild.stop(workers)
 
 
 @pytest.mark.parametrize(("missing", "early", "late", "head"), [(8, 1, 0, 8), (3, 1, 0, 3), (25, 1, 1, 16),

@@ -115,12 +115,13 @@ def build(plan: Plan, view: nx.DiGraph, config: AttnResConfig, source: str, site
     return Report(data)
 
 
-def verification_lines(rows: list[dict], against: str = "rewritten") -> list[str]:
-    """The verification's header (naming the inputs also tried with zero rows) and one line per
-    row; a run that compared no value says so instead of showing nothing."""
+def verification_lines(rows: list[dict], against: str = "rewritten", compared: str | None = None) -> list[str]:
+    """The verification's header (what was compared: `compared`, else the original against the
+    `against` model; the inputs also tried with zero rows) and one line per row; a run that
+    compared no value says so instead of showing nothing."""
     zeroed = next((r["zero_rows"]["inputs"] for r in rows if "zero_rows" in r), None)
     also = f"; also with zero rows in {', '.join(zeroed)}" if zeroed else ""
-    lines = [f"verification (original vs {against}, same inputs{also}):"]
+    lines = [f"verification ({compared or f'original vs {against}'}, same inputs{also}):"]
     lines += [f"  {describe(row)}" + (f"  at {row['at']}" if row.get("at") else "") for row in rows]
     empty = nothing_compared(rows)
     return lines + ([f"  {empty}"] if empty else [])
@@ -201,7 +202,7 @@ def format_table(data: dict) -> str:
             lines.append(f"  {len(nodes):>4} x {reason}: {shown}")
     if data["verification"] is not None:
         against = "written" if data.get("rewritten") is False else "rewritten"
-        lines += ["", *verification_lines(data["verification"], against)]
+        lines += ["", *verification_lines(data["verification"], against, data.get("compared"))]
     if data.get("verified_shapes"):
         lines.append("verified at: " + "; ".join(", ".join(f"{name} {'x'.join(map(str, dims)) or 'scalar'}"
                                                            for name, dims in shapes.items())

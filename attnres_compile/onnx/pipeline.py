@@ -363,7 +363,8 @@ def export_grown(decoder, shallow, prefix: str, output: str | os.PathLike, confi
             check_written(fp32)
             if verify_outputs:
                 with progress.stage("verifying in onnxruntime"):
-                    rows = _verify_export(wrapper, args, {}, fp32, tolerance, verify_timeout, blame=False)
+                    rows = _verify_export(wrapper, args, {}, fp32, tolerance, verify_timeout, blame=False,
+                                          names=geometry.input_names())
                 if any(r.get("ok") is False for r in rows):
                     raise _Unverified
             if weights:
@@ -372,6 +373,8 @@ def export_grown(decoder, shallow, prefix: str, output: str | os.PathLike, confi
     except _Unverified:
         worst = next(r for r in rows if r.get("ok") is False)
         return f"the grown file differs from the model ({verify.describe(worst)})"
+    if queries is not None:  # the model is a converted one: what the file was checked against is not the original
+        extra["compared"] = "the converted model vs the exported file"
     report = build(plan, view, config, "onnx", sites.sites, rows, notes, passes={**analysis.passes, **done},
                    extra=extra)
     return ExportResult(report, stage.written)
@@ -438,10 +441,11 @@ def _quantized(fp32: Path, stage, weights: str, eval_ids, source: str, verify_ou
 
 
 def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, tolerance: tuple,
-                   timeout: float | None, blame: bool = True) -> list[dict]:
+                   timeout: float | None, blame: bool = True, names: list[str] | None = None) -> list[dict]:
     """The exported file in onnxruntime (isolated child) against the original PyTorch model, output by
     output, on the example inputs and on their zero-row copy (verify.zero_rows) when there is a verdict;
-    with `blame`, a failure is looked into (`_blame_export`)."""
+    with `blame`, a failure is looked into (`_blame_export`). `names`: the file's input names of the
+    positional `args`, for the report (else arg0, arg1, ...)."""
     from . import runtime as ort_backend
 
     original = model.module() if isinstance(model, torch.export.ExportedProgram) else model
@@ -457,7 +461,8 @@ def _verify_export(model: Any, args: tuple, kwargs: dict, output: Path, toleranc
     rows, tensors, expected = compared((args, kwargs))
     zeroed, inputs = verify.zero_rows((args, kwargs)) if tolerance is not None else (None, [])
     if inputs:
-        verify.fold_zero_rows(rows, compared(zeroed)[0], inputs)
+        named = dict(zip((f"arg{i}" for i in range(len(args))), names or []))
+        verify.fold_zero_rows(rows, compared(zeroed)[0], [named.get(n, n) for n in inputs])
     if blame and any(r.get("ok") is False for r in rows):
         _blame_export(original, args, kwargs, tensors, expected, rows, tolerance, timeout)
     return rows

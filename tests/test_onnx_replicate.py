@@ -131,7 +131,7 @@ def test_a_failed_three_layer_export_falls_back_to_the_whole_model(tmp_path, mon
 
     monkeypatch.setattr(onnx_export, "export", refuse_the_view)
     torch.manual_seed(0)
-    result = ac.export_onnx(_llama(), None, tmp_path / "m.onnx", ac.AttnResConfig(variant="block", num_blocks=2),
+    result = ac.export_onnx(_gpt2(), None, tmp_path / "m.onnx", ac.AttnResConfig(variant="block", num_blocks=2),
                             with_past=True)
     notes = result.report.data["notes"]
     assert "exported whole, not grown from three layers: its first layers did not export (TraceError: torch.onnx cannot " \

@@ -3,8 +3,9 @@
 Before -> Expected: the export of a view of a deep model's first three layers, grown to its depth,
 is the export of the whole model: the same ops, the same initializers, the same outputs in
 onnxruntime. A model whose layers differ is not grown (hf/export.py then exports it whole and
-says why). The trained-checkpoint
-route through it (planted queries, generated tokens) is tests/test_ship.py.
+says why). GPT-2 and Mistral in CI, Llama with -m heavy
+(benchmarks/runs/heavy-tests/onnx_replicate.txt). The trained-checkpoint route through it (planted
+queries, generated tokens) is tests/test_ship.py.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _run(model: onnx.ModelProto, args) -> list[np.ndarray]:
     return session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
 
 
-@pytest.mark.parametrize("make", [pytest.param(_llama, marks=pytest.mark.heavy, id="llama"),  # CI: test_ship's grown
-                                  pytest.param(_gpt2, id="gpt2"), pytest.param(_mistral, id="mistral")])  # Llama
+# Llama under -m heavy (CI time): in CI, test_ship.py exports a trained Llama through the grown route
+@pytest.mark.parametrize("make", [pytest.param(_llama, marks=pytest.mark.heavy, id="llama"),
+                                  pytest.param(_gpt2, id="gpt2"), pytest.param(_mistral, id="mistral")])
 def test_a_grown_export_is_the_whole_export(make):
     torch.manual_seed(0)
     model = make()

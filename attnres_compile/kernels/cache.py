@@ -123,9 +123,23 @@ def target(device: str, threads: int):
     return Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host=host_target(threads))
 
 
-def _parts(spec: Spec) -> tuple[str, str]:
-    """The subfolders of a kernel's entry: TVM version, device and machine, threads."""
-    return f"tvm-{importlib.metadata.version('apache-tvm')}", f"{spec.device}-{_machine(spec.device)}-t{spec.threads}"
+def _parts(spec: Spec, threads: str | None = None) -> tuple[str, str]:
+    """The subfolders of a kernel's entry: TVM version, device and machine, threads (`threads`: a glob
+    pattern in their place)."""
+    return (f"tvm-{importlib.metadata.version('apache-tvm')}",
+            f"{spec.device}-{_machine(spec.device)}-t{spec.threads if threads is None else threads}")
+
+
+def holds_size(size: int, dtype: str, device: str = "cpu") -> bool:
+    """Whether the configured cache holds any entry of feature size `size` in `dtype` from this
+    generator, for this machine at any thread count (unchecked: a load checks it)."""
+    probe = Spec("forward", 2, 3, size, dtype, 0.0, 1.0, device, 1)
+    try:
+        base, parts = location()
+    except Untrusted:
+        return False
+    version, machines = _parts(probe, threads="*")
+    return any(base.joinpath(*parts, version).glob(f"{machines}/*_d{size}_{dtype}_*_{_source_digest()}.kernel"))
 
 
 @cache

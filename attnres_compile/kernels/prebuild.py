@@ -110,11 +110,7 @@ def early(layers: int, size: int, dtype: str) -> list[Worker]:
     layer), when the cache folder is the private one, or when it holds kernels of this size and dtype
     already (a warm cache: the few missing, if any, are built as `start` decides)."""
     probe = kernel_cache.Spec("forward", 2, 3, size, dtype, 0.0, 1.0, "cpu", 1)
-    if 2 * layers < MIN_SPECS or not kernel_cache._folder(probe).keep:
-        return []
-    machine = kernel_cache.path(probe).parent
-    pattern = f"*_d{size}_{dtype}_*_{kernel_cache._source_digest()}.kernel"
-    if any(machine.parent.glob(f"{machine.name.rsplit('-t', 1)[0]}-t*/{pattern}")):
+    if 2 * layers < MIN_SPECS or not kernel_cache._folder(probe).keep or kernel_cache.holds_size(size, dtype):
         return []
     count = min(MAX_WORKERS, len(os.sched_getaffinity(0)) - 1)
     return [Worker() for _ in range(count)]

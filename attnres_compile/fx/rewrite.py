@@ -20,6 +20,7 @@ from ..ops import delta, depth_attention
 from .view import InputDims, tensor_meta
 
 HOLDER = "attnres"
+_ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 
 class RewriteSites(PassBase):
@@ -109,25 +110,39 @@ def _read_delta(graph: fx.Graph, site: fx.Node, delta: fx.Node, path: list[fx.No
     """Point the readers of `site` (h_k) at its Delta output `delta`, except the next link's skip:
     along `path` (h_k's ops up to that skip, read by the next link's adds `skip_readers`) each op
     keeps reading the plain value, and its other readers read a copy of the op over the Delta side's
-    value (made only as far along the path as some op has such readers)."""
+    value (made only as far along the path as some op has such readers), or, where the op is a cast
+    to the dtype it reads (Llama's `to(float32)`, which returns its input), that value itself.
+    torch.export's metadata checks stay on the plain value (both sides have the same metadata)."""
     hops = [*path, None]  # None: the end of the path, read by the next link's adds
     plain, mixed = site, delta
     for i, hop in enumerate(hops):
-        keep = skip_readers if hop is None else {hop}
+        keep = (skip_readers if hop is None else {hop}) | {u for u in plain.users if u.target is _ASSERT}
         for user in [u for u in plain.users if u not in keep and u is not delta]:
             user.replace_input_with(plain, mixed)
         if hop is None or not _read_off_path(hops, i, skip_readers):
             return
-        with graph.inserting_after(hop):
-            copy = graph.node_copy(hop, lambda n: mixed if n is plain else n)
-        plain, mixed = hop, copy
+        if not _returns_its_input(hop, plain):
+            with graph.inserting_after(hop):
+                mixed = graph.node_copy(hop, lambda n: mixed if n is plain else n)
+        plain = hop
+
+
+def _returns_its_input(node: fx.Node, src: fx.Node) -> bool:
+    """Whether `node` is `aten.to.dtype(src, its own dtype)` without copy=True: it returns `src` itself."""
+    if node.target is not torch.ops.aten.to.dtype or node.args[0] is not src or node.kwargs.get("copy"):
+        return False
+    if len(node.args) > 3 and node.args[3]:
+        return False
+    a, b = node.meta.get("val"), src.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
 def _read_off_path(hops: list, i: int, skip_readers: set[fx.Node]) -> bool:
-    """Whether op `hops[i]` or a later one of the skip path has a reader off the path."""
+    """Whether op `hops[i]` or a later one of the skip path has a reader off the path (a metadata
+    check aside)."""
     for j in range(i, len(hops) - 1):
         keep = skip_readers if hops[j + 1] is None else {hops[j + 1]}
-        if any(u not in keep for u in hops[j].users):
+        if any(u not in keep and u.target is not _ASSERT for u in hops[j].users):
             return True
     return False
 

@@ -57,7 +57,7 @@ def test_rows_are_checked_and_timed_on_both_clocks(quick):
     for r in data["rows"]:
         assert r["error"] is None, r
         assert r["max_abs_err"] < 1e-4
-        assert r["sites"] == (12 if r["variant"] in ("full", "block") else 0)  # two per layer, every one rewritten
+        assert r["sites"] == (4 if r["variant"] in ("full", "block") else 0)  # two per layer, every one rewritten
         for clock in ("cpu", "wall"):
             assert 0 < r[f"{clock}_min_ms"] <= r[f"{clock}_ms"]
             assert len(r[f"{clock}_rounds_ms"]) == 2
@@ -95,10 +95,10 @@ def test_profiles_by_kind(quick):
         total = sum(k["ms"] for k in p["kinds"].values())
         assert 0 < total <= p["forward_ms"] * 1.2  # the calls are a part of the forward
         matmuls = sum(k["calls"] for kind, k in p["kinds"].items() if profile.category(kind) == "matmul")
-        assert matmuls >= 6 * 4, (runtime, variant)  # qkv, projection and two MLP GEMMs per layer
+        assert matmuls >= 2 * 4, (runtime, variant)  # qkv, projection and two MLP GEMMs per layer
         if runtime == "tvm":  # fused depth-attention kernels: at least one per site, none in the original
             calls = p["kinds"].get(profile.KERNEL_PREFIX, {"calls": 0})["calls"]
-            assert calls == 0 if variant == "original" else calls >= 12
+            assert calls == 0 if variant == "original" else calls >= 4
 
 
 def test_progress_and_targets(quick):
@@ -115,7 +115,7 @@ def test_table_and_plots(quick):
     text = model.table(data)
     assert text.splitlines()[0].split()[:5] == ["model", "width", "sublayers", "runtime", "variant"]
     for part in ("1T cpu ovh %", "2T wall ovh %", "identical copy (noise floor)", "calling thread",
-                 "overhead over the original: TVM, Block <= +0%", "build time: TVM default build time", "profile gpt 64/12"):
+                 "overhead over the original: TVM, Block <= +0%", "build time: TVM default build time", "profile gpt 64/4"):
         assert part in text
     paths = model.plot(data, out)
     assert [p.name for p in paths] == ["model_overhead.png", "model_latency.png", "model_vs_onnxruntime.png"]

@@ -29,7 +29,7 @@ def args(**overrides) -> argparse.Namespace:
 def tiny():
     """fp32 and fp16, two source counts, two row counts (one not a multiple of anything)."""
     a = args(sources=[2, 5], rows=[64, 100], features=[32], dtypes=["float32", "float16"],
-             backends=["tvm", "eager", "onnxruntime"])
+             backends=["tvm", "eager", "op", "onnxruntime"])
     return kernel.run(a, sys.stderr)
 
 
@@ -40,7 +40,7 @@ def test_rows_have_every_backend_timed_and_correct(tiny):
     assert [r["pass"] for r in tiny["rows"]] == ["forward", "backward"] * (2 * 2 * 2)
     assert tiny["copy_bandwidth_GBps"] > 0
     for row in tiny["rows"]:
-        expected = {"tvm", "eager", "onnxruntime"} if row["pass"] == "forward" else {"tvm", "eager"}
+        expected = {"tvm", "eager", "op", "onnxruntime"} if row["pass"] == "forward" else {"tvm", "eager", "op"}
         assert set(row["backends"]) == expected
         for name, e in row["backends"].items():
             assert e["median_ms"] > 0 and 0 < e["min_ms"] <= e["median_ms"]
@@ -160,7 +160,10 @@ def test_targets_table_and_plots(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+@pytest.mark.heavy
 def test_cli_quick(tmp_path):
+    """The CLI over every backend, torch.compile's cold backward included (50 s of CI): `tiny` and
+    test_compile_once_for_every_row_count run the same code in process."""
     proc = subprocess.run([sys.executable, "-m", "attnres_compile.cli", "bench", "kernel", "--quick", "--sources", "9",
                            "--threads", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -57,7 +57,8 @@ def _run(model: onnx.ModelProto, args) -> list[np.ndarray]:
 
 # Llama under -m heavy (CI time): in CI, test_ship.py exports a trained Llama through the grown route
 @pytest.mark.parametrize("make", [pytest.param(_llama, marks=pytest.mark.heavy, id="llama"),
-                                  pytest.param(_gpt2, id="gpt2"), pytest.param(_mistral, id="mistral")])
+                                  pytest.param(_gpt2, id="gpt2"),
+                                  pytest.param(_mistral, marks=pytest.mark.heavy, id="mistral")])
 def test_a_grown_export_is_the_whole_export(make):
     torch.manual_seed(0)
     model = make()

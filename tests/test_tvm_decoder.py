@@ -104,7 +104,7 @@ def test_artifact_matches_its_source_at_any_batch_sequence_and_past(source, requ
         assert _max_error(reference(inputs), got) <= ATOL, (batch, seq, past)
 
 
-@pytest.mark.parametrize("source,batch", [("onnx", 1), ("onnx", 3), ("pt2", 2)])
+@pytest.mark.parametrize("source,batch", [("onnx", 1), ("onnx", 3), pytest.param("pt2", 2, marks=pytest.mark.heavy)])
 def test_greedy_generation_over_the_artifact_gives_its_sources_tokens(source, batch, request):
     """generate_loop.greedy (what `attnres-compile generate` runs): a prefill with an empty past, then
     one-token steps feeding the presents back, 20 new tokens, over the artifact and over its source."""
@@ -117,7 +117,7 @@ def test_greedy_generation_over_the_artifact_gives_its_sources_tokens(source, ba
     assert len(np.unique(got.tokens[:, 6:])) > 1  # not one token repeated
 
 
-@pytest.mark.parametrize("source", ["onnx", "pt2"])
+@pytest.mark.parametrize("source", ["onnx", pytest.param("pt2", marks=pytest.mark.heavy)])
 def test_a_left_padded_batch_on_the_artifact_gives_the_original_tokens(source, request):
     """Prompts of 6 and 3 tokens, left-padded with a mask, through `generate` on the artifact: HF
     generate()'s tokens on the original model; the source's end-of-sequence and pad ids (recorded by

@@ -2,7 +2,7 @@
 architecture (the derivation is written next to each), exact preserve rewrites (Full and Block)
 on the fx path, the CLI's `.onnx` outputs (and `.pt2` for one model of each family) reloaded in
 a fresh process at another batch size, and the fx and ONNX analyses agreeing on every HF model of
-the suite.
+the suite (T5's and the suite's own models' under -m heavy).
 
 The ONNX exports are the expensive part (~3-9 s of CPU each): two worker processes, started by
 the first test, make them (the original model's ONNX file for each agreement test selected, then the CLI's

@@ -55,7 +55,7 @@ def _run(model: onnx.ModelProto, args) -> list[np.ndarray]:
     return session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
 
 
-# Llama under -m heavy (CI time): in CI, test_ship.py exports a trained Llama through the grown route
+# Llama and Mistral under -m heavy (CI time): in CI, GPT-2 here and test_ship.py's trained Llama take the grown route
 @pytest.mark.parametrize("make", [pytest.param(_llama, marks=pytest.mark.heavy, id="llama"),
                                   pytest.param(_gpt2, id="gpt2"),
                                   pytest.param(_mistral, marks=pytest.mark.heavy, id="mistral")])

@@ -2,7 +2,8 @@
 prefill (past 0) and one-token steps, greedy generation identical to onnxruntime's and torch's.
 
 The model is samples/hf_decoders.py's 2-layer width-32 Llama (1 KV head of 16), rewritten to
-Block (N=2) with its KV cache (`rewrite --with-past`); each format is written and compiled once.
+Block (N=2) with its KV cache (`rewrite --with-past`); each format is written and compiled once. The `.pt2`
+artifact's cases run under -m heavy (its TVM build, ~30 s of CI).
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+"""One site, 1 thread: Block (add + site), Delta (2 adds + site), the fused step (needs delta-step.patch).
+Usage: site_micro.py D [T [REPS]]."""
 import time, torch
 torch.set_num_threads(1)
 import attnres_compile
@@ -5,6 +7,7 @@ from attnres_compile.ops.delta import depth_attention_delta as DELTA
 from attnres_compile.ops.delta_step import depth_attention_delta_step as STEP
 from attnres_compile.ops.depth_attention import depth_attention as SITE
 import sys; D = int(sys.argv[1]); T = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
 for n in (2, 5, 9):
     src = [torch.randn(1, T, D) for _ in range(n - 1)]
     p_prev, d, h_prev = (torch.randn(1, T, D) for _ in range(3))
@@ -29,6 +32,6 @@ for n in (2, 5, 9):
         for r in range(5):
             for k, f in fs.items():
                 t = time.process_time()
-                for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2000): f()
-                res[k].append((time.process_time() - t) / 2000 * 1e6)
+                for _ in range(REPS): f()
+                res[k].append((time.process_time() - t) / REPS * 1e6)
     print(n, {k: f"{sorted(v)[2]:.1f}us" for k, v in res.items()})

@@ -155,7 +155,7 @@ def test_llamas_same_dtype_casts_are_read_through_not_copied():
     """Llama's norm reads h_k through a `to(float32)` it shares with the next link's skip: the norm reads
     the Delta output itself (the cast returns its input), and the metadata checks stay on h_k, so the
     rewritten graph holds the original's casts and checks, no more (23 casts and 46 checks more at 24
-    sublayers cost Delta-Block about 1.5 points of Llama's eager forward at width 256)."""
+    sublayers cost Delta-Block about 0.33 ms, 0.7 points, of Llama's 48 ms eager forward at width 256)."""
     from attnres_compile.fx.trace import trace
 
     model, inputs = FACTORIES["llama"]()

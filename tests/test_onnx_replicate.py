@@ -3,8 +3,8 @@
 Before -> Expected: the export of a view of a deep model's first three layers, grown to its depth,
 is the export of the whole model: the same ops, the same initializers, the same outputs in
 onnxruntime. A model whose layers differ is not grown (hf/export.py then exports it whole and
-says why). GPT-2 and Mistral in CI, Llama with -m heavy
-(benchmarks/runs/heavy-tests/onnx_replicate.txt). The trained-checkpoint route through it (planted
+says why). GPT-2 in CI, Llama and Mistral with -m heavy
+(benchmarks/runs/heavy-tests/onnx_replicate.txt, ci_time_moves.txt). The trained-checkpoint route through it (planted
 queries, generated tokens) is tests/test_ship.py.
 """
 

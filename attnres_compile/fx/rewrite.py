@@ -128,10 +128,11 @@ def _read_delta(graph: fx.Graph, site: fx.Node, delta: fx.Node, path: list[fx.No
 
 
 def _returns_its_input(node: fx.Node, src: fx.Node) -> bool:
-    """Whether `node` is `aten.to.dtype(src, its own dtype)` without copy=True: it returns `src` itself."""
-    if node.target is not torch.ops.aten.to.dtype or node.args[0] is not src or node.kwargs.get("copy"):
+    """Whether `node` is `aten.to.dtype(src, its own dtype)` without copy=True or a memory format: it
+    returns `src` itself."""
+    if node.target is not torch.ops.aten.to.dtype or node.args[0] is not src:
         return False
-    if len(node.args) > 3 and node.args[3]:
+    if node.kwargs.get("copy") or node.kwargs.get("memory_format") is not None or any(node.args[3:5]):
         return False
     a, b = node.meta.get("val"), src.meta.get("val")
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype

@@ -25,6 +25,7 @@ from attnres_compile.backends.tvm import compile_model, load, pipeline
 from attnres_compile.backends.tvm.importers import ImportedModel, from_exported_program, from_onnx
 from attnres_compile.backends.tvm.program_prepare import convertible
 from attnres_compile.cli.generate import open_model
+from attnres_compile.core.errors import ConfigError
 from attnres_compile.onnx.pipeline import export_onnx
 from forked_cli import run_cli
 from samples import hf_decoders
@@ -193,3 +194,105 @@ def test_a_cat_onto_an_empty_vector_imports():
     mod = from_exported_program(convertible(program))
     (result,) = mod["main"].ret_ty.fields
     assert result.ndim == 4
+
+
+@pytest.fixture(scope="module")
+def prefill_artifact(folder, onnx_file):
+    """The ONNX decoder compiled through the CLI with prefill libraries for 1 x 8 and 2 x 16 tokens."""
+    run = run_cli(["compile", onnx_file, "-o", folder / "prefill_art", "--prefill", "1x8", "--prefill", "2x16"])
+    assert run.code == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if "prefill library" in line]
+    assert len(lines) == 2 and "prefill-1x8.so: prompts of batch 1 and up to 8 tokens" in lines[0], run.stdout
+    assert "verified against the main library at a 6-token prompt, padded" in lines[0], lines[0]
+    return folder / "prefill_art"
+
+
+def test_prefill_libraries_run_the_prompts_they_fit_and_match_onnxruntime(prefill_artifact, onnx_file):
+    """A prompt with an empty past runs on the shortest prefill library of its batch that holds it (padded on
+    the right, cut back); a longer prompt, another batch or a non-empty past runs on the main library. Every
+    route gives onnxruntime's logits and presents at the prompt's own length."""
+    artifact = load(prefill_artifact)
+    assert sorted((s.batch, s.length) for s in artifact.prefill) == [(1, 8), (2, 16)]
+    calls = []
+    for shape, vm in list(artifact.prefill.items()):
+        artifact.prefill[shape] = _Counted(vm, shape, calls)
+    reference, _ = _step(onnx_file)
+    cases = {(1, 5, 0): (1, 8), (1, 8, 0): (1, 8), (2, 3, 0): (2, 16), (2, 16, 0): (2, 16),
+             (1, 9, 0): None, (3, 4, 0): None, (2, 17, 0): None, (1, 1, 3): None}
+    for (batch, seq, past), library in cases.items():
+        calls.clear()
+        inputs = feeds(batch, seq, past, seed=seq)
+        got = artifact(inputs)
+        assert calls == ([] if library is None else [library]), (batch, seq, past)
+        assert got["logits"].shape == (batch, seq, hf_decoders.VOCAB)
+        assert _max_error(reference(inputs), got) <= ATOL, (batch, seq, past)
+
+
+class _Counted:
+    """A VM standing in for a prefill library's: records its shape at each call of main."""
+
+    def __init__(self, vm, shape, calls):
+        self.vm, self.shape, self.calls = vm, shape, calls
+
+    def __getitem__(self, name):
+        self.calls.append((self.shape.batch, self.shape.length))
+        return self.vm[name]
+
+
+def test_a_left_padded_batch_prefilled_on_a_prefill_library_gives_the_original_tokens(prefill_artifact):
+    """Prompts of 6 and 3 tokens, left-padded with a mask by `generate`, then padded on the right to 16 by the
+    2 x 16 library: HF generate()'s tokens on the original model."""
+    run = run_cli(["generate", prefill_artifact, "--prompt-ids", "5,17,42,8,11,60", "--prompt-ids", "9,3,71",
+                   "--max-new-tokens", "16", "--json"])
+    assert run.code == 0, run.stderr
+    model, _ = hf_decoders.llama_factory()
+    prompt = torch.tensor([[5, 17, 42, 8, 11, 60], [0, 0, 0, 9, 3, 71]])
+    expected = model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=16, do_sample=False)
+    assert json.loads(run.stdout)["tokens"] == expected.tolist()
+
+
+def test_the_prefill_check_fails_when_the_padding_is_not_cut_where_it_starts(prefill_artifact, monkeypatch):
+    """The check compile runs on each prefill library (the padded route against the main library) passes on
+    the artifact's libraries, and fails when the cut keeps the last rows instead of the first."""
+    from attnres_compile.backends.tvm import prefill as prefills
+    from attnres_compile.backends.tvm.check import tolerance
+    from attnres_compile.backends.tvm.vm_files import load as load_library
+
+    manifest = load(prefill_artifact).manifest
+    main = load_library(prefill_artifact / manifest["library"])
+    library = load_library(prefill_artifact / "prefill-1x8.so")
+
+    def verify():
+        return prefills.verify(prefills.Shape(1, 8), main, library, tvm.cpu(), manifest["inputs"], manifest["outputs"],
+                               tolerance(4))["rows"]
+    assert all(row["ok"] for row in verify())
+    cut = prefills.Shape.cut
+    monkeypatch.setattr(prefills.Shape, "cut", lambda self, outputs, n: cut(self, {
+        k: np.flip(v, prefills.SEQUENCE_AXIS.get(k, prefills.CACHE_AXIS)).copy() for k, v in outputs.items()}, n))
+    assert not any(row["ok"] for row in verify())
+
+
+def test_prefill_bad_input_is_one_line(onnx_file, prefill_artifact, tmp_path):
+    """A malformed --prefill, --prefill on a model that is not a decoder with past, and a manifest whose prefill
+    entry names the main library: one line each, nothing written."""
+    run = run_cli(["compile", onnx_file, "-o", tmp_path / "a", "--prefill", "1x"])
+    assert run.code == 2 and run.lines == ["attnres-compile: error: --prefill '1x' is not BATCHxLENGTH with both at "
+                                           "least 1, e.g. 1x128"], run.stderr
+    with pytest.raises(ConfigError, match=r"prefill takes \(batch, length\) pairs of positive ints"):
+        compile_model(onnx_file, tmp_path / "c", prefill=[(1, 0)])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
+    import onnx
+
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "relu.onnx")
+    run = run_cli(["compile", tmp_path / "relu.onnx", "-o", tmp_path / "b", "--prefill", "1x8"])
+    assert run.code == 2 and len(run.lines) == 1 and "--prefill applies to a decoder with past" in run.lines[0], run.stderr
+    assert not any((tmp_path / name).exists() for name in "abc")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    manifest = json.loads((prefill_artifact / "manifest.json").read_text())
+    manifest["prefill"][0]["library"] = manifest["library"]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    run = run_cli(["generate", damaged, "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    assert run.code == 14 and len(run.lines) == 1 and "prefill[0].library must be a file name" in run.lines[0], run.stderr

@@ -146,10 +146,11 @@ def _text_image(height: int, width: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, shape", [("ch_PP-OCRv4_det_infer", (1, 3, 64, 64)),
+@pytest.mark.parametrize("name, shape", [pytest.param("ch_PP-OCRv4_det_infer", (1, 3, 64, 64), marks=pytest.mark.heavy),
                                          ("ch_ppocr_mobile_v2.0_cls_infer", (1, 3, 48, 192))])
 def test_paddleocr_mobilenetv3_compiles_and_matches_onnxruntime(name, shape):
-    """PaddleOCR's det and cls (MobileNetV3 with squeeze-excite, symbolic image size), at a fixed size."""
+    """PaddleOCR's det and cls (MobileNetV3 with squeeze-excite, symbolic image size), at a fixed size. The det
+    model's build (20 s) runs under -m heavy: the cls model takes the same squeeze-excite path."""
     spec = importlib.util.find_spec("rapidocr_onnxruntime")  # its package imports cv2: only the files are used
     if spec is None:
         pytest.skip("rapidocr-onnxruntime is not installed: pip install --no-deps rapidocr-onnxruntime")

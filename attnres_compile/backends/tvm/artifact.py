@@ -21,7 +21,7 @@ from ...core.errors import CompileError, ConfigError, OutputWriteError, Verifica
 from ...fx.decoder import GENERATION
 from ...onnx import io as onnx_io
 from ...utils import outputs
-from . import artifact_checks, vm_files
+from . import artifact_checks, prefill as prefills, vm_files
 from .artifact_checks import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
@@ -39,20 +39,29 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
                   tuning_db: str | os.PathLike | None = None, input_shapes: dict[str, tuple[int, ...]] | None = None,
                   force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None,
                   verify_outputs: bool = True, verify_timeout: float | None = None,
-                  static_shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+                  static_shapes: dict[str, tuple[int, ...]] | None = None,
+                  prefill: list[tuple[int, int]] | None = None) -> dict:
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`; returns the manifest.
 
     `static_shapes` ({input: dims}) fixes symbolic dims (needed to tune); `input_shapes` only sizes
     the verification inputs. A model without sites is built alike (manifest `rewritten`: false).
     `tune` runs meta_schedule for `trials` per task (default 8) and/or `tune_minutes` in all, with
     records in `tuning_db`. With `verify_outputs` the build runs against its source first (check.py;
-    CUDA only with a GPU) and a mismatch writes nothing. An existing `out_dir` needs `force`.
+    CUDA only with a GPU) and a mismatch writes nothing. `prefill` (a decoder with past only) adds a
+    library per (batch, length) for prompts with an empty past (prefill.py), each verified against the
+    main library. An existing `out_dir` needs `force`.
     """
     out = Path(out_dir)
     _check_output(out, model, force)
     tvm_target = make_target(target, arch)
     verify_shapes = _verification_shapes(static_shapes, input_shapes)
+    prefill = prefills.shapes(prefill)
     imported = import_model(model, static_shapes)
+    if prefill:
+        prefills.check_decoder(imported.inputs, imported.outputs)
+        if static_shapes:
+            raise ConfigError("--prefill builds beside a main library whose batch, sequence and past stay symbolic; "
+                              "drop --static-shape")
     if input_shapes and imported.kind != "onnx":
         raise ConfigError("--input-shape sizes the onnxruntime verification of an ONNX source; a .pt2 is verified on "
                           "its stored example inputs (--static-shape fixes its dims in the artifact)")
@@ -64,22 +73,63 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
         manifest["note"] = ORIGINAL_NOTE
     if verify_outputs:
         manifest["verification"] = _verify(model, imported, built, tvm_target, verify_shapes, verify_timeout)
+    extra = [_prefill(model, imported, built, shape, manifest, verify_outputs, progress) for shape in prefill or ()]
     with outputs.staged_folder(out) as stage:
-        try:
-            vm_files.save(built.executable, stage / LIBRARY)
-        except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, OSError) and exc.errno in outputs.WRITE_ERRNOS:
-                raise  # staged_folder's one line, exit 19
-            disk = next((reason for reason in _DISK_ERRORS if reason in str(exc)), None)
-            if disk:  # the compiler or linker writing the library: a full disk, not a compile error
-                raise OutputWriteError(f"cannot write {out}: {disk} (exporting the library); "
-                                       f"{outputs.NOTHING_DONE}") from None
-            raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+        _save(built.executable, stage / LIBRARY, out)
         manifest.update(artifact_checks.record(stage / LIBRARY))
+        for entry, executable in extra:
+            _save(executable, stage / entry["library"], out)
+            entry.update(artifact_checks.record(stage / entry["library"]))
+        if extra:
+            manifest["prefill"] = [entry for entry, _ in extra]
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _save(executable, path: Path, out: Path) -> None:
+    """vm_files.save, a full disk or a failing linker as one line."""
+    try:
+        vm_files.save(executable, path)
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc, OSError) and exc.errno in outputs.WRITE_ERRNOS:
+            raise  # staged_folder's one line, exit 19
+        disk = next((reason for reason in _DISK_ERRORS if reason in str(exc)), None)
+        if disk:  # the compiler or linker writing the library: a full disk, not a compile error
+            raise OutputWriteError(f"cannot write {out}: {disk} (exporting the library); "
+                                   f"{outputs.NOTHING_DONE}") from None
+        raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
+
+
+def _prefill(model: Any, imported: ImportedModel, main: Built, shape: prefills.Shape, manifest: dict,
+             verify_outputs: bool, progress: TextIO | None) -> tuple[dict, tvm.runtime.Executable]:
+    """(manifest entry, executable) of the prefill library for `shape`, verified against `main` (VerificationError)."""
+    if progress is not None:
+        print(f"attnres-compile: building the prefill library for batch {shape.batch}, up to {shape.length} tokens",
+              file=progress, flush=True)
+    static = shape.static_shapes(manifest["inputs"])
+    built = build(import_model(model, static), main.target, input_shapes=static)
+    entry = {"batch": shape.batch, "length": shape.length, "library": shape.library}
+    if not verify_outputs:
+        return entry, built.executable
+    device = tvm.cuda(0) if main.target.kind.name == "cuda" else tvm.cpu()
+    if not device.exist:
+        entry["verification"] = {"skipped": "no CUDA device here to run the build on"}
+        return entry, built.executable
+    from .check import source_depth, tolerance
+
+    result = prefills.verify(shape, main.executable, built.executable, device, manifest["inputs"], manifest["outputs"],
+                             tolerance(source_depth(model, imported)))
+    failed = [r for r in result["rows"] if r.get("ok") is False]
+    if failed:
+        worst = failed[0]
+        detail = worst.get("error") or f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest magnitude"
+        raise VerificationError(f"the prefill library {shape.batch}x{shape.length} differs from the main library on output "
+                                f"{worst['output']!r} at a {result['prompt']}-token prompt ({detail}); nothing written; "
+                                "verify_outputs=False skips this check")
+    entry["verification"] = result
+    return entry, built.executable
 
 
 def _verification_shapes(static: dict | None, given: dict | None) -> dict:

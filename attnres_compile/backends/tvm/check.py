@@ -55,6 +55,13 @@ def program_depth(program: torch.export.ExportedProgram) -> int:
     return sum(is_attnres_op(n.target) for n in program.graph.nodes)
 
 
+def source_depth(model: Any, imported: ImportedModel) -> int:
+    """Residual steps of the compiled source, as `check` counts them for its bound."""
+    if imported.kind == "onnx":
+        return onnx_depth(Path(model))
+    return program_depth(model if isinstance(model, torch.export.ExportedProgram) else _load_program(Path(model)).program)
+
+
 def check(model: Any, imported: ImportedModel, executable, device, input_shapes: dict | None,
           timeout: float | None) -> dict:
     """{"reference", "inputs" (name -> shape, the first set), "verified_shapes" (every set compared),

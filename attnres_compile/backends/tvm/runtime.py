@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ...core.errors import ArtifactError, InputError, first_line
-from . import artifact_checks, vm_files
+from . import artifact_checks, prefill, vm_files
 from .cuda_binary import serve_fatbins
 
 FORMAT = "attnres-compile-tvm"
@@ -24,7 +24,9 @@ class Artifact:
     """A loaded artifact: `artifact({"input": array, ...})` -> {"output": array, ...}.
 
     Inputs are checked against the manifest (names, dtypes, ranks, static dims, and one size
-    per symbolic dim); safe dtype casts (int32 -> int64) are applied."""
+    per symbolic dim); safe dtype casts (int32 -> int64) are applied. A prompt with an empty past
+    that a prefill library fits (`compile --prefill`, prefill.py) runs there, padded, and comes back
+    cut to its length; everything else runs on the main library."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
@@ -34,12 +36,17 @@ class Artifact:
             raise ArtifactError(f"{self.folder}: the artifact runs on {self.manifest['device']}, and this machine has none")
         if "cuda" in self.manifest:
             serve_fatbins(self.folder, self.manifest["cuda"])
-        path = artifact_checks.library_path(self.folder, self.manifest)  # loading it runs its code: trusted
+        self.vm = self._vm(self.manifest)
+        self.prefill = {prefill.Shape(e["batch"], e["length"]): self._vm(e) for e in self.manifest.get("prefill", [])}
+
+    def _vm(self, entry: dict) -> relax.VirtualMachine:
+        """The VM of the library `entry` records (the manifest, or one of its prefill entries)."""
+        path = artifact_checks.library_path(self.folder, entry)  # loading it runs its code: trusted
         try:
             library = vm_files.load(path)
         except Exception as exc:  # noqa: BLE001
-            raise ArtifactError(f"{self.folder}: cannot load {self.manifest['library']} ({first_line(exc)})") from None
-        self.vm = relax.VirtualMachine(library, self.device)
+            raise ArtifactError(f"{self.folder}: cannot load {entry['library']} ({first_line(exc)})") from None
+        return relax.VirtualMachine(library, self.device)
 
     @property
     def input_names(self) -> list[str]:
@@ -52,7 +59,16 @@ class Artifact:
     def __call__(self, inputs: Mapping[str, np.ndarray] | None = None, **kwargs: np.ndarray) -> dict[str, np.ndarray]:
         given = {**(inputs or {}), **kwargs}
         arrays = self.checked(given)
-        result = self.vm["main"](*[tvm.runtime.tensor(a, self.device) for a in arrays])
+        feeds = dict(zip(self.input_names, arrays))
+        shape = prefill.choose(list(self.prefill), feeds)
+        if shape is None:
+            return self._run(self.vm, arrays)
+        padded = shape.pad(feeds)
+        outputs = self._run(self.prefill[shape], [np.ascontiguousarray(padded[n]) for n in self.input_names])
+        return shape.cut(outputs, feeds["input_ids"].shape[1])
+
+    def _run(self, vm: relax.VirtualMachine, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        result = vm["main"](*[tvm.runtime.tensor(a, self.device) for a in arrays])
         results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
         return {name: r.numpy() for name, r in zip(self.output_names, results)}
 

@@ -197,31 +197,40 @@ def test_a_cat_onto_an_empty_vector_imports():
 
 
 @pytest.fixture(scope="module")
-def prefill_artifact(folder, onnx_file):
-    """The ONNX decoder compiled through the CLI with prefill libraries for 1 x 8 and 2 x 16 tokens."""
-    run = run_cli(["compile", onnx_file, "-o", folder / "prefill_art", "--prefill", "1x8", "--prefill", "2x16"])
+def fixed_artifact(folder, onnx_file):
+    """The ONNX decoder compiled through the CLI with libraries for prompts of 1 x 8 and 2 x 16 tokens and for
+    one-token steps of batch 1."""
+    run = run_cli(["compile", onnx_file, "-o", folder / "fixed_art", "--prefill", "1x8", "--prefill", "2x16",
+                   "--decode", "1"])
     assert run.code == 0, run.stderr
-    lines = [line for line in run.stdout.splitlines() if "prefill library" in line]
-    assert len(lines) == 2 and "prefill-1x8.so: prompts of batch 1 and up to 8 tokens" in lines[0], run.stdout
+    lines = [line.strip() for line in run.stdout.splitlines() if "-1x8.so:" in line or "-2x16.so:" in line
+             or "decode-1.so:" in line]
+    assert len(lines) == 3, run.stdout
+    assert lines[0].startswith("prefill-1x8.so: prompts of batch 1 and up to 8 tokens, empty past"), lines[0]
     assert "verified against the main library at a 6-token prompt, padded" in lines[0], lines[0]
-    return folder / "prefill_art"
+    assert lines[2].startswith("decode-1.so: one-token steps of batch 1, any past"), lines[2]
+    assert "verified against the main library at 1 token after a past of 7" in lines[2], lines[2]
+    return folder / "fixed_art"
 
 
-def test_prefill_libraries_run_the_prompts_they_fit_and_match_onnxruntime(prefill_artifact, onnx_file):
+def test_fixed_shape_libraries_run_the_calls_they_fit_and_match_onnxruntime(fixed_artifact, onnx_file):
     """A prompt with an empty past runs on the shortest prefill library of its batch that holds it (padded on
-    the right, cut back); a longer prompt, another batch or a non-empty past runs on the main library. Every
-    route gives onnxruntime's logits and presents at the prompt's own length."""
-    artifact = load(prefill_artifact)
-    assert sorted((s.batch, s.length) for s in artifact.prefill) == [(1, 8), (2, 16)]
+    the right, cut back), a one-token step of batch 1 on the decode library; a longer prompt, another batch or a
+    longer step runs on the main library. Every route gives onnxruntime's logits and presents."""
+    artifact = load(fixed_artifact)
+    names = {shape: shape.library for shape in artifact.fixed}
+    assert sorted(names.values()) == ["decode-1.so", "prefill-1x8.so", "prefill-2x16.so"]
     calls = []
-    for shape, vm in list(artifact.prefill.items()):
-        artifact.prefill[shape] = _Counted(vm, shape, calls)
+    for shape, vm in list(artifact.fixed.items()):
+        artifact.fixed[shape] = _Counted(vm, names[shape], calls)
     reference, _ = _step(onnx_file)
-    cases = {(1, 5, 0): (1, 8), (1, 8, 0): (1, 8), (2, 3, 0): (2, 16), (2, 16, 0): (2, 16),
-             (1, 9, 0): None, (3, 4, 0): None, (2, 17, 0): None, (1, 1, 3): None}
+    cases = {(1, 5, 0): "prefill-1x8.so", (1, 8, 0): "prefill-1x8.so", (1, 1, 0): "prefill-1x8.so",
+             (2, 3, 0): "prefill-2x16.so", (2, 16, 0): "prefill-2x16.so", (1, 1, 3): "decode-1.so",
+             (1, 1, 9): "decode-1.so", (1, 9, 0): None, (3, 4, 0): None, (2, 17, 0): None, (2, 1, 4): None,
+             (1, 2, 3): None}
     for (batch, seq, past), library in cases.items():
         calls.clear()
-        inputs = feeds(batch, seq, past, seed=seq)
+        inputs = feeds(batch, seq, past, seed=seq + past)
         got = artifact(inputs)
         assert calls == ([] if library is None else [library]), (batch, seq, past)
         assert got["logits"].shape == (batch, seq, hf_decoders.VOCAB)
@@ -229,20 +238,20 @@ def test_prefill_libraries_run_the_prompts_they_fit_and_match_onnxruntime(prefil
 
 
 class _Counted:
-    """A VM standing in for a prefill library's: records its shape at each call of main."""
+    """A VM standing in for a library's: records the library's name at each call of main."""
 
-    def __init__(self, vm, shape, calls):
-        self.vm, self.shape, self.calls = vm, shape, calls
+    def __init__(self, vm, name, calls):
+        self.vm, self.name, self.calls = vm, name, calls
 
-    def __getitem__(self, name):
-        self.calls.append((self.shape.batch, self.shape.length))
-        return self.vm[name]
+    def __getitem__(self, function):
+        self.calls.append(self.name)
+        return self.vm[function]
 
 
-def test_a_left_padded_batch_prefilled_on_a_prefill_library_gives_the_original_tokens(prefill_artifact):
+def test_a_left_padded_batch_prefilled_on_a_prefill_library_gives_the_original_tokens(fixed_artifact):
     """Prompts of 6 and 3 tokens, left-padded with a mask by `generate`, then padded on the right to 16 by the
     2 x 16 library: HF generate()'s tokens on the original model."""
-    run = run_cli(["generate", prefill_artifact, "--prompt-ids", "5,17,42,8,11,60", "--prompt-ids", "9,3,71",
+    run = run_cli(["generate", fixed_artifact, "--prompt-ids", "5,17,42,8,11,60", "--prompt-ids", "9,3,71",
                    "--max-new-tokens", "16", "--json"])
     assert run.code == 0, run.stderr
     model, _ = hf_decoders.llama_factory()
@@ -251,33 +260,50 @@ def test_a_left_padded_batch_prefilled_on_a_prefill_library_gives_the_original_t
     assert json.loads(run.stdout)["tokens"] == expected.tolist()
 
 
-def test_the_prefill_check_fails_when_the_padding_is_not_cut_where_it_starts(prefill_artifact, monkeypatch):
-    """The check compile runs on each prefill library (the padded route against the main library) passes on
-    the artifact's libraries, and fails when the cut keeps the last rows instead of the first."""
-    from attnres_compile.backends.tvm import prefill as prefills
+def test_greedy_generation_on_the_prefill_and_decode_libraries_gives_onnxruntimes_tokens(fixed_artifact, onnx_file):
+    """Batch 1: the prompt on prefill-1x8.so, every step on decode-1.so; 20 tokens as onnxruntime gives them."""
+    prompt = np.random.default_rng(7).integers(0, hf_decoders.VOCAB, (1, 6))
+    step, empty = _step(fixed_artifact)
+    reference, _ = _step(onnx_file)
+    got = generate_loop.greedy(step, prompt, empty, 20)
+    np.testing.assert_array_equal(got.tokens, generate_loop.greedy(reference, prompt, empty, 20).tokens)
+
+
+def test_the_library_checks_fail_when_the_padding_is_not_cut_where_it_starts(fixed_artifact, monkeypatch):
+    """The check compile runs on each fixed-shape library (against the main library) passes on the artifact's
+    libraries, and fails when the prefill's cut keeps the last rows instead of the first, or when the decode
+    library is checked against the wrong past (the main library given one past longer)."""
+    from attnres_compile.backends.tvm import fixed_shapes
     from attnres_compile.backends.tvm.check import tolerance
     from attnres_compile.backends.tvm.vm_files import load as load_library
 
-    manifest = load(prefill_artifact).manifest
-    main = load_library(prefill_artifact / manifest["library"])
-    library = load_library(prefill_artifact / "prefill-1x8.so")
+    manifest = load(fixed_artifact).manifest
+    main = load_library(fixed_artifact / manifest["library"])
 
-    def verify():
-        return prefills.verify(prefills.Shape(1, 8), main, library, tvm.cpu(), manifest["inputs"], manifest["outputs"],
-                               tolerance(4))["rows"]
-    assert all(row["ok"] for row in verify())
-    cut = prefills.Shape.cut
-    monkeypatch.setattr(prefills.Shape, "cut", lambda self, outputs, n: cut(self, {
-        k: np.flip(v, prefills.SEQUENCE_AXIS.get(k, prefills.CACHE_AXIS)).copy() for k, v in outputs.items()}, n))
-    assert not any(row["ok"] for row in verify())
+    def verify(shape):
+        library = load_library(fixed_artifact / shape.library)
+        return fixed_shapes.verify(shape, main, library, tvm.cpu(), manifest["inputs"], manifest["outputs"],
+                                   tolerance(4))["rows"]
+    prefill, decode = fixed_shapes.Prefill(1, 8), fixed_shapes.Decode(1)
+    assert all(row["ok"] for row in verify(prefill) + verify(decode))
+    cut = fixed_shapes.Prefill.cut
+    monkeypatch.setattr(fixed_shapes.Prefill, "cut", lambda self, outputs, n: cut(self, {
+        k: np.flip(v, fixed_shapes.SEQUENCE_AXIS.get(k, fixed_shapes.CACHE_AXIS)).copy() for k, v in outputs.items()}, n))
+    monkeypatch.setattr(fixed_shapes.Decode, "pad", lambda self, feeds: {
+        **feeds, **{k: np.roll(v, 1, axis=fixed_shapes.CACHE_AXIS) for k, v in feeds.items() if k.startswith("past")}})
+    assert not any(row["ok"] for row in verify(prefill))
+    assert not all(row["ok"] for row in verify(decode))
 
 
-def test_prefill_bad_input_is_one_line(onnx_file, prefill_artifact, tmp_path):
-    """A malformed --prefill, --prefill on a model that is not a decoder with past, and a manifest whose prefill
-    entry names the main library: one line each, nothing written."""
+def test_fixed_shape_bad_input_is_one_line(onnx_file, fixed_artifact, tmp_path):
+    """A malformed --prefill or --decode, either on a model that is not a decoder with past, and a manifest whose
+    prefill entry names the main library: one line each, nothing written."""
     run = run_cli(["compile", onnx_file, "-o", tmp_path / "a", "--prefill", "1x"])
     assert run.code == 2 and run.lines == ["attnres-compile: error: --prefill '1x' is not BATCHxLENGTH with both at "
                                            "least 1, e.g. 1x128"], run.stderr
+    run = run_cli(["compile", onnx_file, "-o", tmp_path / "a", "--decode", "0"])
+    assert run.code == 2 and run.lines == ["attnres-compile: error: --decode '0' is not a batch size of at least 1, "
+                                           "e.g. 1"], run.stderr
     with pytest.raises(ConfigError, match=r"prefill takes \(batch, length\) pairs of positive ints"):
         compile_model(onnx_file, tmp_path / "c", prefill=[(1, 0)])
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
@@ -286,12 +312,12 @@ def test_prefill_bad_input_is_one_line(onnx_file, prefill_artifact, tmp_path):
     import onnx
 
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "relu.onnx")
-    run = run_cli(["compile", tmp_path / "relu.onnx", "-o", tmp_path / "b", "--prefill", "1x8"])
-    assert run.code == 2 and len(run.lines) == 1 and "--prefill applies to a decoder with past" in run.lines[0], run.stderr
+    run = run_cli(["compile", tmp_path / "relu.onnx", "-o", tmp_path / "b", "--decode", "1"])
+    assert run.code == 2 and len(run.lines) == 1 and "--decode apply to a decoder with past" in run.lines[0], run.stderr
     assert not any((tmp_path / name).exists() for name in "abc")
     damaged = tmp_path / "damaged"
     damaged.mkdir()
-    manifest = json.loads((prefill_artifact / "manifest.json").read_text())
+    manifest = json.loads((fixed_artifact / "manifest.json").read_text())
     manifest["prefill"][0]["library"] = manifest["library"]
     (damaged / "manifest.json").write_text(json.dumps(manifest))
     run = run_cli(["generate", damaged, "--prompt-ids", "1,2", "--max-new-tokens", "2"])

@@ -70,6 +70,13 @@ def _gemm(kind: str):
         k = te.reduce_axis((0 * k64, k64), name="k")
         out = te.compute((b, m, 80), lambda s, i, j: te.sum(a[s, i, k] * w[k, j], axis=k), name="matmul")
         return te.create_prim_func([a, w, out]).with_attr("layout_free_buffers", [1]), lambda a, w: a @ w
+    if kind in ("one_row", "one_row_padded"):  # [1, 1, K] @ W[K, N] + b: a decode step built with batch and sequence 1
+        n = {"one_row": 48, "one_row_padded": 40}[kind]
+        a, w, bias = te.placeholder((1, 1, 600), name="a"), te.placeholder((600, n), name="w"), te.placeholder((n,), name="b")
+        k = te.reduce_axis((0, 600), name="k")
+        mm = te.compute((1, 1, n), lambda s, i, j: te.sum(a[s, i, k] * w[k, j], axis=k), name="matmul")
+        out = te.compute((1, 1, n), lambda s, i, j: mm[s, i, j] + bias[j], name="epilogue")
+        return te.create_prim_func([a, w, bias, out]).with_attr("layout_free_buffers", [1]), lambda a, w, b: a @ w + b
     n, kdim = {"packed_padded": (40, 6), "packed": (64, 12), "k_blocked": (16, 1100),
                "symbolic_rows": (24, 8)}[kind]
     if kind == "symbolic_rows":  # int64 dims, as legalized Relax operators have
@@ -83,11 +90,12 @@ def _gemm(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["packed_padded", "packed", "k_blocked", "symbolic_rows", "symbolic_batch_and_rows",
-                                  "batched", "conv1x1_nchw"])
+                                  "batched", "conv1x1_nchw", "one_row", "one_row_padded"])
 def test_gemm_rule_matches_numpy(kind):
     """The GEMM rule schedules each (a weight pre-packed where there is one: with 80 columns and
     rows that are a symbolic [batch, sequence], which `pad_einsum` cannot pad to the tile, in a
-    narrower tile that divides them) and matches numpy."""
+    narrower tile that divides them; one static row, whose unit row loop TVM drops, in a one-row
+    tile: dlight's GEMV took 13x the time there) and matches numpy."""
     func, reference = _gemm(kind)
     target = make_target("llvm")
     with target:

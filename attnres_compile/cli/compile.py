@@ -37,8 +37,11 @@ def add_command(subparsers) -> None:
                       help="fix an input's symbolic dims in the artifact (repeatable); needed to tune")
     comp.add_argument("--prefill", action="append", metavar="BATCHxLENGTH",
                       help="a decoder with past: also build a library for prompts of BATCH rows and up to LENGTH "
-                           "tokens with an empty past (repeatable; e.g. 1x128). Its products take whole register "
-                           "tiles: a faster prefill, at the cost of the weights stored once more")
+                           "tokens with an empty past (repeatable; e.g. 1x128): a faster prefill, at the cost of the "
+                           "weights stored once more")
+    comp.add_argument("--decode", action="append", metavar="BATCH",
+                      help="a decoder with past: also build a library for one-token steps of BATCH rows, any past "
+                           "(repeatable; e.g. 1): a faster decode, at the cost of the weights stored once more")
     comp.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     comp.add_argument("--no-verify", action="store_true",
                       help="skip running the compiled model against its source (onnxruntime, or torch on a .pt2's "
@@ -59,13 +62,14 @@ def planned_outputs(args) -> tuple[list[Output], list[Path], bool]:
 
 
 def compile_command(args) -> int:
-    from ..backends.tvm import prefill
+    from ..backends.tvm import fixed_shapes
     from ..backends.tvm.artifact import compile_model
     from ..onnx.dims import describe as describe_shapes
     from ..onnx.runtime import parse_input_shapes
 
     # sys.__stderr__: the main CLI hides sys.stderr without --debug; progress stays visible.
     # In an isolated child (isolate.py): TVM's importers and builder run the user's graph and can crash.
+    prefill, decode = fixed_shapes.parse(args.prefill, args.decode)
     try:
         tune = args.tune or args.trials is not None or args.tune_minutes is not None
         with progress.stage(f"compiling {Path(args.model).name} for {args.target}" + (", tuning" if tune else ""),
@@ -74,7 +78,7 @@ def compile_command(args) -> int:
                                    tune=tune, trials=args.trials, tune_minutes=args.tune_minutes, tuning_db=args.tuning_db,
                                    input_shapes=parse_input_shapes(args.input_shape),
                                    static_shapes=parse_input_shapes(args.static_shape, "--static-shape"), force=args.force,
-                                   prefill=prefill.parse(args.prefill),
+                                   prefill=prefill, decode=decode,
                                    progress=sys.__stderr__, verify_outputs=not args.no_verify,
                                    verify_timeout=args.verify_timeout, what="TVM", action="compiling", timeout=None,
                                    consequence="nothing written")
@@ -104,9 +108,11 @@ def compile_command(args) -> int:
             print(f"    {describe_row(row)}" + (f"  at {row['at']}" if row.get("at") else ""))
         for note in check.get("notes", []):
             print(f"  note: {note}")
-    for entry in manifest.get("prefill", []):
-        print(f"  prefill library {entry['library']}: prompts of batch {entry['batch']} and up to {entry['length']} "
-              f"tokens, empty past ({entry['library_size'] / 2**20:.0f} MiB)" + _prefill_check(entry.get("verification")))
+    for entry in manifest.get("prefill", []) + manifest.get("decode", []):
+        shape = (f"prompts of batch {entry['batch']} and up to {entry['length']} tokens, empty past" if "length" in entry
+                 else f"one-token steps of batch {entry['batch']}, any past")
+        print(f"  {entry['library']}: {shape} ({entry['library_size'] / 2**20:.0f} MiB)"
+              + _fixed_check(entry.get("verification")))
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""
@@ -116,14 +122,15 @@ def compile_command(args) -> int:
     return 0
 
 
-def _prefill_check(check: dict | None) -> str:
+def _fixed_check(check: dict | None) -> str:
     if not check:
         return "; not verified"
     if "skipped" in check:
         return f"; not verified: {check['skipped']}"
     worst = max((r.get("min_rtol", 0.0) for r in check["rows"]), default=0.0)
-    return (f"; verified against {check['reference']} at a {check['prompt']}-token prompt, padded: largest error "
-            f"{worst:.1e} of an output's largest magnitude")
+    run = (f"a {check['tokens']}-token prompt, padded" if not check["past"]
+           else f"{check['tokens']} token after a past of {check['past']}")
+    return f"; verified against {check['reference']} at {run}: largest error {worst:.1e} of an output's largest magnitude"
 
 
 def dims(shape) -> str:

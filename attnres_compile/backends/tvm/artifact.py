@@ -21,7 +21,7 @@ from ...core.errors import CompileError, ConfigError, OutputWriteError, Verifica
 from ...fx.decoder import GENERATION
 from ...onnx import io as onnx_io
 from ...utils import outputs
-from . import artifact_checks, prefill as prefills, vm_files
+from . import artifact_checks, fixed_shapes, vm_files
 from .artifact_checks import artifact_output
 from .cuda_binary import write_device_code
 from .importers import ImportedModel, import_model
@@ -40,28 +40,29 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
                   force: bool = False, progress: TextIO | None = None, tune_minutes: float | None = None,
                   verify_outputs: bool = True, verify_timeout: float | None = None,
                   static_shapes: dict[str, tuple[int, ...]] | None = None,
-                  prefill: list[tuple[int, int]] | None = None) -> dict:
+                  prefill: list[tuple[int, int]] | None = None, decode: list[int] | None = None) -> dict:
     """Compile an AttnRes ONNX file, .pt2 file or ExportedProgram into the artifact folder `out_dir`; returns the manifest.
 
     `static_shapes` ({input: dims}) fixes symbolic dims (needed to tune); `input_shapes` only sizes
     the verification inputs. A model without sites is built alike (manifest `rewritten`: false).
     `tune` runs meta_schedule for `trials` per task (default 8) and/or `tune_minutes` in all, with
     records in `tuning_db`. With `verify_outputs` the build runs against its source first (check.py;
-    CUDA only with a GPU) and a mismatch writes nothing. `prefill` (a decoder with past only) adds a
-    library per (batch, length) for prompts with an empty past (prefill.py), each verified against the
-    main library. An existing `out_dir` needs `force`.
+    CUDA only with a GPU) and a mismatch writes nothing. For a decoder with past, `prefill` adds a
+    library per (batch, length) for prompts with an empty past and `decode` one per batch size for
+    one-token steps (fixed_shapes.py), each verified against the main library. An existing `out_dir`
+    needs `force`.
     """
     out = Path(out_dir)
     _check_output(out, model, force)
     tvm_target = make_target(target, arch)
     verify_shapes = _verification_shapes(static_shapes, input_shapes)
-    prefill = prefills.shapes(prefill)
+    fixed = fixed_shapes.shapes(prefill, decode)
     imported = import_model(model, static_shapes)
-    if prefill:
-        prefills.check_decoder(imported.inputs, imported.outputs)
+    if fixed:
+        fixed_shapes.check_decoder(imported.inputs, imported.outputs)
         if static_shapes:
-            raise ConfigError("--prefill builds beside a main library whose batch, sequence and past stay symbolic; "
-                              "drop --static-shape")
+            raise ConfigError("--prefill and --decode build beside a main library whose batch, sequence and past stay "
+                              "symbolic; drop --static-shape")
     if input_shapes and imported.kind != "onnx":
         raise ConfigError("--input-shape sizes the onnxruntime verification of an ONNX source; a .pt2 is verified on "
                           "its stored example inputs (--static-shape fixes its dims in the artifact)")
@@ -73,15 +74,17 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
         manifest["note"] = ORIGINAL_NOTE
     if verify_outputs:
         manifest["verification"] = _verify(model, imported, built, tvm_target, verify_shapes, verify_timeout)
-    extra = [_prefill(model, imported, built, shape, manifest, verify_outputs, progress) for shape in prefill or ()]
+    extra = [_fixed(model, imported, built, shape, manifest, verify_outputs, progress) for shape in fixed]
     with outputs.staged_folder(out) as stage:
         _save(built.executable, stage / LIBRARY, out)
         manifest.update(artifact_checks.record(stage / LIBRARY))
         for entry, executable in extra:
             _save(executable, stage / entry["library"], out)
             entry.update(artifact_checks.record(stage / entry["library"]))
-        if extra:
-            manifest["prefill"] = [entry for entry, _ in extra]
+        for key, kind in (("prefill", fixed_shapes.Prefill), ("decode", fixed_shapes.Decode)):
+            entries = [entry for (entry, _), shape in zip(extra, fixed) if isinstance(shape, kind)]
+            if entries:
+                manifest[key] = entries
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -102,15 +105,16 @@ def _save(executable, path: Path, out: Path) -> None:
         raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
 
 
-def _prefill(model: Any, imported: ImportedModel, main: Built, shape: prefills.Shape, manifest: dict,
-             verify_outputs: bool, progress: TextIO | None) -> tuple[dict, tvm.runtime.Executable]:
-    """(manifest entry, executable) of the prefill library for `shape`, verified against `main` (VerificationError)."""
+def _fixed(model: Any, imported: ImportedModel, main: Built, shape: fixed_shapes.Prefill | fixed_shapes.Decode,
+           manifest: dict, verify_outputs: bool, progress: TextIO | None) -> tuple[dict, tvm.runtime.Executable]:
+    """(manifest entry, executable) of the library for `shape`, verified against `main` (VerificationError)."""
+    what = (f"prompts of batch {shape.batch} and up to {shape.length} tokens" if isinstance(shape, fixed_shapes.Prefill)
+            else f"one-token steps of batch {shape.batch}")
     if progress is not None:
-        print(f"attnres-compile: building the prefill library for batch {shape.batch}, up to {shape.length} tokens",
-              file=progress, flush=True)
+        print(f"attnres-compile: building {shape.library} for {what}", file=progress, flush=True)
     static = shape.static_shapes(manifest["inputs"])
     built = build(import_model(model, static), main.target, input_shapes=static)
-    entry = {"batch": shape.batch, "length": shape.length, "library": shape.library}
+    entry = {**vars(shape), "library": shape.library}
     if not verify_outputs:
         return entry, built.executable
     device = tvm.cuda(0) if main.target.kind.name == "cuda" else tvm.cpu()
@@ -119,15 +123,15 @@ def _prefill(model: Any, imported: ImportedModel, main: Built, shape: prefills.S
         return entry, built.executable
     from .check import source_depth, tolerance
 
-    result = prefills.verify(shape, main.executable, built.executable, device, manifest["inputs"], manifest["outputs"],
-                             tolerance(source_depth(model, imported)))
+    result = fixed_shapes.verify(shape, main.executable, built.executable, device, manifest["inputs"],
+                                 manifest["outputs"], tolerance(source_depth(model, imported)))
     failed = [r for r in result["rows"] if r.get("ok") is False]
     if failed:
         worst = failed[0]
         detail = worst.get("error") or f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest magnitude"
-        raise VerificationError(f"the prefill library {shape.batch}x{shape.length} differs from the main library on output "
-                                f"{worst['output']!r} at a {result['prompt']}-token prompt ({detail}); nothing written; "
-                                "verify_outputs=False skips this check")
+        raise VerificationError(f"{shape.library} differs from the main library on output {worst['output']!r} "
+                                f"({result['tokens']} token(s) after a past of {result['past']}: {detail}); nothing "
+                                "written; verify_outputs=False skips this check")
     entry["verification"] = result
     return entry, built.executable
 

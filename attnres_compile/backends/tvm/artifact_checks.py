@@ -21,7 +21,7 @@ import numpy as np
 
 from ...core.errors import ArtifactError, ConfigError, first_line
 from ...utils.outputs import Output
-from .prefill import check_decoder
+from .fixed_shapes import check_decoder
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is kilobytes; this bounds what a read takes in
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -71,20 +71,21 @@ def check_fields(manifest: dict, path: Path) -> None:
                 d is None or isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
                 for d in shape)), f"{io}[{i}].shape must be null or a list of sizes, names and nulls")
             need(entry.get("dtype") is None or _dtype(entry["dtype"]), f"{io}[{i}].dtype must be a numpy dtype")
-    prefill = manifest.get("prefill", [])
-    need(isinstance(prefill, list), "prefill must be a list of libraries")
-    if prefill:
+    fixed = {key: manifest.get(key, []) for key in ("prefill", "decode")}
+    for key, entries in fixed.items():
+        need(isinstance(entries, list) and all(isinstance(e, dict) for e in entries), f"{key} must be a list of libraries")
+        for i, entry in enumerate(entries):
+            need(all(_count(entry.get(k), 1) for k in ("batch", "length")[:2 if key == "prefill" else 1]),
+                 f"{key}[{i}] must give a batch" + (" and a length" if key == "prefill" else "") + " of at least 1")
+            need(plain_name(entry.get("library")) and entry["library"] != manifest["library"],
+                 f"{key}[{i}].library must be a file name inside the artifact folder, not the main library")
+            need(_count(entry.get("library_size"), 0) and isinstance(entry.get("library_sha256"), str)
+                 and _SHA256.fullmatch(entry["library_sha256"]), f"{key}[{i}] must record the library's size and SHA-256")
+    if any(fixed.values()):
         try:
             check_decoder([e["name"] for e in manifest["inputs"]], [e["name"] for e in manifest["outputs"]])
         except ConfigError:
-            need(False, "prefill libraries are for a decoder with past, and this model is not one")
-    for i, entry in enumerate(prefill):
-        need(isinstance(entry, dict) and all(_count(entry.get(k), 1) for k in ("batch", "length")),
-             f"prefill[{i}] must give a batch and a length of at least 1")
-        need(plain_name(entry.get("library")) and entry["library"] != manifest["library"],
-             f"prefill[{i}].library must be a file name inside the artifact folder, not the main library")
-        need(_count(entry.get("library_size"), 0) and isinstance(entry.get("library_sha256"), str)
-             and _SHA256.fullmatch(entry["library_sha256"]), f"prefill[{i}] must record the library's size and SHA-256")
+            need(False, "prefill and decode libraries are for a decoder with past, and this model is not one")
     cuda = manifest.get("cuda", [])
     need(isinstance(cuda, list) and all(isinstance(e, dict) and isinstance(e.get("sha256"), str)
                                         and (e.get("fatbin") is None or plain_name(e["fatbin"])) for e in cuda),

@@ -128,9 +128,11 @@ class Matmul(_SafeRule):
         for producer in infos[:position]:  # casts, reshapes, transposes feeding the GEMM
             sch.compute_inline(producer.block_rv)
         block = sch.get(main)
-        traits = detect_iter_traits(block)
-        if traits is None or not block.writes[0].source.dtype.is_float:
+        if not block.writes[0].source.dtype.is_float:
             return None
+        traits = detect_iter_traits(block)
+        if traits is None:
+            return _one_row(sch, main, func, target)
         rows_kind, cols_kind = _roles(block, traits[3])
         # loops [batch, rows, cols, K]; the accumulators in that layout (a tile is a box there,
         # whatever axes of the output a fused row or column index spans)
@@ -172,6 +174,42 @@ class Matmul(_SafeRule):
         sch.parallel(sch.fuse(s, jo))
         sch.decompose_reduction(main, init_at)
         return sch
+
+
+def _one_row(sch: s_tir.Schedule, main, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    """A product of one static row by a weight (a decode step built with its batch and sequence fixed):
+    TVM drops the unit row loop, so no GEMM rule sees it, and dlight's GEMV took 13x the symbolic-row
+    GEMM's time. Tiled as a one-row GEMM: the weight pre-packed into panels of `cols` columns, `cols`
+    accumulators in registers over the whole K, the panels in parallel."""
+    block = sch.get(main)
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    free = [func.params[int(x)] for x in (func.attrs.get("layout_free_buffers", []) if func.attrs else [])]
+    weights = [i for i, r in enumerate(block.reads) if any(r.source.same_as(b) for b in free)]
+    if kinds != [tirx.IterVar.DataPar, tirx.IterVar.CommReduce] or len(weights) != 1:
+        return None
+    writer = sch.reindex(main, ("write", 0))
+    j, k = sch.get_loops(main)
+    n, kdim = _extent(sch, j), _extent(sch, k)
+    if n is None or kdim is None:
+        return None
+    lane = lanes(target, block.writes[0].source.dtype.bits)
+    vec = min(n, lane)
+    cols = vec * min(VECTORS if vector_bits(target) >= 512 else VECTORS_NARROW, math.ceil(n / vec))
+    _pack_weight(sch, main, func, cols, weights[0])
+    _fuse_epilogue(sch, main, writer)
+    sch.set_scope(main, 0, "local")
+    j, k = sch.get_loops(main)
+    jo, jv, jl = sch.split(j, [None, cols // vec, vec])
+    ko, ki = sch.split(k, [None, _largest_divisor(kdim, (K_UNROLL, 2))])
+    sch.reorder(jo, ko, ki, jv, jl)
+    sch.reverse_compute_at(writer, jo)
+    sch.vectorize(jl)
+    for loop in (jv, ki):
+        sch.unroll(loop)
+    _vectorize_innermost(sch, writer, lane)
+    sch.parallel(jo)
+    sch.decompose_reduction(main, ko)
+    return sch
 
 
 def tile_accumulators(sch: s_tir.Schedule, main, rows: int) -> None:
@@ -299,7 +337,7 @@ def _pack_weight(sch: s_tir.Schedule, main, func: tirx.PrimFunc, cols: int, oper
         return
     if len(b.shape) != 2 or not all(isinstance(d, tirx.IntImm) for d in b.shape):
         return
-    _, _, jvar, kvar = (iv.var for iv in block.iter_vars)
+    *_, jvar, kvar = (iv.var for iv in block.iter_vars)
     index = [r.min for r in block.reads[operand].region]
     if index[0].same_as(kvar) and index[1].same_as(jvar):
         j_axis = 1
@@ -308,7 +346,7 @@ def _pack_weight(sch: s_tir.Schedule, main, func: tirx.PrimFunc, cols: int, oper
     else:
         return
     if int(b.shape[j_axis]) % cols:
-        sch.pad_einsum(main, [1, 1, cols, 1])
+        sch.pad_einsum(main, [1] * (len(block.iter_vars) - 2) + [cols, 1])
         padded = sch.get(main).reads[operand].source
         producer = next(p for p in sch.get_producers(main) if sch.get(p).writes[0].source.same_as(padded))
     else:

@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ...core.errors import ArtifactError, InputError, first_line
-from . import artifact_checks, prefill, vm_files
+from . import artifact_checks, fixed_shapes, vm_files
 from .cuda_binary import serve_fatbins
 
 FORMAT = "attnres-compile-tvm"
@@ -24,9 +24,9 @@ class Artifact:
     """A loaded artifact: `artifact({"input": array, ...})` -> {"output": array, ...}.
 
     Inputs are checked against the manifest (names, dtypes, ranks, static dims, and one size
-    per symbolic dim); safe dtype casts (int32 -> int64) are applied. A prompt with an empty past
-    that a prefill library fits (`compile --prefill`, prefill.py) runs there, padded, and comes back
-    cut to its length; everything else runs on the main library."""
+    per symbolic dim); safe dtype casts (int32 -> int64) are applied. A decoder's call that a library
+    for fixed shapes fits (`compile --prefill` / `--decode`, fixed_shapes.py) runs there (a prompt
+    padded, and its outputs cut back to its length); everything else runs on the main library."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
@@ -37,10 +37,11 @@ class Artifact:
         if "cuda" in self.manifest:
             serve_fatbins(self.folder, self.manifest["cuda"])
         self.vm = self._vm(self.manifest)
-        self.prefill = {prefill.Shape(e["batch"], e["length"]): self._vm(e) for e in self.manifest.get("prefill", [])}
+        self.fixed = {**{fixed_shapes.Prefill(e["batch"], e["length"]): self._vm(e) for e in self.manifest.get("prefill", [])},
+                      **{fixed_shapes.Decode(e["batch"]): self._vm(e) for e in self.manifest.get("decode", [])}}
 
     def _vm(self, entry: dict) -> relax.VirtualMachine:
-        """The VM of the library `entry` records (the manifest, or one of its prefill entries)."""
+        """The VM of the library `entry` records (the manifest, or one of its prefill or decode entries)."""
         path = artifact_checks.library_path(self.folder, entry)  # loading it runs its code: trusted
         try:
             library = vm_files.load(path)
@@ -60,11 +61,11 @@ class Artifact:
         given = {**(inputs or {}), **kwargs}
         arrays = self.checked(given)
         feeds = dict(zip(self.input_names, arrays))
-        shape = prefill.choose(list(self.prefill), feeds)
+        shape = fixed_shapes.choose(list(self.fixed), feeds)
         if shape is None:
             return self._run(self.vm, arrays)
         padded = shape.pad(feeds)
-        outputs = self._run(self.prefill[shape], [np.ascontiguousarray(padded[n]) for n in self.input_names])
+        outputs = self._run(self.fixed[shape], [np.ascontiguousarray(padded[n]) for n in self.input_names])
         return shape.cut(outputs, feeds["input_ids"].shape[1])
 
     def _run(self, vm: relax.VirtualMachine, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:

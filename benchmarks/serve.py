@@ -12,8 +12,10 @@ wheel's Q4_1 GGUF dequantized): the GGUF F32 file by llama.cpp's own converter (
 in the llama-cpp-python sdist; `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`),
 F16, Q8_0 and Q4_0 from it by llama.cpp's quantize API; the decoder-with-past ONNX files by the CLI,
 `rewrite --with-past --no-rewrite` (the original) and `--blocks 8`, with `--weights int8|int4` where the
-CLI has it; their TVM artifacts by `compile`; and the reference, HF fp32 greedy tokens after a
-128-token prompt of real text (Python's pydoc topics).
+CLI has it; their TVM artifacts by `compile --prefill 1x128 --prefill 1x512 --decode 1` (libraries for
+the prompts and the steps beside the main one; the configuration "main library only" runs without
+them); and the reference, HF fp32 greedy tokens after a 128-token prompt of real text (Python's pydoc
+topics).
 
 `run` times one configuration (engine, weights, variant, threads) per fresh process, every configuration
 once per pass, passes interleaved (each pass starts one configuration later), plus the copy bandwidth

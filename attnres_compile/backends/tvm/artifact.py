@@ -113,7 +113,10 @@ def _fixed(model: Any, imported: ImportedModel, main: Built, shape: fixed_shapes
     if progress is not None:
         print(f"attnres-compile: building {shape.library} for {what}", file=progress, flush=True)
     static = shape.static_shapes(manifest["inputs"])
-    built = build(import_model(model, static), main.target, input_shapes=static)
+    try:
+        built = build(import_model(model, static), main.target, input_shapes=static)
+    except CompileError as exc:  # the main library built: say which library did not
+        raise CompileError(f"{shape.library} (--{type(shape).__name__.lower()}): {exc}") from None
     entry = {**vars(shape), "library": shape.library}
     if not verify_outputs:
         return entry, built.executable

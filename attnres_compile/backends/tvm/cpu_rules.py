@@ -391,6 +391,8 @@ class RowReduction(_SafeRule):
         if len(infos) < 2 or all(b.is_injective() for b in infos) or not infos[-1].is_injective():
             return None
         rows = min(len(k) - len(k.lstrip("S")) for k in (b.dom_kind() for b in infos))
+        if not rows:
+            return None
         if rows == len(infos[-1].dom_kind()):
             if not all(_one_point(sch, b.block_rv) for b in infos if not b.is_injective()):
                 return None

@@ -334,7 +334,7 @@ def _decoder(c: dict, threads: int):
         shapes = {i["name"]: i["shape"] for i in art.manifest["inputs"]}
         if c.get("main_only"):
             art.fixed.clear()
-        step = next((vm["main"] for shape, vm in art.fixed.items() if shape == fixed_shapes.Decode(1)), main)
+        step = art.fixed[fixed_shapes.Decode(1)]["main"] if fixed_shapes.Decode(1) in art.fixed else main
 
         def call(feeds):
             if feeds[3].shape[2] == 0 and art.fixed:  # a prompt: the artifact picks its prefill library

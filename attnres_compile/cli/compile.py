@@ -108,11 +108,10 @@ def compile_command(args) -> int:
             print(f"    {describe_row(row)}" + (f"  at {row['at']}" if row.get("at") else ""))
         for note in check.get("notes", []):
             print(f"  note: {note}")
-    for entry in manifest.get("prefill", []) + manifest.get("decode", []):
-        shape = (f"prompts of batch {entry['batch']} and up to {entry['length']} tokens, empty past" if "length" in entry
-                 else f"one-token steps of batch {entry['batch']}, any past")
-        print(f"  {entry['library']}: {shape} ({entry['library_size'] / 2**20:.0f} MiB)"
-              + _fixed_check(entry.get("verification")))
+    for kind in fixed_shapes.KINDS:
+        for entry in manifest.get(kind.KEY, []):
+            print(f"  {entry['library']}: {fixed_shapes.from_entry(kind, entry).what} "
+                  f"({entry['library_size'] / 2**20:.0f} MiB)" + _fixed_check(entry.get("verification")))
     if manifest["tuning"]:
         t = manifest["tuning"]
         gain = f"; tuned operators {t['best_us']:.0f} us vs {t['default_us']:.0f} us default" if t.get("best_us") else ""

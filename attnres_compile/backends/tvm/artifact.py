@@ -31,6 +31,7 @@ from .runtime import FORMAT, FORMAT_VERSION, MANIFEST
 LIBRARY = "model.so"
 ORIGINAL_NOTE = ("the original model: no depth-attention sites, built by the same pipeline as a rewritten one "
                  "(to compare like with like)")
+NO_DEVICE = "no CUDA device here to run the build on"
 _DISK_ERRORS = [os.strerror(e) for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)]
 
 
@@ -72,19 +73,21 @@ def compile_model(model: str | os.PathLike | Any, out_dir: str | os.PathLike, ta
     manifest["rewritten"] = bool(imported.sites)
     if not imported.sites:  # the original (rewrite --no-rewrite, or any model): same pipeline, said so
         manifest["note"] = ORIGINAL_NOTE
+    device = _device(tvm_target) if verify_outputs else None
     if verify_outputs:
-        manifest["verification"] = _verify(model, imported, built, tvm_target, verify_shapes, verify_timeout)
-    extra = [_fixed(model, imported, built, shape, manifest, verify_outputs, progress) for shape in fixed]
+        manifest["verification"] = _verify(model, imported, built, device, verify_shapes, verify_timeout)
+    tolerance = _fixed_tolerance(model, imported) if fixed and device is not None else None
+    extra = [_fixed(model, built, shape, manifest, device, tolerance, verify_outputs, progress) for shape in fixed]
     with outputs.staged_folder(out) as stage:
         _save(built.executable, stage / LIBRARY, out)
         manifest.update(artifact_checks.record(stage / LIBRARY))
         for entry, executable in extra:
             _save(executable, stage / entry["library"], out)
             entry.update(artifact_checks.record(stage / entry["library"]))
-        for key, kind in (("prefill", fixed_shapes.Prefill), ("decode", fixed_shapes.Decode)):
+        for kind in fixed_shapes.KINDS:
             entries = [entry for (entry, _), shape in zip(extra, fixed) if isinstance(shape, kind)]
             if entries:
-                manifest[key] = entries
+                manifest[kind.KEY] = entries
         if tvm_target.kind.name == "cuda":
             manifest["cuda"] = write_device_code(built.executable, stage, tvm_target)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -105,38 +108,58 @@ def _save(executable, path: Path, out: Path) -> None:
         raise CompileError(f"exporting the library failed: {first_line(exc)}") from None
 
 
-def _fixed(model: Any, imported: ImportedModel, main: Built, shape: fixed_shapes.Prefill | fixed_shapes.Decode,
-           manifest: dict, verify_outputs: bool, progress: TextIO | None) -> tuple[dict, tvm.runtime.Executable]:
-    """(manifest entry, executable) of the library for `shape`, verified against `main` (VerificationError)."""
-    what = (f"prompts of batch {shape.batch} and up to {shape.length} tokens" if isinstance(shape, fixed_shapes.Prefill)
-            else f"one-token steps of batch {shape.batch}")
+def _fixed(model: Any, main: Built, shape: fixed_shapes.Prefill | fixed_shapes.Decode, manifest: dict, device,
+           tolerance, verify_outputs: bool, progress: TextIO | None) -> tuple[dict, tvm.runtime.Executable]:
+    """(manifest entry, executable) of the library for `shape`, verified on `device` (None: no device of the
+    target here) against `main` within `tolerance` (VerificationError)."""
     if progress is not None:
-        print(f"attnres-compile: building {shape.library} for {what}", file=progress, flush=True)
+        print(f"attnres-compile: building {shape.library} for {shape.what}", file=progress, flush=True)
     static = shape.static_shapes(manifest["inputs"])
     try:
         built = build(import_model(model, static), main.target, input_shapes=static)
     except CompileError as exc:  # the main library built: say which library did not
-        raise CompileError(f"{shape.library} (--{type(shape).__name__.lower()}): {exc}") from None
+        raise CompileError(f"{shape.library} (--{shape.KEY}): {exc}") from None
     entry = {**vars(shape), "library": shape.library}
     if not verify_outputs:
         return entry, built.executable
-    device = tvm.cuda(0) if main.target.kind.name == "cuda" else tvm.cpu()
-    if not device.exist:
-        entry["verification"] = {"skipped": "no CUDA device here to run the build on"}
+    if device is None:
+        entry["verification"] = {"skipped": NO_DEVICE}
         return entry, built.executable
-    from .check import source_depth, tolerance
-
     result = fixed_shapes.verify(shape, main.executable, built.executable, device, manifest["inputs"],
-                                 manifest["outputs"], tolerance(source_depth(model, imported)))
-    failed = [r for r in result["rows"] if r.get("ok") is False]
-    if failed:
-        worst = failed[0]
-        detail = worst.get("error") or f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest magnitude"
-        raise VerificationError(f"{shape.library} differs from the main library on output {worst['output']!r} "
-                                f"({result['tokens']} token(s) after a past of {result['past']}: {detail}); nothing "
-                                "written; verify_outputs=False skips this check")
+                                 manifest["outputs"], tolerance)
+    failure = _first_failure(result["rows"])
+    if failure:
+        raise VerificationError(f"{shape.library} differs from the main library, {result['tokens']} token(s) after a "
+                                f"past of {result['past']}, on {failure}; nothing written; verify_outputs=False skips "
+                                "this check")
     entry["verification"] = result
     return entry, built.executable
+
+
+def _fixed_tolerance(model: Any, imported: ImportedModel):
+    """check.py's tolerance for the source's depth: the bound each fixed-shape library is checked within."""
+    from .check import source_depth, tolerance
+
+    return tolerance(source_depth(model, imported))
+
+
+def _device(target):
+    """The device a build for `target` is checked on here, or None where this machine has none (CUDA)."""
+    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu()
+    return device if device.exist else None
+
+
+def _first_failure(rows: list[dict]) -> str | None:
+    """`output 'name'[ at shapes] (what differs[, and N more output(s)])` for the first failed row, None if none failed."""
+    failed = [r for r in rows if r.get("ok") is False]
+    if not failed:
+        return None
+    worst = failed[0]
+    detail = worst.get("error") or (f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest "
+                                     f"magnitude against {worst['rtol']:.0e} allowed")
+    at = f" at {worst['at']}" if worst.get("at") else ""
+    more = f", and {len(failed) - 1} more output(s)" if len(failed) > 1 else ""
+    return f"output {worst['output']!r}{at} ({detail}{more})"
 
 
 def _verification_shapes(static: dict | None, given: dict | None) -> dict:
@@ -148,23 +171,17 @@ def _verification_shapes(static: dict | None, given: dict | None) -> dict:
     return {**(given or {}), **(static or {})}
 
 
-def _verify(model: Any, imported: ImportedModel, built: Built, target, input_shapes: dict | None,
+def _verify(model: Any, imported: ImportedModel, built: Built, device, input_shapes: dict | None,
             timeout: float | None) -> dict:
-    """check.check's result; VerificationError naming the outputs that differ."""
+    """check.check's result on `device` (None: skipped); VerificationError naming the outputs that differ."""
     from .check import check
 
-    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu()
-    if not device.exist:
-        return {"skipped": "no CUDA device here to run the build on"}
+    if device is None:
+        return {"skipped": NO_DEVICE}
     result = check(model, imported, built.executable, device, input_shapes, timeout)
-    failed = [r for r in result.get("rows", []) if r.get("ok") is False]
-    if failed:
-        worst = failed[0]
-        detail = worst.get("error") or (f"max abs error {worst['max_abs']:.2e}, {worst['min_rtol']:.1e} of its largest "
-                                         f"magnitude against {worst['rtol']:.0e} allowed")
-        at = f" at {worst['at']}" if worst.get("at") else ""
-        raise VerificationError(f"the compiled model differs from {result['reference']} on output {worst['output']!r}{at} "
-                                f"({detail}{f', and {len(failed) - 1} more output(s)' if len(failed) > 1 else ''}); "
+    failure = _first_failure(result.get("rows", []))
+    if failure:
+        raise VerificationError(f"the compiled model differs from {result['reference']} on {failure}; "
                                 "nothing written; verify_outputs=False skips this check")
     return result
 

@@ -15,13 +15,14 @@ import json
 import os
 import re
 import stat
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
 from ...core.errors import ArtifactError, ConfigError, first_line
 from ...utils.outputs import Output
-from .fixed_shapes import check_decoder
+from .fixed_shapes import KINDS, check_decoder
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is kilobytes; this bounds what a read takes in
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -71,12 +72,13 @@ def check_fields(manifest: dict, path: Path) -> None:
                 d is None or isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
                 for d in shape)), f"{io}[{i}].shape must be null or a list of sizes, names and nulls")
             need(entry.get("dtype") is None or _dtype(entry["dtype"]), f"{io}[{i}].dtype must be a numpy dtype")
-    fixed = {key: manifest.get(key, []) for key in ("prefill", "decode")}
-    for key, entries in fixed.items():
+    fixed = {kind: manifest.get(kind.KEY, []) for kind in KINDS}
+    for kind, entries in fixed.items():
+        key, sizes = kind.KEY, [f.name for f in fields(kind)]
         need(isinstance(entries, list) and all(isinstance(e, dict) for e in entries), f"{key} must be a list of libraries")
         for i, entry in enumerate(entries):
-            need(all(_count(entry.get(k), 1) for k in ("batch", "length")[:2 if key == "prefill" else 1]),
-                 f"{key}[{i}] must give a batch" + (" and a length" if key == "prefill" else "") + " of at least 1")
+            need(all(_count(entry.get(k), 1) for k in sizes),
+                 f"{key}[{i}] must give a {' and a '.join(sizes)} of at least 1")
             need(plain_name(entry.get("library")) and entry["library"] != manifest["library"],
                  f"{key}[{i}].library must be a file name inside the artifact folder, not the main library")
             need(_count(entry.get("library_size"), 0) and isinstance(entry.get("library_sha256"), str)

@@ -183,8 +183,7 @@ def _one_row(sch: s_tir.Schedule, main, func: tirx.PrimFunc, target: Target) -> 
     accumulators in registers over the whole K, the panels in parallel."""
     block = sch.get(main)
     kinds = [iv.iter_type for iv in block.iter_vars]
-    free = [func.params[int(x)] for x in (func.attrs.get("layout_free_buffers", []) if func.attrs else [])]
-    weights = [i for i, r in enumerate(block.reads) if any(r.source.same_as(b) for b in free)]
+    weights = [i for i, r in enumerate(block.reads) if any(r.source.same_as(b) for b in _weights(func))]
     if kinds != [tirx.IterVar.DataPar, tirx.IterVar.CommReduce] or len(weights) != 1:
         return None
     writer = sch.reindex(main, ("write", 0))
@@ -269,8 +268,13 @@ class DotProducts(_SafeRule):
 def _reads_weight(func: tirx.PrimFunc, block) -> bool:
     """Whether `block` reads a weight (a constant, `layout_free_buffers`) directly; one that only
     its producers read (the rotary tables of a query and key) leaves it a product of activations."""
-    free = [func.params[int(x)] for x in (func.attrs.get("layout_free_buffers", []) if func.attrs else [])]
-    return any(r.source.same_as(b) for r in block.reads for b in free)
+    return any(r.source.same_as(b) for r in block.reads for b in _weights(func))
+
+
+def _weights(func: tirx.PrimFunc) -> list:
+    """The parameters of `func` that are weights: its `layout_free_buffers` (constants a schedule may pre-pack)."""
+    free = [int(x) for x in func.attrs.get("layout_free_buffers", [])] if func.attrs else []
+    return [func.params[x] for x in free if x < len(func.params)]
 
 
 def _materialised(main, producers: list) -> set[str]:
@@ -330,10 +334,9 @@ def _fuse_epilogue(sch: s_tir.Schedule, main, writer) -> None:
 def _pack_weight(sch: s_tir.Schedule, main, func: tirx.PrimFunc, cols: int, operand: int) -> None:
     """Pre-pack a constant column operand ([K, N] or [N, K]) into [N/cols, K, cols] panels,
     padded to whole tiles (the GEMM's columns padded likewise)."""
-    free = {int(x) for x in func.attrs.get("layout_free_buffers", [])} if func.attrs else set()
     block = sch.get(main)
     b = block.reads[operand].source
-    if not any(func.params[x].same_as(b) for x in free if x < len(func.params)):
+    if not any(w.same_as(b) for w in _weights(func)):
         return
     if len(b.shape) != 2 or not all(isinstance(d, tirx.IntImm) for d in b.shape):
         return

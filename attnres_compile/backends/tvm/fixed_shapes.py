@@ -18,7 +18,8 @@ the main library before anything is written.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 
@@ -34,12 +35,17 @@ VERIFY_PAST = 7  # the past a decode library's check steps after
 class Prefill:
     """A prefill library's shape: `batch` rows of up to `length` prompt tokens, past empty."""
 
+    KEY: ClassVar[str] = "prefill"  # the manifest's list and the option's name
     batch: int
     length: int
 
     @property
     def library(self) -> str:
         return f"prefill-{self.batch}x{self.length}.so"
+
+    @property
+    def what(self) -> str:
+        return f"prompts of batch {self.batch} and up to {self.length} tokens, empty past"
 
     def static_shapes(self, inputs: list[dict]) -> dict[str, tuple[int, ...]]:
         """The library's input dims from the main library's manifest `inputs` (name, shape, dtype): a
@@ -91,11 +97,16 @@ class Prefill:
 class Decode:
     """A decode library's shape: `batch` rows of one token each, any past."""
 
+    KEY: ClassVar[str] = "decode"
     batch: int
 
     @property
     def library(self) -> str:
         return f"decode-{self.batch}.so"
+
+    @property
+    def what(self) -> str:
+        return f"one-token steps of batch {self.batch}, any past"
 
     def static_shapes(self, inputs: list[dict]) -> dict[str, tuple[int, ...]]:
         """input_ids fixed at [batch, 1]; the dims it names are fixed wherever else they appear (the pasts'
@@ -121,6 +132,14 @@ class Decode:
         pasts = {i["name"]: rng.standard_normal((self.batch, *_heads(i, VERIFY_PAST))).astype(i["dtype"])
                  for i in inputs if i["name"] not in INPUTS}
         return {**_prompt(self.batch, 1, VERIFY_PAST, vocabulary), **pasts}
+
+
+KINDS = (Prefill, Decode)
+
+
+def from_entry(kind: type, entry: dict) -> Prefill | Decode:
+    """The shape a manifest entry of `kind`'s list records (its fields by name)."""
+    return kind(*(entry[f.name] for f in fields(kind)))
 
 
 def _heads(past: dict, length: int) -> tuple[int, int, int]:

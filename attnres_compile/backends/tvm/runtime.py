@@ -37,8 +37,8 @@ class Artifact:
         if "cuda" in self.manifest:
             serve_fatbins(self.folder, self.manifest["cuda"])
         self.vm = self._vm(self.manifest)
-        self.fixed = {**{fixed_shapes.Prefill(e["batch"], e["length"]): self._vm(e) for e in self.manifest.get("prefill", [])},
-                      **{fixed_shapes.Decode(e["batch"]): self._vm(e) for e in self.manifest.get("decode", [])}}
+        self.fixed = {fixed_shapes.from_entry(kind, e): self._vm(e)
+                      for kind in fixed_shapes.KINDS for e in self.manifest.get(kind.KEY, [])}
 
     def _vm(self, entry: dict) -> relax.VirtualMachine:
         """The VM of the library `entry` records (the manifest, or one of its prefill or decode entries)."""
